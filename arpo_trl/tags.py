@@ -1,0 +1,61 @@
+"""Tool-tag handling on generated tokens: find where a closing tag completes, cut the token ids there
+(also when the tag ends inside a token), and extract the call's content."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+Decode = Callable[[Sequence[int]], str]
+
+
+def first_stop(token_ids: Sequence[int], decode: Decode, stop_strings: Sequence[str]) -> tuple[int, str] | None:
+    """Smallest `j` such that `decode(token_ids[:j])` contains a stop string, and the earliest such string.
+
+    Binary search: a longer prefix never loses a stop string it already contains (tags are ASCII, so an
+    incomplete multi-byte character at the cut cannot create or destroy one)."""
+    if not stop_strings or not any(s in decode(token_ids) for s in stop_strings):
+        return None
+    lo, hi = 1, len(token_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in decode(token_ids[:mid]) for s in stop_strings):
+            hi = mid
+        else:
+            lo = mid + 1
+    text = decode(token_ids[:lo])
+    return lo, min((text.find(s) + len(s), s) for s in stop_strings if s in text)[1]
+
+
+def cut_at_stop(
+    token_ids: Sequence[int], decode: Decode, encode: Callable[[str], list[int]], stop_strings: Sequence[str]
+) -> tuple[list[int], list[int], str] | None:
+    """Cut generated ids right after the first stop string.
+
+    Returns `(kept, rewritten, tag)`: `kept` are the model's own tokens up to the tag; when the tag ends
+    inside a token (e.g. a `>\\n` token), that token is dropped and the rest of the tag is re-encoded as
+    `rewritten`, so that `decode(kept + rewritten)` ends exactly at the tag. `None` if no stop string."""
+    found = first_stop(token_ids, decode, stop_strings)
+    if found is None:
+        return None
+    j, tag = found
+    text = decode(token_ids[:j])
+    end = text.find(tag) + len(tag)
+    if end == len(text):
+        return list(token_ids[:j]), [], tag
+    head = decode(token_ids[: j - 1])
+    if not text.startswith(head) or len(head) > end:  # not byte-aligned: keep the straddling token whole
+        return list(token_ids[:j]), [], tag
+    return list(token_ids[: j - 1]), encode(text[len(head) : end]), tag
+
+
+def extract_call(segment_text: str, close_tag: str) -> str:
+    """Content between the last opening tag before `close_tag` and `close_tag` (the reference uses
+    `rindex`, so `<python><python>x</python>` calls `x`). Empty when the segment has no opening tag."""
+    open_tag = "<" + close_tag[2:]
+    end = segment_text.find(close_tag)
+    if end < 0:
+        return ""
+    start = segment_text.rfind(open_tag, 0, end)
+    if start < 0:
+        return ""
+    return segment_text[start + len(open_tag) : end].strip()

@@ -1,0 +1,39 @@
+"""ARPOConfig defaults and validation."""
+
+import pytest
+
+from arpo_trl import ARPOConfig
+
+
+def _config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8, use_cpu=True, bf16=False,
+                report_to="none")
+    base.update(kw)
+    return ARPOConfig(**base)
+
+
+def test_defaults_follow_the_reference(tmp_path):
+    config = _config(tmp_path)
+    assert config.initial_rollouts == 4
+    assert (config.branch_factor, config.branch_threshold, config.entropy_weight) == (2, 0.5, 0.2)
+    assert (config.entropy_window, config.entropy_top_k, config.max_tool_calls) == (20, 10, 3)
+    assert (config.branch_policy, config.advantage_attribution) == ("entropy", "soft")
+    assert _config(tmp_path, branch_policy="none").initial_rollouts == 8
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"initial_rollouts": 9}, "initial_rollouts"),
+    ({"initial_rollouts": 0}, "initial_rollouts"),
+    ({"branch_factor": 0}, "branch_factor"),
+    ({"entropy_window": 0}, "entropy_window"),
+    ({"branch_threshold": 1.5}, "branch_threshold"),
+    ({"branch_threshold": -0.1}, "branch_threshold"),
+    ({"branch_policy": "greedy"}, "branch_policy"),
+    ({"advantage_attribution": "medium"}, "advantage_attribution"),
+    ({"entropy_top_k": 0}, "entropy_top_k"),
+    ({"branch_policy": "none", "initial_rollouts": 4}, "initial_rollouts"),
+    ({"per_device_train_batch_size": 4, "steps_per_generation": 1}, "num_generations"),
+])
+def test_invalid_values_name_the_field(tmp_path, kw, field):
+    with pytest.raises(ValueError, match=field):
+        _config(tmp_path, **kw)
