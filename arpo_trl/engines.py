@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ContextManager, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
@@ -119,7 +120,7 @@ class TransformersEngine:
         entropy_top_k: int | None = 10,
         eos_token_ids: Sequence[int] | None = None,
         generation_kwargs: dict | None = None,
-        model_context: Callable[[], ContextManager] | None = None,
+        model_context: Callable[[], AbstractContextManager] | None = None,
         max_batch_size: int | None = None,
     ):
         self.model = model

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,6 +45,7 @@ def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
     model.load_state_dict(quantized.state_dict())
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted conversion
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.rename(target)  # atomic: a half-written folder is never mistaken for a finished one

@@ -46,7 +46,8 @@ def validate_format(text: str, tags: Sequence[str] = ("search", "python"), requi
         for i in calls:
             if sequence[i : i + 4] != expected:
                 return f"<{tag}> call not followed by </{tag}><result></result>"
-    answer = text.split("<answer>", 1)[1].split("</answer>", 1)[0] if text.index("<answer>") < text.index("</answer>") else ""
+    start, end = text.index("<answer>"), text.index("</answer>")
+    answer = text[start:end] if start < end else ""
     if "\\boxed{" not in answer or "}" not in answer:
         return "answer has no \\boxed{}"
     return None
@@ -107,7 +108,9 @@ def math_score(prediction: str, ground_truths: str | Sequence[str]) -> float:
     return 0.0
 
 
-def hierarchical_reward(text: str, ground_truth, score: Callable[[str, object], float], require_think: bool = True) -> float:
+def hierarchical_reward(
+    text: str, ground_truth, score: Callable[[str, object], float], require_think: bool = True
+) -> float:
     if validate_format(text, require_think=require_think) is not None:
         return -1.0
     answer = extract_answer(text)

@@ -129,9 +129,12 @@ class BranchingSampler:
         self.engine, self.tokenizer = engine, tokenizer
         self.tools = {tool.close_tag: tool for tool in tools}
         self.num_generations = num_generations
-        self.initial_rollouts = initial_rollouts or (num_generations if branch_policy == "none" else num_generations // 2)
+        default_n = num_generations if branch_policy == "none" else num_generations // 2
+        self.initial_rollouts = initial_rollouts or default_n
         if not 1 <= self.initial_rollouts <= num_generations:
-            raise ValueError(f"initial_rollouts must be in [1, num_generations={num_generations}], got {self.initial_rollouts}.")
+            raise ValueError(
+                f"initial_rollouts must be in [1, num_generations={num_generations}], got {self.initial_rollouts}."
+            )
         self.branch_factor, self.branch_threshold, self.entropy_weight = branch_factor, branch_threshold, entropy_weight
         self.entropy_window, self.branch_policy = entropy_window, branch_policy
         self.max_tool_calls, self.max_completion_length = max_tool_calls, max_completion_length
@@ -197,7 +200,8 @@ class BranchingSampler:
         path.segment_entropies.append(entropy)
         if path.initial_entropy is None:
             path.initial_entropy = entropy
-        cut = cut_at_stop(seg.token_ids, self._decode, self._encode, list(self.tools)) if seg.finish_reason == "stop" else None
+        stops = list(self.tools)
+        cut = cut_at_stop(seg.token_ids, self._decode, self._encode, stops) if seg.finish_reason == "stop" else None
         if cut is None:
             self._append(path, seg.token_ids, 1, seg.logprobs)
             path.finish_reason = "eos" if seg.finish_reason == "eos" else "length"
