@@ -1,0 +1,75 @@
+"""PythonTool (real subprocesses) and SearchTool over a real BM25 index."""
+
+import os
+import time
+
+import pytest
+
+from arpo_trl.tools import BM25Backend, PythonTool, SearchTool, Tool
+
+
+@pytest.fixture(scope="module")
+def python_tool():
+    return PythonTool(timeout=2, max_output_chars=200)
+
+
+@pytest.mark.parametrize("code,expected", [
+    ("1 + 1", "2"),
+    ("x = 3\nx * 2", "6"),
+    ("print('a')\nprint('b')", "a\nb"),
+    ("x = 5", "(no output)"),
+    ("import math\nmath.sqrt(16)", "4.0"),
+])
+def test_python_tool_outputs(python_tool, code, expected):
+    assert python_tool(code) == expected
+
+
+def test_python_tool_errors_are_text(python_tool):
+    out = python_tool("print(1)\nraise ValueError('boom')")
+    assert out.startswith("1\nTraceback") and "ValueError: boom" in out and "_bootstrap" not in out
+    assert "SyntaxError" in python_tool("def f(:")
+
+
+def test_python_tool_timeout_kills_the_process_group(python_tool, tmp_path):
+    marker = tmp_path / "child_alive"
+    start = time.monotonic()
+    code = f"import subprocess\nsubprocess.Popen(['sh', '-c', 'sleep 3; touch {marker}'])\nwhile True: pass"
+    out = python_tool(code)
+    assert out.startswith("TimeoutError") and time.monotonic() - start < 4
+    time.sleep(3.5)
+    assert not marker.exists(), "the child the code spawned outlived the timeout"
+
+
+def test_python_tool_limits_output_and_memory(python_tool):
+    out = python_tool("print('x' * 10**7)")
+    assert len(out) < 400 and "truncated" in out
+    assert "MemoryError" in python_tool("b = bytearray(8 * 2**30)")
+
+
+def test_python_tool_runs_in_a_scratch_dir_without_trainer_secrets(python_tool):
+    os.environ["ARPO_FAKE_SECRET"] = "hunter2"
+    try:
+        out = python_tool("import os\nprint(os.getcwd())\nprint(os.environ.get('ARPO_FAKE_SECRET'))")
+    finally:
+        del os.environ["ARPO_FAKE_SECRET"]
+    cwd, secret = out.splitlines()
+    assert "arpo_python_" in cwd and secret == "None"
+    assert not os.path.exists(cwd), "scratch dir removed after the call"
+
+
+def test_search_tool_over_bm25():
+    corpus = ["Paris is the capital of France.", {"title": "Berlin", "text": "Capital of Germany."},
+              "Bananas are yellow."]
+    tool = SearchTool(BM25Backend(corpus), top_k=2)
+    out = tool('"capital of Germany"')
+    assert out.splitlines()[0] == "Page 1: Berlin: Capital of Germany."
+    assert tool("the of") == "No search results found."
+    with pytest.raises(ValueError, match="corpus item 1"):
+        BM25Backend(["ok", 3])
+
+
+def test_tool_tags_are_validated():
+    assert Tool("calc", str.upper)("x") == "X"
+    for bad in ["", "a b", "<x>", "result"]:
+        with pytest.raises(ValueError):
+            Tool(bad, str)
