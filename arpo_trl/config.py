@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-BRANCH_POLICIES = ("entropy", "random", "none")
+from arpo_trl.rollout import BRANCH_POLICIES, check_branching_args
+
 ATTRIBUTIONS = ("soft", "hard")
 
 
@@ -102,34 +103,16 @@ class ARPOConfig(GRPOConfig):
 
     def _validate_arpo_fields(self) -> None:
         m = self.num_generations
-        if self.branch_policy not in BRANCH_POLICIES:
-            raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {self.branch_policy!r}.")
         if self.advantage_attribution not in ATTRIBUTIONS:
             raise ValueError(
                 f"advantage_attribution must be one of {ATTRIBUTIONS}, got {self.advantage_attribution!r}."
             )
         if self.initial_rollouts is None:
             self.initial_rollouts = m if self.branch_policy == "none" else max(1, m // 2)
-        n = self.initial_rollouts
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"initial_rollouts (N) must be an integer >= 1, got {n!r}.")
-        if n > m:
-            raise ValueError(f"initial_rollouts (N={n}) must not exceed num_generations (M={m}).")
-        if self.branch_policy == "none" and n != m:
-            raise ValueError(
-                f"branch_policy='none' samples whole trajectories only, so initial_rollouts must equal "
-                f"num_generations (M={m}); got initial_rollouts={n}."
-            )
-        if self.branch_factor < 1:
-            raise ValueError(f"branch_factor (Z) must be >= 1, got {self.branch_factor}.")
-        if not 0.0 <= self.branch_threshold <= 1.0:
-            raise ValueError(f"branch_threshold (τ) must be in [0, 1], got {self.branch_threshold}.")
-        if self.entropy_window < 1:
-            raise ValueError(f"entropy_window (k) must be >= 1, got {self.entropy_window}.")
+        check_branching_args(m, self.initial_rollouts, self.branch_factor, self.branch_threshold,
+                             self.entropy_window, self.branch_policy, self.max_tool_calls)
         if self.entropy_top_k is not None and self.entropy_top_k < 1:
             raise ValueError(f"entropy_top_k must be >= 1 or None, got {self.entropy_top_k}.")
-        if self.max_tool_calls < 0:
-            raise ValueError(f"max_tool_calls must be >= 0, got {self.max_tool_calls}.")
         if self.tool_timeout <= 0:
             raise ValueError(f"tool_timeout must be > 0 seconds, got {self.tool_timeout}.")
         if self.max_tool_workers < 1:

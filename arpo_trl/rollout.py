@@ -92,6 +92,36 @@ class RolloutResult:
         return [t for group in self.groups for t in group]
 
 
+BRANCH_POLICIES = ("entropy", "random", "none")
+
+
+def check_branching_args(
+    num_generations: int, initial_rollouts: int, branch_factor: int, branch_threshold: float,
+    entropy_window: int, branch_policy: str, max_tool_calls: int,
+) -> None:
+    """Raise a ValueError naming the field for any invalid combination (shared by ARPOConfig)."""
+    m, n = num_generations, initial_rollouts
+    if branch_policy not in BRANCH_POLICIES:
+        raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"initial_rollouts (N) must be an integer >= 1, got {n!r}.")
+    if n > m:
+        raise ValueError(f"initial_rollouts (N={n}) must not exceed num_generations (M={m}).")
+    if branch_policy == "none" and n != m:
+        raise ValueError(
+            f"branch_policy='none' samples whole trajectories only, so initial_rollouts must equal "
+            f"num_generations (M={m}); got initial_rollouts={n}."
+        )
+    if branch_factor < 1:
+        raise ValueError(f"branch_factor (Z) must be >= 1, got {branch_factor}.")
+    if not 0.0 <= branch_threshold <= 1.0:
+        raise ValueError(f"branch_threshold (τ) must be in [0, 1], got {branch_threshold}.")
+    if entropy_window < 1:
+        raise ValueError(f"entropy_window (k) must be >= 1, got {entropy_window}.")
+    if max_tool_calls < 0:
+        raise ValueError(f"max_tool_calls must be >= 0, got {max_tool_calls}.")
+
+
 @dataclass
 class _ToolRequest:
     path: Trajectory
@@ -124,17 +154,13 @@ class BranchingSampler:
         tags = [tool.tag for tool in tools]
         if len(set(tags)) != len(tags):
             raise ValueError(f"Tool tags must be unique, got {tags}.")
-        if branch_policy not in ("entropy", "random", "none"):
-            raise ValueError(f"branch_policy must be 'entropy', 'random' or 'none', got {branch_policy!r}.")
+        if initial_rollouts is None:
+            initial_rollouts = num_generations if branch_policy == "none" else max(1, num_generations // 2)
+        check_branching_args(num_generations, initial_rollouts, branch_factor, branch_threshold, entropy_window,
+                             branch_policy, max_tool_calls)
         self.engine, self.tokenizer = engine, tokenizer
         self.tools = {tool.close_tag: tool for tool in tools}
-        self.num_generations = num_generations
-        default_n = num_generations if branch_policy == "none" else num_generations // 2
-        self.initial_rollouts = initial_rollouts or default_n
-        if not 1 <= self.initial_rollouts <= num_generations:
-            raise ValueError(
-                f"initial_rollouts must be in [1, num_generations={num_generations}], got {self.initial_rollouts}."
-            )
+        self.num_generations, self.initial_rollouts = num_generations, initial_rollouts
         self.branch_factor, self.branch_threshold, self.entropy_weight = branch_factor, branch_threshold, entropy_weight
         self.entropy_window, self.branch_policy = entropy_window, branch_policy
         self.max_tool_calls, self.max_completion_length = max_tool_calls, max_completion_length

@@ -135,8 +135,7 @@ def test_top_up_only_when_no_path_is_active(tokenizer):
         if "</result>" in text or rng.random() < 0.5:
             return "<answer>\\boxed{2}</answer>", 0.1, "eos"
         return CALL, 0.1, "stop"
-    sampler = _sampler(tokenizer, script, num_generations=6, initial_rollouts=2, branch_policy="none", seed=0)
-    sampler.branch_policy = "entropy"  # N=2 < M with branching on
+    sampler = _sampler(tokenizer, script, num_generations=6, initial_rollouts=2, seed=0)
     for _ in range(20):
         sampler.engine.calls.clear()
         result = sampler.sample(_prompts(tokenizer, 1), initial_rollouts=2)
