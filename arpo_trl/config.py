@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from arpo_trl.rollout import BRANCH_POLICIES, check_branching_args
+from arpo_trl.rollout import BRANCH_POLICIES, check_branching_args, default_initial_rollouts
 
 ATTRIBUTIONS = ("soft", "hard")
 
@@ -108,7 +108,7 @@ class ARPOConfig(GRPOConfig):
                 f"advantage_attribution must be one of {ATTRIBUTIONS}, got {self.advantage_attribution!r}."
             )
         if self.initial_rollouts is None:
-            self.initial_rollouts = m if self.branch_policy == "none" else max(1, m // 2)
+            self.initial_rollouts = default_initial_rollouts(m, self.branch_policy)
         check_branching_args(m, self.initial_rollouts, self.branch_factor, self.branch_threshold,
                              self.entropy_window, self.branch_policy, self.max_tool_calls)
         if self.entropy_top_k is not None and self.entropy_top_k < 1:

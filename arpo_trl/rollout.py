@@ -95,6 +95,11 @@ class RolloutResult:
 BRANCH_POLICIES = ("entropy", "random", "none")
 
 
+def default_initial_rollouts(num_generations: int, branch_policy: str) -> int:
+    """N when unset: M // 2 as the released scripts (16/8, 12/6); all M for trajectory-level sampling."""
+    return num_generations if branch_policy == "none" else max(1, num_generations // 2)
+
+
 def check_branching_args(
     num_generations: int, initial_rollouts: int, branch_factor: int, branch_threshold: float,
     entropy_window: int, branch_policy: str, max_tool_calls: int,
@@ -155,7 +160,7 @@ class BranchingSampler:
         if len(set(tags)) != len(tags):
             raise ValueError(f"Tool tags must be unique, got {tags}.")
         if initial_rollouts is None:
-            initial_rollouts = num_generations if branch_policy == "none" else max(1, num_generations // 2)
+            initial_rollouts = default_initial_rollouts(num_generations, branch_policy)
         check_branching_args(num_generations, initial_rollouts, branch_factor, branch_threshold, entropy_window,
                              branch_policy, max_tool_calls)
         self.engine, self.tokenizer = engine, tokenizer
