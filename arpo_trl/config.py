@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from arpo_trl.rollout import BRANCH_POLICIES, check_branching_args, default_initial_rollouts
+from arpo_trl.weight_sync import SYNC_MODES
 
 ATTRIBUTIONS = ("soft", "hard")
 
@@ -97,6 +98,32 @@ class ARPOConfig(GRPOConfig):
         metadata={"help": "Seed of the fork-decision RNG; defaults to `seed`."},
     )
 
+    vllm_weight_sync: str = field(
+        default="auto",
+        metadata={
+            "help": "How the vLLM server (use_vllm=True, vllm_mode='server') gets the new weights each step: "
+            "'lora' (save the adapter, hot-load it with /v1/load_lora_adapter; no NCCL), 'reload' (full weights "
+            "saved and reloaded from disk via /collective_rpc; untied embeddings only), 'nccl' (TRL's CUDA "
+            "transfer), 'none' (never), or 'auto' (lora with PEFT, else nccl on CUDA, else reload).",
+            "choices": list(SYNC_MODES),
+        },
+    )
+    vllm_sync_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Folder for the weight versions of 'lora'/'reload' sync; the server must see the same path. "
+            "Defaults to `<output_dir>/vllm_sync`."
+        },
+    )
+    vllm_request_timeout: float = field(
+        default=600.0,
+        metadata={"help": "Seconds one completion request to the vLLM server may take before the rollout fails."},
+    )
+    vllm_max_concurrent_requests: int = field(
+        default=64,
+        metadata={"help": "Completion requests in flight at once (one per active path) in server mode."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         self._validate_arpo_fields()
@@ -117,6 +144,7 @@ class ARPOConfig(GRPOConfig):
             raise ValueError(f"tool_timeout must be > 0 seconds, got {self.tool_timeout}.")
         if self.max_tool_workers < 1:
             raise ValueError(f"max_tool_workers must be >= 1, got {self.max_tool_workers}.")
+        self._validate_vllm_fields()
         per_process = self.per_device_train_batch_size * self.steps_per_generation
         if per_process % m != 0:
             # The sampler builds each prompt's tree on one process, so a group must never straddle ranks.
@@ -124,3 +152,21 @@ class ARPOConfig(GRPOConfig):
                 f"per_device_train_batch_size * steps_per_generation ({per_process}) must be divisible by "
                 f"num_generations (M={m}) so that every prompt's M trajectories are generated on one process."
             )
+
+    def _validate_vllm_fields(self) -> None:
+        if self.vllm_weight_sync not in SYNC_MODES:
+            raise ValueError(f"vllm_weight_sync must be one of {SYNC_MODES}, got {self.vllm_weight_sync!r}.")
+        if self.vllm_request_timeout <= 0:
+            raise ValueError(f"vllm_request_timeout must be > 0 seconds, got {self.vllm_request_timeout}.")
+        if self.vllm_max_concurrent_requests < 1:
+            raise ValueError(f"vllm_max_concurrent_requests must be >= 1, got {self.vllm_max_concurrent_requests}.")
+        if not self.use_vllm:
+            return
+        if self.vllm_mode != "server":
+            raise ValueError(
+                f"vllm_mode={self.vllm_mode!r}: ARPOTrainer generates through a vLLM server only; set "
+                "vllm_mode='server' and start one (python -m arpo_trl.vllm_server serve --model ...)."
+            )
+        if self.entropy_top_k is None:
+            raise ValueError("entropy_top_k=None (exact entropy) needs logits, which a vLLM server does not return; "
+                             "set entropy_top_k >= 1 with use_vllm=True.")

