@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import statistics
+import uuid
 from collections.abc import Sequence
 
 import torch
@@ -145,7 +146,8 @@ class ARPOTrainer(GRPOTrainer):
         if mode == "none":
             return NoSync()
         sync_class = LoRAAdapterSync if mode == "lora" else ReloadWeightsSync
-        return sync_class(self.vllm_client, self.engine, self.accelerator, self.model, sync_dir)
+        run_name = f"arpo-{uuid.uuid4().hex[:8]}"  # adapter names must be new on a server shared across runs
+        return sync_class(self.vllm_client, self.engine, self.accelerator, self.model, sync_dir, run_name)
 
     def _transformers_engine(self) -> TransformersEngine:
         args = self.args

@@ -101,10 +101,11 @@ def test_trainer_server_mode_lora_sync(vllm_server, tool_model_dir, tokenizer, a
     assert sum(e.get("arpo/forks_per_group", 0) for e in logs) > 0
     assert all(e["arpo/weight_sync_seconds"] > 0 for e in logs if "arpo/forks_per_group" in e)
     # Each step samples from a fresh adapter; superseded ones are unloaded and their folders removed.
-    assert trainer.engine.model_name == "arpo-v3"
+    run = trainer.vllm_generation.name
+    assert trainer.engine.model_name == f"{run}-v3"
     served = {m["id"] for m in client.request("GET", "/v1/models")["data"]}
-    assert "arpo-v3" in served and not {"arpo-v1", "arpo-v2"} & served
-    assert sorted(p.name for p in (tmp_path / "vllm_sync").iterdir()) == ["arpo-v3"]
+    assert f"{run}-v3" in served and not {f"{run}-v1", f"{run}-v2"} & served
+    assert sorted(p.name for p in (tmp_path / "vllm_sync").iterdir()) == [f"{run}-v3"]
     # Generations after a sync come from the updated adapter: the server's logprobs of the sampled tokens equal
     # the trainer's under the current weights, and differ from the logprobs of the untrained (zero) adapter.
     model = trainer.accelerator.unwrap_model(trainer.model)

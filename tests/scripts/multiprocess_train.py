@@ -1,0 +1,76 @@
+"""Run by tests/test_multiprocess.py under `accelerate launch --cpu --num_processes 2`: two optimizer steps of
+ARPOTrainer with the transformers backend or a vLLM server, each rank writing what it trained on to JSON."""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from peft import LoraConfig  # noqa: E402
+from tiny import question  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool  # noqa: E402
+
+
+def length_reward(completions, **kwargs):
+    return [len(c[0]["content"] if isinstance(c, list) else c) / 100 for c in completions]
+
+
+class Recorder(ARPOTrainer):
+    rollouts: list = []
+    trained: list = []
+
+    def _sample_on_main_process(self, prompt_ids, m, policy):
+        result, local = super()._sample_on_main_process(prompt_ids, m, policy)
+        self.rollouts.append([[t.prompt_ids + t.completion_ids for t in group] for group in result.groups])
+        return result, local
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        rows = []
+        for p, pm, c, cm in zip(output["prompt_ids"].tolist(), output["prompt_mask"].tolist(),
+                                output["completion_ids"].tolist(), output["completion_mask"].tolist()):
+            rows.append([t for t, k in zip(p, pm) if k] + [t for t, k in zip(c, cm) if k])
+        self.trained.append(rows)
+        return output
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--base-url", default=None)
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    rows = [{"prompt": [{"role": "user", "content": question(a, 2 * a + 1)}], "ground_truth": str(3 * a + 1)}
+            for a in range(16)]
+    server = args.base_url is not None
+    config = ARPOConfig(
+        output_dir=args.out, per_device_train_batch_size=8, num_generations=4, initial_rollouts=2,
+        branch_threshold=1.0, max_completion_length=48, max_steps=2, learning_rate=1e-2, logging_steps=1,
+        use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0, beta=0.0,
+        use_vllm=server, vllm_mode="server", vllm_server_base_url=args.base_url,
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+    trainer = Recorder(model=args.model, reward_funcs=length_reward, args=config, train_dataset=Dataset.from_list(rows),
+                       processing_class=tokenizer, tools=[PythonTool(timeout=5)], peft_config=lora if server else None)
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    params = {n: p.detach().double().sum().item() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    report = {"rank": rank, "world": trainer.accelerator.num_processes, "rollouts": trainer.rollouts,
+              "trained": trainer.trained, "params": params,
+              "forks": [e["arpo/forks_per_group"] for e in trainer.state.log_history if "arpo/forks_per_group" in e]}
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
+    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+
+
+if __name__ == "__main__":
+    main()
