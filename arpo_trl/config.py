@@ -98,6 +98,13 @@ class ARPOConfig(GRPOConfig):
         metadata={"help": "Seed of the fork-decision RNG; defaults to `seed`."},
     )
 
+    vllm_mode: str = field(
+        default="server",
+        metadata={
+            "help": "With use_vllm=True, ARPO generates through a vLLM server (`vllm_server_base_url`, or "
+            "`vllm_server_host` + `vllm_server_port`); TRL's 'colocate' mode is not supported.",
+        },
+    )
     vllm_weight_sync: str = field(
         default="auto",
         metadata={

@@ -248,6 +248,11 @@ class VLLMServerEngine:
         if any(e is None for e in eos):
             raise ValueError("VLLMServerEngine needs eos_token_ids: the tokenizer has no eos_token_id.")
         self.eos_token_ids = eos
+        reserved = {"model", "prompt", "max_tokens", "n", "logprobs", "stop", "stop_token_ids", "return_token_ids",
+                    "return_tokens_as_token_ids", "include_stop_str_in_output", "skip_special_tokens"}
+        if clash := reserved & set(generation_kwargs or {}):
+            raise ValueError(f"generation_kwargs: {sorted(clash)} are set by the ARPO sampler for vLLM requests and "
+                             "cannot be overridden.")
         self.sampling = {
             "temperature": temperature, "top_p": top_p, "top_k": top_k or -1, "min_p": min_p or 0.0,
             "repetition_penalty": repetition_penalty, "stop_token_ids": eos, "logprobs": entropy_top_k,
@@ -278,7 +283,13 @@ class VLLMServerEngine:
         choice = self.client.completion(payload)["choices"][0]
         return self._segment(choice, budget)
 
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     def _segment(self, choice: dict, budget: int) -> Segment:
+        if choice.get("token_ids") is None:
+            raise RuntimeError("The vLLM server returned no `token_ids` for a completion; ARPO's server mode needs "
+                               "vLLM >= 0.10 (`return_token_ids`).")
         ids = list(choice["token_ids"])[:budget]
         logprobs = choice["logprobs"] or {}
         sampled = [math.nan if lp is None else float(lp) for lp in logprobs.get("token_logprobs") or []]

@@ -89,11 +89,13 @@ class ARPOTrainer(GRPOTrainer):
         self.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
         self.vllm_client = None
+        sync_mode = self._check_server_setup() if use_vllm and not trl_sync else None
         if use_vllm:
-            self.vllm_client = VLLMClient(self._server_url(), args.vllm_request_timeout, args.vllm_server_timeout)
+            self.vllm_client = VLLMClient(self._server_url(), args.vllm_request_timeout, args.vllm_server_timeout,
+                                          pool_size=args.vllm_max_concurrent_requests)
         self.engine = engine or (self._server_engine() if use_vllm else self._transformers_engine())
-        if use_vllm and not trl_sync:
-            self.vllm_generation = self._file_weight_sync()  # what TRL's _generate calls sync_weights() on
+        if sync_mode is not None:
+            self.vllm_generation = self._file_weight_sync(sync_mode)  # TRL's _generate calls its sync_weights()
             self._last_loaded_step = -1
         self.sampler = BranchingSampler(
             self.engine, self._tokenizer, self.arpo_tools,
@@ -120,8 +122,27 @@ class ARPOTrainer(GRPOTrainer):
         args = self.args
         return args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
 
+    def _check_server_setup(self) -> str:
+        """Resolve the weight-sync mode and reject setups it cannot serve, before waiting for any server."""
+        args, model = self.args, self.accelerator.unwrap_model(self.model)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise NotImplementedError(
+                "vLLM server mode with file-based weight sync does not gather sharded (DeepSpeed/FSDP) weights yet; "
+                "use DDP, or vllm_weight_sync='nccl' on CUDA."
+            )
+        if self.loss_type == "vespo" and self.vllm_importance_sampling_correction and \
+                self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"):
+            raise ValueError("VESPO loss requires vllm_importance_sampling_mode 'token_truncate' or 'token_mask'.")
+        mode = resolve_sync_mode(
+            args.vllm_weight_sync, is_peft=is_peft_model(model), cuda=torch.cuda.is_available(),
+            vllm_importable=importlib.util.find_spec("vllm") is not None, tied=has_tied_embeddings(model),
+        )
+        logger.info("ARPO: vLLM weight sync mode %r (requested %r).", mode, args.vllm_weight_sync)
+        return mode
+
     def _server_engine(self) -> VLLMServerEngine | None:
-        """Only the main process talks to the server; the others receive its rollouts (`_sample`)."""
+        """Only the main process talks to the server; the others receive its rollouts
+        (`_sample_on_main_process`)."""
         if not self.accelerator.is_main_process:
             return None
         self.vllm_client.wait_until_ready()
@@ -133,21 +154,23 @@ class ARPOTrainer(GRPOTrainer):
             max_concurrency=args.vllm_max_concurrent_requests,
         )
         check_server_tokenizer(self.vllm_client, self._tokenizer, engine.model_name)
+        mode = self.vllm_client.logprobs_mode()
+        if mode not in (None, "processed_logprobs"):
+            logger.warning(
+                "The vLLM server at %s runs with --logprobs-mode %s: its logprobs are taken before temperature and "
+                "top-k/top-p, which biases ARPO's entropy and TRL's importance-sampling correction. Restart it "
+                "with --logprobs-mode processed_logprobs (our launcher does).", self.vllm_client.base_url, mode,
+            )
         return engine
 
-    def _file_weight_sync(self):
-        args, model = self.args, self.accelerator.unwrap_model(self.model)
-        mode = resolve_sync_mode(
-            args.vllm_weight_sync, is_peft=is_peft_model(model), cuda=torch.cuda.is_available(),
-            vllm_importable=importlib.util.find_spec("vllm") is not None, tied=has_tied_embeddings(model),
-        )
-        logger.info("ARPO: vLLM weight sync mode %r (requested %r).", mode, args.vllm_weight_sync)
-        sync_dir = args.vllm_sync_dir or os.path.join(args.output_dir, "vllm_sync")
+    def _file_weight_sync(self, mode: str):
+        args = self.args
         if mode == "none":
             return NoSync()
-        sync_class = LoRAAdapterSync if mode == "lora" else ReloadWeightsSync
+        sync_class = {"lora": LoRAAdapterSync, "reload": ReloadWeightsSync}[mode]
+        sync_dir = args.vllm_sync_dir or os.path.join(args.output_dir, "vllm_sync")
         run_name = f"arpo-{uuid.uuid4().hex[:8]}"  # adapter names must be new on a server shared across runs
-        return sync_class(self.vllm_client, self.engine, self.accelerator, self.model, sync_dir, run_name)
+        return sync_class(self.vllm_client, self.engine, self.accelerator, lambda: self.model, sync_dir, run_name)
 
     def _transformers_engine(self) -> TransformersEngine:
         args = self.args
@@ -194,10 +217,17 @@ class ARPOTrainer(GRPOTrainer):
         per_rank = gather_object([prompt_ids])
         payload = [None]
         if self.accelerator.is_main_process:
-            payload = [self.sampler.sample([p for rank in per_rank for p in rank], num_generations=m,
-                                           branch_policy=policy)]
+            try:
+                payload = [self.sampler.sample([p for rank in per_rank for p in rank], num_generations=m,
+                                               branch_policy=policy)]
+            except Exception as error:  # the other ranks wait in the broadcast: hand them the failure
+                payload = [RuntimeError(f"Rollout failed on the main process: {type(error).__name__}: {error}")]
+                broadcast_object_list(payload, from_process=0)
+                raise
         broadcast_object_list(payload, from_process=0)
         result = payload[0]
+        if isinstance(result, Exception):
+            raise result
         start = sum(len(rank) for rank in per_rank[: self.accelerator.process_index])
         groups = result.groups[start : start + len(prompt_ids)]
         return result, [t for group in groups for t in group]
@@ -240,9 +270,9 @@ class ARPOTrainer(GRPOTrainer):
             "arpo/tokens_generated_per_group": sum(t.own_tokens() for t in trajectories) / groups,
             "arpo/tokens_trained_per_group": sum(map(sum, env_mask)) / max(local_groups, 1),
         }
-        sync_seconds = getattr(getattr(self, "vllm_generation", None), "last_seconds", None)
-        if sync_seconds is not None:
-            metrics["arpo/weight_sync_seconds"] = sync_seconds
+        sync = getattr(self, "vllm_generation", None)
+        if getattr(sync, "last_seconds", None) is not None:  # set by a sync before this rollout only
+            metrics["arpo/weight_sync_seconds"], sync.last_seconds = sync.last_seconds, None
         if stats.fork_deltas:
             metrics["arpo/fork_delta_entropy_mean"] = statistics.fmean(stats.fork_deltas)
         for key, value in metrics.items():

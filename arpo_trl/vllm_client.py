@@ -31,13 +31,14 @@ class VLLMClient:
         connect_timeout: seconds `wait_until_ready` keeps retrying an unreachable server.
     """
 
-    def __init__(self, base_url: str, request_timeout: float = 600.0, connect_timeout: float = 240.0):
+    def __init__(self, base_url: str, request_timeout: float = 600.0, connect_timeout: float = 240.0,
+                 pool_size: int = 64):
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
         self._session = requests.Session()
         # One pooled connection per concurrent completion request (the engine sends them in parallel).
-        adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=256)
+        adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=pool_size)
         self._session.mount("http://", adapter)
         self._session.mount("https://", adapter)
 
@@ -86,7 +87,19 @@ class VLLMClient:
     def base_model(self) -> str:
         """Name of the served base model (the first model of `/v1/models` without a parent)."""
         models = self.request("GET", "/v1/models")["data"]
-        return next(m["id"] for m in models if not m.get("parent"))
+        name = next((m["id"] for m in models if not m.get("parent")), None)
+        if name is None:
+            raise VLLMServerError(f"The vLLM server at {self.base_url} lists no base model in /v1/models: {models}")
+        return name
+
+    def logprobs_mode(self) -> str | None:
+        """The server's `--logprobs-mode`, or None when it does not say (`/server_info` exists in dev mode only)."""
+        try:
+            info = self.request("GET", "/server_info?config_format=json", timeout=30)
+        except VLLMServerError:
+            return None
+        config = info.get("model_config", {}) if isinstance(info, dict) else {}
+        return config.get("logprobs_mode") if isinstance(config, dict) else None
 
     def completion(self, payload: dict) -> dict:
         return self.request("POST", "/v1/completions", json=payload)

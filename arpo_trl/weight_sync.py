@@ -21,7 +21,11 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
+
+import torch
+from accelerate.utils import broadcast_object_list
 
 from arpo_trl.vllm_client import VLLMClient
 
@@ -42,6 +46,9 @@ def resolve_sync_mode(requested: str, *, is_peft: bool, cuda: bool, vllm_importa
     mode = requested
     if requested == "auto":
         mode = "lora" if is_peft else "nccl" if cuda and vllm_importable else "reload"
+    if mode == "reload" and is_peft:
+        raise ValueError("vllm_weight_sync='reload' reloads full weights, but the model is a PEFT adapter: use "
+                         "vllm_weight_sync='lora' (or 'auto').")
     if mode == "lora" and not is_peft:
         raise ValueError("vllm_weight_sync='lora' needs a PEFT LoRA model: pass peft_config=LoraConfig(...).")
     if mode == "nccl" and not (cuda and vllm_importable):
@@ -58,11 +65,17 @@ def resolve_sync_mode(requested: str, *, is_peft: bool, cuda: bool, vllm_importa
     return mode
 
 
-class _FileSync:
-    """Writes each weight version to `sync_dir/<name>-v<k>` on the main process; deletes superseded ones."""
+class _FileSync(ABC):
+    """Writes each weight version to `sync_dir/<name>-v<k>` on the main process; deletes superseded ones.
+
+    `model` is the model to save, or a callable returning it (the trainer's model may be re-wrapped after init).
+    Called on every rank (TRL does); a failure on the main process is re-raised on all of them, so that no rank
+    waits forever in the rollout's collectives.
+    """
 
     def __init__(self, client: VLLMClient, engine, accelerator, model, sync_dir: str | Path, name: str = "arpo"):
-        self.client, self.engine, self.accelerator, self.model = client, engine, accelerator, model
+        self.client, self.engine, self.accelerator = client, engine, accelerator
+        self._model = model if callable(model) and not isinstance(model, torch.nn.Module) else lambda: model
         self.sync_dir = Path(sync_dir)
         self.name = name
         self.version = 0
@@ -70,22 +83,36 @@ class _FileSync:
         self._previous: tuple[str, Path] | None = None
 
     def sync_weights(self) -> None:
-        if not self.accelerator.is_main_process:  # only the main process talks to the server
-            return
+        error = None
+        if self.accelerator.is_main_process:  # only the main process talks to the server
+            try:
+                self._sync()
+            except Exception as exc:
+                error = exc
+        if self.accelerator.num_processes > 1:
+            message = [None if error is None else f"{type(error).__name__}: {error}"]
+            broadcast_object_list(message, from_process=0)
+            if message[0] is not None and error is None:
+                raise RuntimeError(f"vLLM weight sync failed on the main process: {message[0]}")
+        if error is not None:
+            raise error
+
+    def _sync(self) -> None:
         start = time.perf_counter()
         self.version += 1
         name = f"{self.name}-v{self.version}"
         path = self.sync_dir / name
         shutil.rmtree(path, ignore_errors=True)
-        self.accelerator.unwrap_model(self.model).save_pretrained(path)
+        self.accelerator.unwrap_model(self._model()).save_pretrained(path)
         self._push(name, path)
         if self._previous is not None:
             self._retire(*self._previous)
         self._previous = (name, path)
         self.last_seconds = time.perf_counter() - start
 
+    @abstractmethod
     def _push(self, name: str, path: Path) -> None:
-        raise NotImplementedError
+        """Make the server use the weights saved at `path`."""
 
     def _retire(self, name: str, path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)

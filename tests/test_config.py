@@ -19,6 +19,7 @@ def test_defaults_follow_the_reference(tmp_path):
     assert (config.entropy_window, config.entropy_top_k, config.max_tool_calls) == (20, 10, 3)
     assert (config.branch_policy, config.advantage_attribution) == ("entropy", "soft")
     assert _config(tmp_path, branch_policy="none").initial_rollouts == 8
+    assert (config.vllm_mode, config.vllm_weight_sync) == ("server", "auto")  # ARPO's vLLM path is server mode
 
 
 @pytest.mark.parametrize("kw,field", [
@@ -33,6 +34,11 @@ def test_defaults_follow_the_reference(tmp_path):
     ({"entropy_top_k": 0}, "entropy_top_k"),
     ({"branch_policy": "none", "initial_rollouts": 4}, "initial_rollouts"),
     ({"per_device_train_batch_size": 4, "steps_per_generation": 1}, "num_generations"),
+    ({"vllm_weight_sync": "rsync"}, "vllm_weight_sync"),
+    ({"vllm_request_timeout": 0}, "vllm_request_timeout"),
+    ({"vllm_max_concurrent_requests": 0}, "vllm_max_concurrent_requests"),
+    ({"use_vllm": True, "vllm_mode": "colocate"}, "vllm_mode"),
+    ({"use_vllm": True, "entropy_top_k": None}, "entropy_top_k"),
 ])
 def test_invalid_values_name_the_field(tmp_path, kw, field):
     with pytest.raises(ValueError, match=field):

@@ -15,13 +15,17 @@ import pytest
 SCRIPT = Path(__file__).parent / "scripts" / "multiprocess_train.py"
 
 
-def _launch(model_dir, out: Path, *extra: str) -> list[dict]:
+def _run(model_dir, out: Path, *extra: str) -> subprocess.CompletedProcess:
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), "--model", str(model_dir),
            "--out", str(out), *extra]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env)
+
+
+def _launch(model_dir, out: Path, *extra: str) -> list[dict]:
+    result = _run(model_dir, out, *extra)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["world"] for r in reports] == [2, 2]
@@ -49,3 +53,15 @@ def test_two_processes_vllm_server(vllm_server, tool_model_dir, tmp_path):
         for rank, report in enumerate(reports):
             mine = [seq for group in groups[2 * rank : 2 * rank + 2] for seq in group]
             assert report["trained"][step] == mine
+
+
+@pytest.mark.vllm
+def test_main_process_rollout_failure_reaches_every_rank(vllm_server, tool_model_dir, tmp_path):
+    """If the main process's rollout fails (server died, bad answer), the other ranks, waiting in the broadcast,
+    raise too instead of hanging."""
+    result = _run(tool_model_dir, tmp_path, "--base-url", vllm_server.base_url, "--fail-at-rollout", "2")
+    assert result.returncode != 0
+    log = result.stdout + result.stderr
+    assert "injected failure at rollout 2" in log
+    assert "Rollout failed on the main process: VLLMServerError" in log  # raised on rank 1
+    assert not (tmp_path / "rank0.json").exists() and not (tmp_path / "rank1.json").exists()

