@@ -43,6 +43,20 @@ class GenerationEngine(Protocol):
         """One segment per prefix; `max_new_tokens[i] >= 1` bounds segment `i`."""
 
 
+def _eos_ids(tokenizer, eos_token_ids: Sequence[int] | None, engine: str) -> list[int]:
+    eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
+    if any(e is None for e in eos):
+        raise ValueError(f"{engine} needs eos_token_ids: the tokenizer has no eos_token_id.")
+    return eos
+
+
+def _check_budgets(prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> None:
+    if len(prefixes) != len(max_new_tokens):
+        raise ValueError("generate: one max_new_tokens entry per prefix is required.")
+    if any(b < 1 for b in max_new_tokens):
+        raise ValueError(f"generate: every max_new_tokens must be >= 1, got {list(max_new_tokens)}.")
+
+
 def token_entropy(logprobs: torch.Tensor, top_k: int | None) -> torch.Tensor:
     """-Σ p·log p over the last dim: exact, or over the top-k probabilities without renormalising (the
     reference's estimator from vLLM's top-10 logprobs)."""
@@ -129,10 +143,7 @@ class TransformersEngine:
         self.vocab_size = len(tokenizer)
         self.entropy_top_k = entropy_top_k
         self.temperature = temperature
-        eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
-        if any(e is None for e in eos):
-            raise ValueError("TransformersEngine needs eos_token_ids: the tokenizer has no eos_token_id.")
-        self.eos_token_ids = eos
+        self.eos_token_ids = eos = _eos_ids(tokenizer, eos_token_ids, "TransformersEngine")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
         self.pad_token_id = pad
         self.sampling = dict(
@@ -149,10 +160,7 @@ class TransformersEngine:
     def generate(
         self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop: Sequence[str]
     ) -> list[Segment]:
-        if len(prefixes) != len(max_new_tokens):
-            raise ValueError("generate: one max_new_tokens entry per prefix is required.")
-        if any(b < 1 for b in max_new_tokens):
-            raise ValueError(f"generate: every max_new_tokens must be >= 1, got {list(max_new_tokens)}.")
+        _check_budgets(prefixes, max_new_tokens)
         step = self.max_batch_size or len(prefixes) or 1
         context = self.model_context() if self.model_context else contextlib.nullcontext(self.model)
         with context as model, torch.no_grad():
@@ -244,10 +252,7 @@ class VLLMServerEngine:
         self.vocab_size = len(tokenizer)
         self.entropy_top_k = entropy_top_k
         self.model_name = model_name or client.base_model()
-        eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
-        if any(e is None for e in eos):
-            raise ValueError("VLLMServerEngine needs eos_token_ids: the tokenizer has no eos_token_id.")
-        self.eos_token_ids = eos
+        self.eos_token_ids = eos = _eos_ids(tokenizer, eos_token_ids, "VLLMServerEngine")
         reserved = {"model", "prompt", "max_tokens", "n", "logprobs", "stop", "stop_token_ids", "return_token_ids",
                     "return_tokens_as_token_ids", "include_stop_str_in_output", "skip_special_tokens"}
         if clash := reserved & set(generation_kwargs or {}):
@@ -264,10 +269,7 @@ class VLLMServerEngine:
     def generate(
         self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop: Sequence[str]
     ) -> list[Segment]:
-        if len(prefixes) != len(max_new_tokens):
-            raise ValueError("generate: one max_new_tokens entry per prefix is required.")
-        if any(b < 1 for b in max_new_tokens):
-            raise ValueError(f"generate: every max_new_tokens must be >= 1, got {list(max_new_tokens)}.")
+        _check_budgets(prefixes, max_new_tokens)
         futures = [self._pool.submit(self._complete, list(p), b, list(stop)) for p, b in zip(prefixes, max_new_tokens)]
         try:
             return [future.result() for future in futures]

