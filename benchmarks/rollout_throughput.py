@@ -30,10 +30,13 @@ QUESTIONS = [f"What is {a} * {b} + {c}?" for a, b, c in [(17, 23, 5), (48, 12, 9
                                                            (13, 77, 8), (250, 4, 19), (36, 29, 70), (81, 5, 44)]]
 
 
-def rollout(engine, tokenizer, prompts, args) -> dict:
+def rollout(engine, tokenizer, prompts, args, policy: str) -> dict:
+    n = args.num_generations if policy == "none" else args.initial_rollouts
     sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
-                               initial_rollouts=args.initial_rollouts, max_completion_length=args.max_tokens,
+                               initial_rollouts=n, max_completion_length=args.max_tokens, branch_policy=policy,
                                seed=args.seed)
+    client = getattr(engine, "client", None)
+    hits = client.metrics().get("vllm:prefix_cache_hits_total", 0.0) if client else None
     start = time.perf_counter()
     result = sampler.sample(prompts)
     wall = time.perf_counter() - start
@@ -41,7 +44,8 @@ def rollout(engine, tokenizer, prompts, args) -> dict:
     groups = len(result.groups)
     return {"wall_s": round(wall, 2), "tokens_generated": generated, "tokens_per_s": round(generated / wall, 1),
             "forks_per_group": result.stats.forks / groups, "tool_calls_per_group": result.stats.tool_calls / groups,
-            "rounds": result.stats.rounds, "trajectories_per_group": statistics.mean(map(len, result.groups))}
+            "rounds": result.stats.rounds, "trajectories_per_group": statistics.mean(map(len, result.groups)),
+            **({"prefix_cache_hit_tokens": client.metrics()["vllm:prefix_cache_hits_total"] - hits} if client else {})}
 
 
 def lora_sync(client, engine, model_dir, rank: int, versions: int, out_dir) -> dict:
@@ -70,6 +74,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", default="entropy,none",
+                        help="branch policies to run: 'entropy' (ARPO, N of M global) and/or 'none' (all M at once)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--out", default="outputs/bench_rollout")
     args = parser.parse_args()
@@ -79,12 +85,16 @@ def main() -> None:
                                              tokenize=False, add_generation_prompt=True)
                for q in (QUESTIONS * 4)[: args.prompts]]
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    policies = args.policies.split(",")
     report = {"model": model_dir, "prompts": len(prompts), "M": args.num_generations, "N": args.initial_rollouts,
-              "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads()}
+              "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads(), "runs": {}}
+    runs = report["runs"]
     if not args.skip_transformers:
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        report["transformers"] = rollout(TransformersEngine(model, tokenizer), tokenizer, prompts, args)
+        for policy in policies:
+            runs[f"transformers/{policy}"] = rollout(TransformersEngine(model, tokenizer), tokenizer, prompts, args,
+                                                     policy)
         del model
     server = None
     if args.base_url is None:
@@ -94,28 +104,30 @@ def main() -> None:
     try:
         client = VLLMClient(args.base_url or server.base_url)
         engine = VLLMServerEngine(client, tokenizer)
-        report["vllm"] = rollout(engine, tokenizer, prompts, args)
+        for policy in policies:
+            runs[f"vllm/{policy}"] = rollout(engine, tokenizer, prompts, args, policy)
         report["lora_sync"] = lora_sync(client, engine, model_dir, args.lora_rank, 5, f"{args.out}/adapters")
-        report["vllm_lora"] = rollout(engine, tokenizer, prompts, args)  # sampling through the synced adapter
+        for policy in policies:  # sampling through the synced adapter, as LoRA training does
+            runs[f"vllm_lora/{policy}"] = rollout(engine, tokenizer, prompts, args, policy)
+        engine.close()
     finally:
         if server is not None:
             server.stop()
-    if "transformers" in report:
-        base = report["transformers"]["tokens_per_s"]
-        report["speedup_vllm_over_transformers"] = round(report["vllm"]["tokens_per_s"] / base, 2)
-        report["speedup_vllm_lora_over_transformers"] = round(report["vllm_lora"]["tokens_per_s"] / base, 2)
+    for name, run in runs.items():
+        reference = runs.get(f"transformers/{name.split('/')[1]}")
+        if reference and not name.startswith("transformers"):
+            run["tokens_per_s_vs_transformers"] = round(run["tokens_per_s"] / reference["tokens_per_s"], 2)
     print(json.dumps(report, indent=2))
     print_table(report)
 
 
 def print_table(report: dict) -> None:
-    print("\n| backend | wall s | tokens | tokens/s | forks/group | tool calls/group | rounds |")
-    print("|---|---|---|---|---|---|---|")
-    for name in ("transformers", "vllm", "vllm_lora"):
-        if name in report:
-            r = report[name]
-            print(f"| {name} | {r['wall_s']} | {r['tokens_generated']} | {r['tokens_per_s']} | "
-                  f"{r['forks_per_group']:.2f} | {r['tool_calls_per_group']:.2f} | {r['rounds']} |")
+    print("\n| backend/policy | wall s | tokens | tokens/s | vs HF | forks/group | tool calls/group | rounds |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in report["runs"].items():
+        print(f"| {name} | {r['wall_s']} | {r['tokens_generated']} | {r['tokens_per_s']} | "
+              f"{r.get('tokens_per_s_vs_transformers', 1.0)} | {r['forks_per_group']:.2f} | "
+              f"{r['tool_calls_per_group']:.2f} | {r['rounds']} |")
     if "lora_sync" in report:
         print(f"\nLoRA sync (r={report['lora_sync']['lora_rank']}, save + hot-load): "
               f"{report['lora_sync']['sync_s_median']} s median")

@@ -21,9 +21,9 @@ from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
 from test_trainer import REWARDS, RecordingTrainer, _args, check_masks
 from tiny import build_tokenizer, question
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
-from arpo_trl import ARPOTrainer, PythonTool
+from arpo_trl import ARPOTrainer, PythonTool, Tool
 from arpo_trl.engines import VLLMServerEngine, token_entropy
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.vllm_client import VLLMClient, VLLMServerError, check_server_tokenizer
@@ -225,6 +225,10 @@ def test_bad_server_mode_input_is_refused_clearly(tokenizer, tmp_path):
         VLLMServerEngine(client, tokenizer, model_name="m", generation_kwargs={"stop": ["x"], "logprobs": 3})
     with pytest.raises(ValueError, match="entropy_top_k"):
         VLLMServerEngine(client, tokenizer, model_name="m", entropy_top_k=None)
+    args = VLLMServer("m", lora_rank=4).args  # vLLM only accepts some ranks: rounded up
+    assert args[args.index("--max-lora-rank") + 1] == "8"
+    with pytest.raises(ValueError, match="lora_rank must be between 1 and 512"):
+        VLLMServer("m", lora_rank=1000)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -279,6 +283,43 @@ def test_server_killed_mid_rollout_raises_without_hanging(tool_model_dir, tokeni
         assert server.base_url in str(errors[0])
     finally:
         server.stop()
+
+
+def test_server_dies_during_training_fails_the_step_and_keeps_checkpoints_whole(
+        tool_model_dir, tokenizer, addition_dataset, tmp_path):
+    """The server is killed by a tool call during step 2's rollout: train() raises a VLLMServerError naming the
+    server, within the request timeout; checkpoint-1 is complete and no checkpoint-2 was started."""
+    server = VLLMServer(tool_model_dir, lora_rank=4, max_model_len=1024, log_path=tmp_path / "server.log").start()
+    steps_done = []
+
+    def python_or_kill(code: str) -> str:
+        if steps_done and server.process is not None:  # step 2: pull the plug mid-rollout
+            os.killpg(server.process.pid, signal.SIGKILL)
+        return "5"
+
+    class CountSteps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            steps_done.append(state.global_step)
+
+    try:
+        args = _args(tmp_path / "run", max_steps=3, use_vllm=True, vllm_server_base_url=server.base_url,
+                     vllm_request_timeout=60, save_strategy="steps", save_steps=1)
+        trainer = ARPOTrainer(
+            model=str(tool_model_dir), reward_funcs=REWARDS, args=args, train_dataset=addition_dataset,
+            processing_class=tokenizer, tools=[Tool("python", python_or_kill)], callbacks=[CountSteps()],
+            peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+        )
+        start = time.monotonic()
+        with pytest.raises(VLLMServerError, match=server.base_url):
+            trainer.train()
+        assert time.monotonic() - start < 120
+    finally:
+        server.stop()
+    assert steps_done == [1]
+    checkpoints = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
+    assert checkpoints == ["checkpoint-1"]
+    saved = {p.name for p in (tmp_path / "run" / "checkpoint-1").iterdir()}
+    assert {"adapter_model.safetensors", "trainer_state.json"} <= saved
 
 
 def test_client_metrics_and_finish_reasons(vllm_server, tokenizer):
