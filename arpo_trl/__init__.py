@@ -8,13 +8,12 @@ from arpo_trl.rollout import BranchingSampler, RolloutResult, Trajectory
 from arpo_trl.tools import BM25Backend, PythonTool, SearchBackend, SearchTool, Tool
 from arpo_trl.trainer import ARPOTrainer
 from arpo_trl.vllm_client import VLLMClient, VLLMServerError
-from arpo_trl.vllm_server import VLLMServer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ARPOConfig", "ARPOTrainer", "BM25Backend", "BranchingSampler", "GenerationEngine", "PythonTool",
     "RolloutResult", "SearchBackend", "SearchTool", "Segment", "Tool", "TransformersEngine", "Trajectory",
-    "VLLMClient", "VLLMServer", "VLLMServerEngine", "VLLMServerError",
+    "VLLMClient", "VLLMServerEngine", "VLLMServerError",
     "arpo_f1_reward", "arpo_math_reward", "hard_advantages", "owner_mask", "token_owners",
 ]

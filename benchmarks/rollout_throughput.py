@@ -20,8 +20,9 @@ from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from arpo_trl import BranchingSampler, PythonTool, TransformersEngine, VLLMClient, VLLMServer, VLLMServerEngine
+from arpo_trl import BranchingSampler, PythonTool, TransformersEngine, VLLMClient, VLLMServerEngine
 from arpo_trl.models import smollm2_path
+from arpo_trl.vllm_server import VLLMServer
 from arpo_trl.weight_sync import LoRAAdapterSync
 
 SYSTEM = ("You solve math problems. To compute, write Python code inside <python></python>; its output comes back "
