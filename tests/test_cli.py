@@ -1,0 +1,88 @@
+"""`arpo-trl train --config recipe.yaml`: a real run from YAML on the tiny tool model, and one-line errors for
+user mistakes."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from arpo_trl.cli import main
+
+
+def _dataset(path: Path, rows: int = 8, answer_column: str = "ground_truth") -> Path:
+    from tiny import question
+
+    with open(path, "w") as f:
+        for a in range(rows):
+            row = {"prompt": [{"role": "user", "content": question(a, a + 2)}], answer_column: str(2 * a + 2)}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def _recipe(tmp_path: Path, model_dir, **overrides) -> Path:
+    recipe = {
+        "model_name_or_path": str(model_dir), "dataset_name": str(_dataset(tmp_path / "train.jsonl")),
+        "reward_funcs": ["arpo_math", "test_trainer.length_reward"], "tools": ["python"],
+        "output_dir": str(tmp_path / "run"), "use_cpu": True, "bf16": False, "report_to": "none",
+        "per_device_train_batch_size": 8, "num_generations": 4, "initial_rollouts": 2, "max_completion_length": 32,
+        "max_steps": 1, "logging_steps": 1, "save_strategy": "no", "beta": 0.0,
+        "use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"],
+    }
+    recipe.update(overrides)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_train_from_yaml_recipe_saves_the_adapter(tool_model_dir, tmp_path):
+    main(["train", "--config", str(_recipe(tmp_path, tool_model_dir)), "--branch_threshold", "1.0"])
+    assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("overrides,extra,message", [
+    ({"reward_funcs": ["nope"]}, [], "reward_funcs: unknown reward 'nope'"),
+    ({"reward_funcs": ["no_such_module.f"]}, [], "reward_funcs: cannot import 'no_such_module.f'"),
+    ({"tools": ["shell"]}, [], "tools: unknown tool 'shell'"),
+    ({"tools": ["search"]}, [], "tools: 'search' needs search_corpus"),
+    ({"dataset_name": "missing.jsonl"}, [], "dataset_name: no such file"),
+    ({"max_stepz": 3}, [], "Unknown arguments from config file: \\['--max_stepz'"),
+    ({}, ["--max_steps", "abc"], "invalid int value: 'abc'"),
+    ({"branch_threshold": 2.0}, [], "branch_threshold"),
+    ({"model_name_or_path": None}, [], "model_name_or_path: required"),
+])
+def test_user_mistakes_get_one_line(tool_model_dir, tmp_path, capsys, overrides, extra, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config", str(_recipe(tmp_path, tool_model_dir, **overrides)), *extra])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("arpo-trl: error: ")
+    assert re.search(message, err[-1]), err[-1]
+
+
+def test_dataset_without_ground_truth_and_model_without_chat_template(tool_model_dir, tokenizer, tmp_path, capsys):
+    data = _dataset(tmp_path / "bad.jsonl", answer_column="label")
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(_recipe(tmp_path, tool_model_dir, dataset_name=str(data)))])
+    assert "needs `prompt` and one of ['ground_truth', 'answer', 'solution']" in capsys.readouterr().err
+    plain = tmp_path / "no-template"
+    shutil.copytree(tool_model_dir, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(_recipe(tmp_path, plain))])
+    assert "has no chat template" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).with_name("arpo-trl")
+    result = subprocess.run([str(script), "train", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "--branch_threshold" in result.stdout and "--reward_funcs" in result.stdout
