@@ -37,8 +37,9 @@ class ARPOScriptArguments:
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "A local .json/.jsonl/.parquet/.csv file or a datasets hub id, with a `prompt` column "
-                  "(conversational or text) and a ground-truth column (`ground_truth`, `answer` or `solution`)."},
+        metadata={"help": "'reasoning_gym:<task>[:<size>]' (built offline, seeded by `seed`), a local "
+                  ".json/.jsonl/.parquet/.csv file or a datasets hub id, with a `prompt` column (conversational or "
+                  "text) and a ground-truth column (`ground_truth`, `answer` or `solution`)."},
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
@@ -108,28 +109,36 @@ def read_corpus(path: str) -> list[str]:
     return [json.loads(line)["text"] for line in lines] if file.suffix == ".jsonl" else lines
 
 
-def load_train_dataset(script_args: ARPOScriptArguments):
-    from datasets import load_dataset
+def load_train_dataset(script_args: ARPOScriptArguments, seed: int = 0):
+    from arpo_trl.data import named_dataset
 
     name = script_args.dataset_name
     if not name:
-        raise UserInputError("dataset_name: required (a local .jsonl/.json/.parquet/.csv file or a hub dataset id).")
-    path = Path(name)
-    if path.suffix in _FILE_FORMATS:
-        if not path.is_file():
-            raise UserInputError(f"dataset_name: no such file {name!r}.")
-        data = load_dataset(_FILE_FORMATS[path.suffix], data_files={"train": str(path)})["train"]
-    else:
-        splits = load_dataset(name, script_args.dataset_config)
-        if script_args.dataset_train_split not in splits:
-            raise UserInputError(f"dataset_train_split: {script_args.dataset_train_split!r} is not a split of "
-                                 f"{name!r} (it has {list(splits)}).")
-        data = splits[script_args.dataset_train_split]
+        raise UserInputError("dataset_name: required ('reasoning_gym:<task>', a local .jsonl/.json/.parquet/.csv "
+                             "file or a hub dataset id).")
+    data = named_dataset(name, seed)
+    if data is None:
+        data = _load_file_or_hub(script_args)
     missing = [c for c in ("prompt",) if c not in data.column_names]
     if missing or not set(GROUND_TRUTH_COLUMNS) & set(data.column_names):
         raise UserInputError(f"dataset {name!r} has columns {data.column_names}; it needs `prompt` and one of "
                              f"{list(GROUND_TRUTH_COLUMNS)}.")
     return data
+
+
+def _load_file_or_hub(script_args: ARPOScriptArguments):
+    from datasets import load_dataset
+
+    name, path = script_args.dataset_name, Path(script_args.dataset_name)
+    if path.suffix in _FILE_FORMATS:
+        if not path.is_file():
+            raise UserInputError(f"dataset_name: no such file {name!r}.")
+        return load_dataset(_FILE_FORMATS[path.suffix], data_files={"train": str(path)})["train"]
+    splits = load_dataset(name, script_args.dataset_config)
+    if script_args.dataset_train_split not in splits:
+        raise UserInputError(f"dataset_train_split: {script_args.dataset_train_split!r} is not a split of "
+                             f"{name!r} (it has {list(splits)}).")
+    return splits[script_args.dataset_train_split]
 
 
 def resolve_model(name: str | None) -> str:
@@ -160,7 +169,7 @@ def build_trainer(script_args: ARPOScriptArguments, training_args: ARPOConfig, m
     model = resolve_model(model_args.model_name_or_path)
     rewards = [load_reward(name) for name in script_args.reward_funcs]
     tools = build_tools(script_args)
-    dataset = load_train_dataset(script_args)
+    dataset = load_train_dataset(script_args, training_args.seed)
     check_chat_template(model, dataset)
     return ARPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=dataset, tools=tools,
                        peft_config=get_peft_config(model_args))
@@ -170,7 +179,7 @@ def train(argv: Sequence[str]) -> None:
     try:
         script_args, training_args, model_args = make_parser().parse_args_and_config(list(argv))
         trainer = build_trainer(script_args, training_args, model_args)
-    except (ValueError, FileNotFoundError) as error:  # ours, and ARPOConfig's field checks: they name the field
+    except (ValueError, FileNotFoundError, ImportError) as error:  # ours and ARPOConfig's checks name the field
         _fail(error)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)

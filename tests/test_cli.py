@@ -46,12 +46,19 @@ def test_train_from_yaml_recipe_saves_the_adapter(tool_model_dir, tmp_path):
     assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
 
 
+def test_train_on_a_reasoning_gym_task(tool_model_dir, tmp_path):
+    recipe = _recipe(tmp_path, tool_model_dir, dataset_name="reasoning_gym:basic_arithmetic:16", use_peft=False)
+    main(["train", "--config", str(recipe)])
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("overrides,extra,message", [
     ({"reward_funcs": ["nope"]}, [], "reward_funcs: unknown reward 'nope'"),
     ({"reward_funcs": ["no_such_module.f"]}, [], "reward_funcs: cannot import 'no_such_module.f'"),
     ({"tools": ["shell"]}, [], "tools: unknown tool 'shell'"),
     ({"tools": ["search"]}, [], "tools: 'search' needs search_corpus"),
     ({"dataset_name": "missing.jsonl"}, [], "dataset_name: no such file"),
+    ({"dataset_name": "reasoning_gym:no_such_task"}, [], "reasoning-gym has no task 'no_such_task'"),
     ({"max_stepz": 3}, [], "Unknown arguments from config file: \\['--max_stepz'"),
     ({}, ["--max_steps", "abc"], "invalid int value: 'abc'"),
     ({"branch_threshold": 2.0}, [], "branch_threshold"),
