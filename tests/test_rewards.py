@@ -52,3 +52,14 @@ def test_math_verify_equivalence_where_f1_fails():
     assert arpo_math_reward([text], ground_truth=["3\\sqrt{3} - 6"]) == [1.0]
     assert arpo_math_reward(["<think>t</think><answer>\\boxed{\\frac{1}{2}}</answer>"], ground_truth=["0.5"]) == [1.0]
     assert arpo_math_reward(["<think>t</think><answer>\\boxed{7}</answer>"], ground_truth=["8"]) == [0.0]
+
+
+def test_format_credit_is_graded():
+    from arpo_trl.rewards import format_credit
+
+    assert format_credit("hello") == 0.0
+    assert format_credit("<think>a</think>") == pytest.approx(0.1)
+    assert format_credit("<think>a</think><python>print(1)</python> <result>\n1\n</result>") == pytest.approx(0.3)
+    full = "<think>a</think><python>print(1)</python> <result>\n1\n</result><answer>\\boxed{1}</answer>"
+    assert format_credit(full) == pytest.approx(0.7)
+    assert format_credit("<answer>1</answer>") == pytest.approx(0.2)
