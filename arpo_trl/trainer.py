@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import statistics
+import textwrap
 import uuid
 from collections.abc import Sequence
 
@@ -49,6 +50,18 @@ class ARPOTrainer(GRPOTrainer):
     """
 
     _tag_names = ["trl", "arpo"]
+    _name = "ARPO"
+    _paper = {  # TRL's model card names the method and cites it
+        "title": "Agentic Reinforced Policy Optimization",
+        "id": "2507.19849",
+        "citation": textwrap.dedent("""\
+            @article{dong2025arpo,
+                title   = {{Agentic Reinforced Policy Optimization}},
+                author  = {Guanting Dong and others},
+                journal = {arXiv preprint arXiv:2507.19849},
+                year    = 2025,
+            }"""),
+    }
 
     def __init__(
         self,

@@ -115,3 +115,12 @@ def test_trainer_rejects_bad_setup(tool_model_dir, tokenizer, addition_dataset, 
     with pytest.raises(TypeError, match="Tool"):
         ARPOTrainer(model=str(tool_model_dir), reward_funcs=arpo_math_reward, args=_args(tmp_path),
                     train_dataset=addition_dataset, processing_class=tokenizer, tools=[print])
+
+
+def test_model_card_names_arpo_and_cites_the_paper(tool_model_dir, tokenizer, addition_dataset, tmp_path):
+    trainer = ARPOTrainer(model=str(tool_model_dir), reward_funcs=arpo_math_reward, args=_args(tmp_path),
+                          train_dataset=addition_dataset, processing_class=tokenizer, tools=[PythonTool()])
+    trainer.create_model_card(model_name="tiny-arpo", dataset_name="addition")
+    card = (tmp_path / "README.md").read_text()
+    assert "ARPO" in card and "2507.19849" in card and "Agentic Reinforced Policy Optimization" in card
+    assert "arpo" in card and "trl" in card  # tags
