@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from arpo_trl.config import ARPOConfig
-from arpo_trl.rewards import arpo_f1_reward, arpo_math_reward, format_credit_reward
+from arpo_trl.rewards import GROUND_TRUTH_COLUMNS, arpo_f1_reward, arpo_math_reward, format_credit_reward
 
 REWARDS: dict[str, Callable] = {
     "arpo_math": arpo_math_reward, "arpo_f1": arpo_f1_reward, "format_credit": format_credit_reward,
 }
 TOOLS = ("python", "search")
-GROUND_TRUTH_COLUMNS = ("ground_truth", "answer", "solution")
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -121,8 +120,7 @@ def load_train_dataset(script_args: ARPOScriptArguments, seed: int = 0):
     data = named_dataset(name, seed)
     if data is None:
         data = _load_file_or_hub(script_args)
-    missing = [c for c in ("prompt",) if c not in data.column_names]
-    if missing or not set(GROUND_TRUTH_COLUMNS) & set(data.column_names):
+    if "prompt" not in data.column_names or not set(GROUND_TRUTH_COLUMNS) & set(data.column_names):
         raise UserInputError(f"dataset {name!r} has columns {data.column_names}; it needs `prompt` and one of "
                              f"{list(GROUND_TRUTH_COLUMNS)}.")
     return data

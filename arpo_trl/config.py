@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from arpo_trl.rollout import BRANCH_POLICIES, check_branching_args, default_initial_rollouts
-from arpo_trl.weight_sync import SYNC_MODES
+from arpo_trl.weight_sync import SYNC_MODES, check_sync_mode
 
 ATTRIBUTIONS = ("soft", "hard")
 
@@ -161,8 +161,7 @@ class ARPOConfig(GRPOConfig):
             )
 
     def _validate_vllm_fields(self) -> None:
-        if self.vllm_weight_sync not in SYNC_MODES:
-            raise ValueError(f"vllm_weight_sync must be one of {SYNC_MODES}, got {self.vllm_weight_sync!r}.")
+        check_sync_mode(self.vllm_weight_sync)
         if self.vllm_request_timeout <= 0:
             raise ValueError(f"vllm_request_timeout must be > 0 seconds, got {self.vllm_request_timeout}.")
         if self.vllm_max_concurrent_requests < 1:

@@ -295,7 +295,7 @@ class VLLMServerEngine:
         ids = list(choice["token_ids"])[:budget]
         logprobs = choice["logprobs"] or {}
         sampled = [math.nan if lp is None else float(lp) for lp in logprobs.get("token_logprobs") or []]
-        entropies = [self._top_k_entropy(top) for top in logprobs.get("top_logprobs") or []]
+        entropies = self._top_k_entropies(logprobs.get("top_logprobs") or [])
         if len(sampled) < len(ids) or len(entropies) < len(ids):
             raise RuntimeError(f"vLLM returned {len(sampled)} logprobs for {len(ids)} tokens; is --max-logprobs "
                                f"at least entropy_top_k={self.entropy_top_k}?")
@@ -310,6 +310,12 @@ class VLLMServerEngine:
             raise RuntimeError(f"vLLM finished a request with finish_reason={reason!r}: {choice}")
         return Segment(ids, sampled[: len(ids)], entropies[: len(ids)], finish)
 
-    def _top_k_entropy(self, top: dict | None) -> float:
-        values = sorted((v for v in (top or {}).values() if v is not None), reverse=True)[: self.entropy_top_k]
-        return float(-sum(math.exp(v) * v for v in values if v > -math.inf))
+    def _top_k_entropies(self, tops: list[dict | None]) -> list[float]:
+        """`token_entropy` over each position's returned logprobs (top-k, plus the sampled token when it is
+        outside them; padding with -inf adds nothing)."""
+        rows = [[v for v in (top or {}).values() if v is not None] for top in tops]
+        width = max(map(len, rows), default=0)
+        if width == 0:
+            return [0.0] * len(rows)
+        padded = torch.tensor([row + [-math.inf] * (width - len(row)) for row in rows], dtype=torch.float64)
+        return token_entropy(padded, self.entropy_top_k).tolist()

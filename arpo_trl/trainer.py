@@ -19,13 +19,14 @@ import uuid
 from collections.abc import Sequence
 
 import torch
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import gather_object
 from peft import PeftModel
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
 from arpo_trl.advantages import hard_advantages, owner_mask, token_owners
 from arpo_trl.config import ARPOConfig
+from arpo_trl.distributed import run_on_main_process
 from arpo_trl.engines import GenerationEngine, TransformersEngine, VLLMServerEngine
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.tools.base import Tool
@@ -37,6 +38,12 @@ logger = logging.getLogger(__name__)
 
 def is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
+
+
+def _resolve_sync_mode(requested: str, *, is_peft: bool, tied: bool) -> str:
+    """`resolve_sync_mode` for this machine: is there CUDA, and is `vllm` importable here."""
+    return resolve_sync_mode(requested, is_peft=is_peft, cuda=torch.cuda.is_available(),
+                             vllm_importable=importlib.util.find_spec("vllm") is not None, tied=tied)
 
 
 class ARPOTrainer(GRPOTrainer):
@@ -102,8 +109,8 @@ class ARPOTrainer(GRPOTrainer):
         self.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
         self.vllm_client = None
-        self.vllm_weight_sync_mode = "nccl" if trl_sync else None
         sync_mode = self._check_server_setup() if use_vllm and not trl_sync else None
+        self.vllm_weight_sync_mode = "nccl" if trl_sync else sync_mode
         if use_vllm:
             self.vllm_client = VLLMClient(self._server_url(), args.vllm_request_timeout, args.vllm_server_timeout,
                                           pool_size=args.vllm_max_concurrent_requests)
@@ -124,13 +131,10 @@ class ARPOTrainer(GRPOTrainer):
 
     @staticmethod
     def _wants_trl_nccl_sync(args: ARPOConfig, model, peft_config) -> bool:
+        if args.vllm_weight_sync not in ("nccl", "auto"):
+            return False
         is_peft = peft_config is not None or is_peft_model(model)
-        cuda, vllm_importable = torch.cuda.is_available(), importlib.util.find_spec("vllm") is not None
-        requested = args.vllm_weight_sync
-        if requested == "nccl" or (requested == "auto" and not is_peft):
-            return resolve_sync_mode(requested, is_peft=is_peft, cuda=cuda, vllm_importable=vllm_importable,
-                                     tied=False) == "nccl"
-        return False
+        return _resolve_sync_mode(args.vllm_weight_sync, is_peft=is_peft, tied=False) == "nccl"
 
     def _server_url(self) -> str:
         args = self.args
@@ -147,13 +151,9 @@ class ARPOTrainer(GRPOTrainer):
         if self.loss_type == "vespo" and self.vllm_importance_sampling_correction and \
                 self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"):
             raise ValueError("VESPO loss requires vllm_importance_sampling_mode 'token_truncate' or 'token_mask'.")
-        mode = resolve_sync_mode(
-            args.vllm_weight_sync, is_peft=is_peft_model(model), cuda=torch.cuda.is_available(),
-            vllm_importable=importlib.util.find_spec("vllm") is not None, tied=has_tied_embeddings(model),
-        )
+        mode = _resolve_sync_mode(args.vllm_weight_sync, is_peft=is_peft_model(model), tied=has_tied_embeddings(model))
         if args.vllm_weight_sync == "auto":
             logger.warning("ARPO: vllm_weight_sync='auto' chose %r.", mode)
-        self.vllm_weight_sync_mode = mode
         return mode
 
     def _server_engine(self) -> VLLMServerEngine | None:
@@ -231,19 +231,11 @@ class ARPOTrainer(GRPOTrainer):
         runs the sampler against the server and broadcasts the trees; each rank keeps its own prompts' groups
         (a group never straddles ranks)."""
         per_rank = gather_object([prompt_ids])
-        payload = [None]
-        if self.accelerator.is_main_process:
-            try:
-                payload = [self.sampler.sample([p for rank in per_rank for p in rank], num_generations=m,
-                                               branch_policy=policy)]
-            except Exception as error:  # the other ranks wait in the broadcast: hand them the failure
-                payload = [RuntimeError(f"Rollout failed on the main process: {type(error).__name__}: {error}")]
-                broadcast_object_list(payload, from_process=0)
-                raise
-        broadcast_object_list(payload, from_process=0)
-        result = payload[0]
-        if isinstance(result, Exception):
-            raise result
+        all_prompts = [p for rank in per_rank for p in rank]
+        result = run_on_main_process(
+            self.accelerator, lambda: self.sampler.sample(all_prompts, num_generations=m, branch_policy=policy),
+            "Rollout",
+        )
         start = sum(len(rank) for rank in per_rank[: self.accelerator.process_index])
         groups = result.groups[start : start + len(prompt_ids)]
         return result, [t for group in groups for t in group]

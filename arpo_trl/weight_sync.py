@@ -18,20 +18,22 @@ TRL calls ``trainer.vllm_generation.sync_weights()`` before each rollout of a ne
 
 from __future__ import annotations
 
-import logging
 import shutil
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
-from accelerate.utils import broadcast_object_list
 
+from arpo_trl.distributed import run_on_main_process
 from arpo_trl.vllm_client import VLLMClient
 
-logger = logging.getLogger(__name__)
-
 SYNC_MODES = ("auto", "nccl", "lora", "reload", "none")
+
+
+def check_sync_mode(requested: str) -> None:
+    if requested not in SYNC_MODES:
+        raise ValueError(f"vllm_weight_sync must be one of {SYNC_MODES}, got {requested!r}.")
 
 
 def has_tied_embeddings(model) -> bool:
@@ -41,8 +43,7 @@ def has_tied_embeddings(model) -> bool:
 
 def resolve_sync_mode(requested: str, *, is_peft: bool, cuda: bool, vllm_importable: bool, tied: bool) -> str:
     """The sync mode to use; 'auto' prefers LoRA files, then TRL's NCCL, then a disk reload."""
-    if requested not in SYNC_MODES:
-        raise ValueError(f"vllm_weight_sync must be one of {SYNC_MODES}, got {requested!r}.")
+    check_sync_mode(requested)
     mode = requested
     if requested == "auto":
         mode = "lora" if is_peft else "nccl" if cuda and vllm_importable else "reload"
@@ -83,19 +84,7 @@ class _FileSync(ABC):
         self._previous: tuple[str, Path] | None = None
 
     def sync_weights(self) -> None:
-        error = None
-        if self.accelerator.is_main_process:  # only the main process talks to the server
-            try:
-                self._sync()
-            except Exception as exc:
-                error = exc
-        if self.accelerator.num_processes > 1:
-            message = [None if error is None else f"{type(error).__name__}: {error}"]
-            broadcast_object_list(message, from_process=0)
-            if message[0] is not None and error is None:
-                raise RuntimeError(f"vLLM weight sync failed on the main process: {message[0]}")
-        if error is not None:
-            raise error
+        run_on_main_process(self.accelerator, self._sync, "vLLM weight sync")  # only the main one talks to the server
 
     def _sync(self) -> None:
         start = time.perf_counter()
