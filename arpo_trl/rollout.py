@@ -23,6 +23,7 @@ Where we differ from the reference code, deliberately (see docs/differences.md):
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -49,6 +50,7 @@ class Trajectory:
     completion_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)  # 1 = sampled by the model, 0 = written by the environment
     logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)  # per token, nats; NaN for environment tokens
     tool_calls: int = 0
     tool_failures: int = 0
     initial_entropy: float | None = None
@@ -68,8 +70,8 @@ class Trajectory:
         """Model-sampled tokens this path generated itself (not inherited from its parent)."""
         return sum(self.mask[self.fork_position or 0 :])
 
-    def snapshot(self, length: int) -> tuple[list[int], list[int], list[float]]:
-        return self.completion_ids[:length], self.mask[:length], self.logprobs[:length]
+    def snapshot(self, length: int) -> tuple[list[int], list[int], list[float], list[float]]:
+        return self.completion_ids[:length], self.mask[:length], self.logprobs[:length], self.entropies[:length]
 
 
 @dataclass
@@ -218,10 +220,12 @@ class BranchingSampler:
         self._next_id += 1
         return Trajectory(id=self._next_id - 1, group=group, prompt_ids=prompt_ids, kind=kind)
 
-    def _append(self, path: Trajectory, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None) -> None:
+    def _append(self, path: Trajectory, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None,
+                entropies: Sequence[float] | None = None) -> None:
         path.completion_ids += ids
         path.mask += [mask] * len(ids)
         path.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        path.entropies += list(entropies) if entropies is not None else [math.nan] * len(ids)
 
     def _absorb(self, path: Trajectory, seg: Segment) -> _ToolRequest | None:
         """Append a generated segment; record its entropy; return the tool call it ends with, if any."""
@@ -234,11 +238,11 @@ class BranchingSampler:
         stops = list(self.tools)
         cut = cut_at_stop(seg.token_ids, self._decode, self._encode, stops) if seg.finish_reason == "stop" else None
         if cut is None:
-            self._append(path, seg.token_ids, 1, seg.logprobs)
+            self._append(path, seg.token_ids, 1, seg.logprobs, seg.entropies)
             path.finish_reason = "eos" if seg.finish_reason == "eos" else "length"
             return None
         kept, rewritten, close_tag = cut
-        self._append(path, kept, 1, seg.logprobs[: len(kept)])
+        self._append(path, kept, 1, seg.logprobs[: len(kept)], seg.entropies[: len(kept)])
         self._append(path, rewritten, 0)
         content = extract_call(self._decode(kept + rewritten), close_tag)
         if path.tool_calls >= self.max_tool_calls:
@@ -261,7 +265,7 @@ class BranchingSampler:
         limit = self.max_completion_length
         over = len(path.completion_ids) > limit
         if over:
-            path.completion_ids, path.mask, path.logprobs = path.snapshot(limit)
+            path.completion_ids, path.mask, path.logprobs, path.entropies = path.snapshot(limit)
         if over or (path.active and len(path.completion_ids) >= limit):
             path.finish_reason = "length"
 
@@ -304,7 +308,7 @@ class BranchingSampler:
     def _fork(self, source: Trajectory, delta: float) -> Trajectory:
         length, calls, failures = source._segment_start
         child = self._new_path(source.group, source.prompt_ids, "branch")
-        child.completion_ids, child.mask, child.logprobs = source.snapshot(length)
+        child.completion_ids, child.mask, child.logprobs, child.entropies = source.snapshot(length)
         child.parent, child.fork_position, child.fork_delta = source.id, length, delta
         child.tool_calls, child.tool_failures = calls, failures
         child.initial_entropy = source.initial_entropy

@@ -72,7 +72,9 @@ def test_exactly_m_per_prompt_and_branch_prefixes(tokenizer, policy, seed):
     by_id = {t.id: t for t in result.trajectories}
     for t in result.trajectories:
         assert not t.active
-        assert len(t.completion_ids) == len(t.mask) == len(t.logprobs) <= 200
+        assert len(t.completion_ids) == len(t.mask) == len(t.logprobs) == len(t.entropies) <= 200
+        # per-token entropies are kept for the model's tokens only (the entropy-around-tools plot)
+        assert [math.isnan(h) for h in t.entropies] == [bit == 0 for bit in t.mask]
         if t.kind == "branch":
             parent = by_id[t.parent]
             assert parent.group == t.group
