@@ -1,6 +1,7 @@
 """`arpo-trl`: the command line, in TRL's style (`trl grpo --config recipe.yaml`).
 
     arpo-trl train --config recipes/quickstart.yaml [--any_config_field value ...]
+    arpo-trl eval --config recipes/eval_quickstart.yaml [--any_eval_field value ...]   # pass@k, see evaluation.py
     arpo-trl vllm-serve --model PATH --lora-rank 16          # = python -m arpo_trl.vllm_server serve
 
 A recipe is flat YAML over `ARPOScriptArguments` (dataset, rewards, tools), `ARPOConfig` and TRL's `ModelConfig`
@@ -61,14 +62,21 @@ class ARPOScriptArguments:
     )
 
 
-def make_parser():
-    from trl import ModelConfig, TrlParser
+def one_line_parser(dataclass_types: tuple, prog: str):
+    """TRL's parser (YAML `--config` + a `--flag` per field) that raises UserInputError instead of printing usage."""
+    from trl import TrlParser
 
     class Parser(TrlParser):
-        def error(self, message: str):  # one line instead of argparse's usage dump
+        def error(self, message: str):
             raise UserInputError(message)
 
-    return Parser((ARPOScriptArguments, ARPOConfig, ModelConfig), prog="arpo-trl train")
+    return Parser(dataclass_types, prog=prog)
+
+
+def make_parser():
+    from trl import ModelConfig
+
+    return one_line_parser((ARPOScriptArguments, ARPOConfig, ModelConfig), "arpo-trl train")
 
 
 def load_reward(name: str) -> Callable:
@@ -197,11 +205,17 @@ def _fail(error: Exception) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": train, "vllm-serve": _vllm_serve}
+    commands = {"train": train, "eval": _eval, "vllm-serve": _vllm_serve}
     if not argv or argv[0] not in commands:
         print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     commands[argv[0]](argv[1:])
+
+
+def _eval(argv: Sequence[str]) -> None:
+    from arpo_trl.evaluation import eval_command  # lazy: `train` does not pay for it
+
+    eval_command(argv)
 
 
 def _vllm_serve(argv: Sequence[str]) -> None:

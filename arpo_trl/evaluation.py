@@ -1,0 +1,522 @@
+"""`arpo-trl eval --config recipe.yaml`: pass@k evaluation of a (trained) model with its tools.
+
+    arpo-trl eval --config recipes/eval_quickstart.yaml [--any_field value ...]
+
+As the reference evaluates (arpo_reference.md §4.3, §6): no branching, `n_samples` whole trajectories per question
+(`BranchingSampler` with branch_policy='none'), the answer is the last `\\boxed{}` inside `<answer>`, scored by
+math equivalence (`math-verify`) or SQuAD F1/EM. Reported per seed and as mean ± std over `seeds`: pass@1 (mean
+correctness), pass@k (the unbiased estimator of Chen et al. 2021, `1 - C(n-c, k) / C(n, k)`), mean F1/EM, the
+format-valid rate, tool-call statistics, finish reasons, tokens generated and wall time. Writes
+`<output_dir>/eval_results.json` (config, summary, per-seed metrics, per-question records with completions) and
+`eval_results.md`, and prints the markdown table.
+
+A trajectory is *correct* when its score is 1: math-verify equivalence, or an exact match for 'f1'/'em' (the
+'f1' metric additionally reports the mean token-F1, which is what the paper reports for knowledge QA).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from arpo_trl.cli import (
+    TOOLS,
+    ARPOScriptArguments,
+    UserInputError,
+    build_tools,
+    load_train_dataset,
+    resolve_model,
+)
+from arpo_trl.rewards import (
+    GROUND_TRUTH_COLUMNS,
+    extract_answer,
+    f1_score,
+    last_boxed,
+    math_score,
+    normalize_answer,
+    validate_format,
+)
+
+METRICS = ("auto", "math", "f1", "em")
+BACKENDS = ("transformers", "vllm_server")
+RESULTS_FILE = "eval_results.json"
+
+
+@dataclass
+class EvalArguments:
+    """Everything `arpo-trl eval` reads; a flat YAML recipe or `--flags`. Sampling defaults are the reference's
+    evaluation settings (T=0.6, top_p 0.95, top_k 20, repetition penalty 1.1)."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Model to evaluate: a local folder, a hub id, or 'smollm2' (SmolLM2-135M-Instruct, PyPI). "
+                  "May be left out when `adapter` names its base model in adapter_config.json."},
+    )
+    adapter: str | None = field(
+        default=None,
+        metadata={"help": "Optional PEFT adapter folder (e.g. a LoRA training run's output_dir), applied to the model "
+                  "(merged for the transformers backend, loaded as a LoRA module on the vLLM server)."},
+    )
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "'reasoning_gym:<task>[:<size>]' (generated offline with `dataset_seed`), a local "
+                  ".json/.jsonl/.parquet/.csv file or a datasets hub id, with a `prompt` column and a ground-truth "
+                  f"column (one of {list(GROUND_TRUTH_COLUMNS)})."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
+    dataset_split: str = field(default="test", metadata={"help": "Split to evaluate (hub datasets)."})
+    dataset_seed: int = field(
+        default=1234,
+        metadata={"help": "Seed of generated datasets (reasoning_gym). Training generates with its `seed` (42 in the "
+                  "quickstart), so a different value holds the questions out."},
+    )
+    num_samples: int | None = field(
+        default=None, metadata={"help": "Evaluate only the first `num_samples` questions (all when unset)."}
+    )
+    n_samples: int = field(default=1, metadata={"help": "Trajectories sampled per question (n of pass@k; n >= k)."})
+    k: list[int] = field(default_factory=lambda: [1], metadata={"help": "The k of pass@k to report (each <= n)."})
+    seeds: list[int] = field(
+        default_factory=lambda: [0],
+        metadata={"help": "The whole evaluation is repeated once per seed; metrics are reported per seed and as "
+                  "mean ± std. (A vLLM server receives no per-request seed: its runs are repeats.)"},
+    )
+    metric: str = field(
+        default="auto",
+        metadata={"help": f"Answer scoring, one of {list(METRICS)}: 'math' = math-verify equivalence, 'f1'/'em' = "
+                  "SQuAD token F1 / exact match; 'auto' asks the dataset (arpo_trl.data.dataset_metric, a `metric` "
+                  "column), else 'math'."},
+    )
+    require_answer_tag: bool = field(
+        default=True,
+        metadata={"help": "Score the last \\boxed{} inside <answer>…</answer> (as the reward); false: the last "
+                  "\\boxed{} anywhere in the completion."},
+    )
+    tools: list[str] = field(
+        default_factory=lambda: ["python"],
+        metadata={"help": f"Tools the model may call, by tag: {list(TOOLS)}. 'search' needs `search_corpus`."},
+    )
+    python_timeout: float = field(default=10.0, metadata={"help": "Seconds one Python tool call may run."})
+    search_corpus: str | None = field(
+        default=None, metadata={"help": "Text file for the BM25 search tool: one document per line (or a .jsonl "
+                                "with a `text` field)."},
+    )
+    max_tool_calls: int = field(default=3, metadata={"help": "Tool calls per trajectory before it is ended."})
+    tool_timeout: float = field(default=30.0, metadata={"help": "Seconds a round's concurrent tool calls may take."})
+    max_completion_length: int = field(
+        default=512, metadata={"help": "Token budget of a whole trajectory (model tokens plus tool results)."}
+    )
+    temperature: float = field(default=0.6, metadata={"help": "Sampling temperature (0 = greedy)."})
+    top_p: float = field(default=0.95, metadata={"help": "Nucleus sampling."})
+    top_k: int = field(default=20, metadata={"help": "Top-k sampling (0 = off)."})
+    repetition_penalty: float = field(default=1.1, metadata={"help": "Repetition penalty (1.0 = off)."})
+    batch_size: int = field(
+        default=8, metadata={"help": "Questions per sampler call (each gives n_samples trajectories at once)."}
+    )
+    backend: str = field(
+        default="transformers",
+        metadata={"help": f"Generation backend, one of {list(BACKENDS)}. 'vllm_server' talks to a running server "
+                  "(`arpo-trl vllm-serve`) at `vllm_server_base_url`."},
+    )
+    device: str = field(default="auto", metadata={"help": "transformers backend: 'auto', 'cpu', 'cuda', 'cuda:1'…"})
+    dtype: str = field(default="auto", metadata={"help": "transformers backend: 'auto', 'float32', 'bfloat16'…"})
+    vllm_server_base_url: str = field(
+        default="http://127.0.0.1:8000", metadata={"help": "Root URL of the vLLM server (without /v1)."}
+    )
+    vllm_model_name: str | None = field(
+        default=None, metadata={"help": "Served model or LoRA name to sample from (default: the server's base model)."}
+    )
+    vllm_server_timeout: float = field(
+        default=240.0, metadata={"help": "Seconds to wait for the vLLM server to answer /health."}
+    )
+    vllm_request_timeout: float = field(default=600.0, metadata={"help": "Seconds one completion request may take."})
+    output_dir: str = field(default="runs/eval", metadata={"help": f"Folder for {RESULTS_FILE} and eval_results.md."})
+    save_completions: bool = field(
+        default=True, metadata={"help": "Store every completion's text in the per-question records."}
+    )
+
+
+# ---- scoring ----------------------------------------------------------------------------------------------------
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): the chance that k of n samples, c of them correct, hold a correct one."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}.")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def exact_match(prediction: str, ground_truths: str | Sequence[str]) -> float:
+    """SQuAD exact match (after `normalize_answer`), max over the ground truths."""
+    truths = [ground_truths] if isinstance(ground_truths, str) else list(ground_truths)
+    return float(any(normalize_answer(prediction) == normalize_answer(str(t)) for t in truths))
+
+
+def score_answer(answer: str | None, ground_truth, metric: str) -> dict[str, float]:
+    """`score` (the metric's value), `correct` (1.0 or 0.0) and, for 'f1'/'em', both `f1` and `em`."""
+    if metric not in METRICS[1:]:
+        raise ValueError(f"metric: unknown metric {metric!r}; expected one of {list(METRICS[1:])}.")
+    truth = ground_truth if isinstance(ground_truth, (list, tuple)) else str(ground_truth)
+    if metric == "math":
+        value = 0.0 if answer is None else math_score(answer, truth)
+        return {"score": value, "correct": float(value >= 1.0)}
+    f1 = 0.0 if answer is None else f1_score(answer, truth)
+    em = 0.0 if answer is None else exact_match(answer, truth)
+    return {"score": f1 if metric == "f1" else em, "correct": em, "f1": f1, "em": em}
+
+
+def score_completion(text: str, ground_truth, metric: str, require_answer_tag: bool = True) -> dict[str, Any]:
+    """Score one completion: extracted answer, metric values and the reference's format check."""
+    answer = extract_answer(text) if require_answer_tag else last_boxed(text)
+    format_error = validate_format(text)
+    return {"answer": answer, **score_answer(answer, ground_truth, metric), "format_error": format_error}
+
+
+def tool_call_counts(text: str, tags: Sequence[str]) -> dict[str, int]:
+    """Executed calls per tool: a closing tag followed by the result block the sampler appended."""
+    return {tag: len(re.findall(rf"</{re.escape(tag)}> <result>\n", text)) for tag in tags}
+
+
+# ---- metrics ----------------------------------------------------------------------------------------------------
+def seed_metrics(records: list[dict], ks: Sequence[int], metric: str, tags: Sequence[str],
+                 wall_time: float) -> dict[str, float]:
+    """Flat metrics of one seed's per-question records."""
+    completions = [c for r in records for c in r["completions"]]
+    total = max(len(completions), 1)
+    out: dict[str, float] = {"questions": len(records), "trajectories": len(completions)}
+    for k in ks:
+        out[f"pass@{k}"] = _mean(pass_at_k(len(r["completions"]), r["num_correct"], k) for r in records)
+    out["mean_score"] = _mean(c["score"] for c in completions)
+    if metric in ("f1", "em"):
+        out["mean_f1"] = _mean(c["f1"] for c in completions)
+        out["mean_em"] = _mean(c["em"] for c in completions)
+    out["answered_rate"] = sum(c["answer"] is not None for c in completions) / total
+    out["format_valid_rate"] = sum(c["format_error"] is None for c in completions) / total
+    calls = sum(c["tool_calls"] for c in completions)
+    failures = sum(c["tool_failures"] for c in completions)
+    out["tool_calls_per_trajectory"] = calls / total
+    out["tool_failures_per_trajectory"] = failures / total
+    out["tool_failure_rate"] = failures / calls if calls else 0.0
+    for tag in tags:
+        out[f"tool_use_rate/{tag}"] = sum(c["calls_by_tool"][tag] > 0 for c in completions) / total
+    for reason in sorted({c["finish_reason"] for c in completions}):
+        out[f"finish_reason/{reason}"] = sum(c["finish_reason"] == reason for c in completions) / total
+    tokens = sum(c["tokens"] for c in completions)
+    out["tokens_generated"] = tokens
+    out["tokens_per_trajectory"] = tokens / total
+    out["wall_time_s"] = wall_time
+    return out
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return statistics.fmean(values) if values else 0.0
+
+
+def summarize(per_seed: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Mean and sample std (0 for one seed) of every metric over seeds; a finish reason a seed never saw counts 0."""
+    keys = list(dict.fromkeys(key for metrics in per_seed for key in metrics if key != "seed"))
+    summary = {}
+    for key in keys:
+        values = [float(metrics.get(key, 0.0)) for metrics in per_seed]
+        summary[key] = {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+    return summary
+
+
+def markdown_table(per_seed: list[dict[str, float]], summary: dict[str, dict[str, float]]) -> str:
+    seeds = [f"seed {int(m['seed'])}" for m in per_seed]
+    lines = ["| metric | " + " | ".join(seeds) + " | mean ± std |", "|---" * (len(seeds) + 2) + "|"]
+    for key, stats in summary.items():
+        cells = [_fmt(key, m.get(key, 0.0)) for m in per_seed]
+        lines.append(f"| {key} | " + " | ".join(cells) + f" | {_fmt(key, stats['mean'])} ± {_fmt(key, stats['std'])} |")
+    return "\n".join(lines)
+
+
+def _fmt(key: str, value: float) -> str:
+    if key in ("questions", "trajectories", "tokens_generated"):
+        return f"{value:.0f}" if float(value).is_integer() else f"{value:.1f}"
+    return f"{value:.2f}" if key == "wall_time_s" or key.endswith("per_trajectory") else f"{value:.3f}"
+
+
+# ---- setup ------------------------------------------------------------------------------------------------------
+@dataclass
+class EvalSetup:
+    """What a run needs, built (and checked) from `EvalArguments` by `prepare`."""
+
+    engine: Any
+    tokenizer: Any
+    tools: list
+    dataset: Any
+    metric: str
+    model: str | None = None
+    close: Callable[[], None] = lambda: None
+
+
+def check_args(args: EvalArguments) -> None:
+    """One-line `UserInputError`s naming the field, before anything is loaded."""
+    if args.metric not in METRICS:
+        raise UserInputError(f"metric: unknown metric {args.metric!r}; expected one of {list(METRICS)}.")
+    if args.backend not in BACKENDS:
+        raise UserInputError(f"backend: unknown backend {args.backend!r}; expected one of {list(BACKENDS)}.")
+    if args.n_samples < 1:
+        raise UserInputError(f"n_samples: must be >= 1, got {args.n_samples}.")
+    if not args.k or any(k < 1 for k in args.k):
+        raise UserInputError(f"k: every k of pass@k must be >= 1, got {args.k}.")
+    if max(args.k) > args.n_samples:
+        raise UserInputError(f"k: pass@{max(args.k)} needs n_samples >= {max(args.k)} trajectories per question "
+                             f"(n_samples={args.n_samples}).")
+    if not args.seeds:
+        raise UserInputError("seeds: at least one seed is required.")
+    for name in ("batch_size", "max_completion_length", "num_samples"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserInputError(f"{name}: must be >= 1, got {value}.")
+    if args.max_tool_calls < 0:
+        raise UserInputError(f"max_tool_calls: must be >= 0, got {args.max_tool_calls}.")
+    if args.adapter and not (Path(args.adapter) / "adapter_config.json").is_file():
+        raise UserInputError(f"adapter: {args.adapter!r} is not a PEFT adapter folder (no adapter_config.json).")
+
+
+def load_eval_dataset(args: EvalArguments):
+    """The dataset through `arpo-trl train`'s loader (same formats and column checks), cut to `num_samples`."""
+    script = ARPOScriptArguments(dataset_name=args.dataset_name, dataset_config=args.dataset_config,
+                                 dataset_train_split=args.dataset_split)
+    try:
+        data = load_train_dataset(script, args.dataset_seed)
+    except UserInputError as error:
+        raise UserInputError(str(error).replace("dataset_train_split", "dataset_split")) from error
+    if args.num_samples is not None:
+        data = data.select(range(min(args.num_samples, len(data))))
+    if len(data) == 0:
+        raise UserInputError(f"dataset_name: {args.dataset_name!r} has no rows to evaluate.")
+    return data
+
+
+def resolve_metric(args: EvalArguments, dataset) -> str:
+    """'auto': `arpo_trl.data.dataset_metric(dataset_name)` when it exists, else a single-valued `metric` column,
+    else 'math'."""
+    if args.metric != "auto":
+        return args.metric
+    from arpo_trl import data
+
+    finder = getattr(data, "dataset_metric", None)
+    try:
+        metric = finder(args.dataset_name) if finder is not None else None
+    except (KeyError, ValueError):  # a name it does not know: fall back to the data
+        metric = None
+    if metric is None and "metric" in dataset.column_names and len(set(dataset["metric"])) == 1:
+        metric = dataset[0]["metric"]
+    metric = metric or "math"
+    if metric not in METRICS[1:]:
+        raise UserInputError(f"metric: the dataset asks for {metric!r}; expected one of {list(METRICS[1:])}.")
+    return metric
+
+
+def base_model(args: EvalArguments) -> str:
+    name = args.model_name_or_path
+    if not name and args.adapter:
+        name = json.loads((Path(args.adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    return resolve_model(name)
+
+
+def load_tokenizer(args: EvalArguments, model: str):
+    from transformers import AutoTokenizer
+
+    source = args.adapter if args.adapter and (Path(args.adapter) / "tokenizer_config.json").is_file() else model
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except OSError as error:
+        raise UserInputError(f"model_name_or_path: cannot load a tokenizer from {source!r}: "
+                             f"{str(error).splitlines()[0]}") from error
+
+
+def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """The tokenizer's EOS plus the model's generation-config EOS ids (as TRL)."""
+    extra = getattr(generation_config, "eos_token_id", None)
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+    return list(dict.fromkeys([tokenizer.eos_token_id, *extra]))
+
+
+def transformers_engine(args: EvalArguments, model_path: str, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from arpo_trl.engines import TransformersEngine
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=args.dtype)
+    except OSError as error:
+        raise UserInputError(f"model_name_or_path: cannot load {model_path!r}: {str(error).splitlines()[0]}") from error
+    if args.adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, args.adapter).merge_and_unload()
+    try:
+        model.to(device).eval()
+    except (RuntimeError, AssertionError) as error:  # 'cuda' without a GPU, a misspelt device
+        raise UserInputError(f"device: cannot use {args.device!r}: {str(error).splitlines()[0]}") from error
+    return TransformersEngine(
+        model, tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty, entropy_top_k=1,
+        eos_token_ids=eos_token_ids(tokenizer, model.generation_config),
+    )
+
+
+def server_engine(args: EvalArguments, tokenizer):
+    """A `VLLMServerEngine`; an adapter is loaded onto the server as a LoRA module and sampled from."""
+    from arpo_trl.engines import VLLMServerEngine
+    from arpo_trl.vllm_client import VLLMClient, check_server_tokenizer
+
+    client = VLLMClient(args.vllm_server_base_url, args.vllm_request_timeout, args.vllm_server_timeout)
+    client.wait_until_ready()
+    model_name = args.vllm_model_name
+    if args.adapter:
+        model_name = model_name or f"eval-{Path(args.adapter).resolve().name}"
+        client.load_lora_adapter(model_name, str(Path(args.adapter).resolve()))
+    engine = VLLMServerEngine(
+        client, tokenizer, model_name=model_name, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty, entropy_top_k=1, eos_token_ids=eos_token_ids(tokenizer),
+    )
+    check_server_tokenizer(client, tokenizer, engine.model_name)
+    return engine
+
+
+def prepare(args: EvalArguments) -> EvalSetup:
+    """Check the arguments, load the dataset, tools, tokenizer and engine; every user mistake is a UserInputError
+    (or a ValueError/VLLMServerError naming the field or URL)."""
+    check_args(args)
+    script = ARPOScriptArguments(tools=list(args.tools), python_timeout=args.python_timeout,
+                                 search_corpus=args.search_corpus)
+    tools = build_tools(script)
+    dataset = load_eval_dataset(args)
+    metric = resolve_metric(args, dataset)
+    model = base_model(args)
+    tokenizer = load_tokenizer(args, model)
+    if isinstance(dataset[0]["prompt"], list) and tokenizer.chat_template is None:
+        raise UserInputError(f"model {model!r} has no chat template, but the dataset's prompts are conversations; "
+                             "use an instruct model or plain-text prompts.")
+    if args.backend == "vllm_server":
+        engine = server_engine(args, tokenizer)
+        return EvalSetup(engine, tokenizer, tools, dataset, metric, model, close=engine.close)
+    return EvalSetup(transformers_engine(args, model, tokenizer), tokenizer, tools, dataset, metric, model)
+
+
+# ---- the run ----------------------------------------------------------------------------------------------------
+def prompt_ids(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    encoded = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(encoded["input_ids"])
+
+
+def question_text(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    users = [m.get("content") or "" for m in prompt if m.get("role") == "user"]
+    return str(users[-1] if users else prompt[-1].get("content"))
+
+
+def ground_truth(row: dict):
+    return next((row[c] for c in GROUND_TRUTH_COLUMNS if c in row and row[c] is not None), "")
+
+
+def run_seed(args: EvalArguments, setup: EvalSetup, sampler, seed: int) -> tuple[dict[str, float], list[dict]]:
+    """One pass over the dataset: `n_samples` trajectories per question, scored; returns (metrics, records)."""
+    import torch
+
+    torch.manual_seed(seed)
+    sampler.rng.seed(seed)
+    tags = [tool.tag for tool in setup.tools]
+    rows, records, start = list(setup.dataset), [], time.perf_counter()
+    for begin in range(0, len(rows), args.batch_size):
+        batch = rows[begin : begin + args.batch_size]
+        result = sampler.sample([prompt_ids(setup.tokenizer, r["prompt"]) for r in batch],
+                                num_generations=args.n_samples, branch_policy="none")
+        for offset, (row, group) in enumerate(zip(batch, result.groups)):
+            records.append(_record(args, setup, tags, seed, begin + offset, row, group))
+        print(f"arpo-trl eval: seed {seed}: {len(records)}/{len(rows)} questions", file=sys.stderr, flush=True)
+    return seed_metrics(records, args.k, setup.metric, tags, time.perf_counter() - start), records
+
+
+def _record(args: EvalArguments, setup: EvalSetup, tags: list[str], seed: int, index: int, row: dict,
+            group: list) -> dict:
+    truth = ground_truth(row)
+    completions = []
+    for path in group:
+        text = setup.tokenizer.decode(path.completion_ids, skip_special_tokens=True)
+        scored = score_completion(text, truth, setup.metric, args.require_answer_tag)
+        completions.append({
+            **({"text": text} if args.save_completions else {}), **scored,
+            "tool_calls": path.tool_calls, "tool_failures": path.tool_failures,
+            "calls_by_tool": tool_call_counts(text, tags), "finish_reason": path.finish_reason,
+            "tokens": path.own_tokens(),
+        })
+    num_correct = int(sum(c["correct"] for c in completions))
+    return {
+        "seed": seed, "index": index, "question": question_text(row["prompt"]), "ground_truth": truth,
+        "num_correct": num_correct, **{f"pass@{k}": pass_at_k(len(group), num_correct, k) for k in args.k},
+        "completions": completions,
+    }
+
+
+def evaluate(args: EvalArguments, setup: EvalSetup | None = None) -> dict:
+    """Run the evaluation for every seed; write `eval_results.json` and `eval_results.md` into `output_dir`; return
+    the results (`config`, `model`, `metric`, `summary`, `per_seed`, `records`, `table`). `setup` replaces the
+    engine, tools and data built from `args` (tests, notebooks)."""
+    from arpo_trl.rollout import BranchingSampler
+
+    setup = setup or prepare(args)
+    sampler = BranchingSampler(
+        setup.engine, setup.tokenizer, setup.tools, num_generations=args.n_samples, branch_policy="none",
+        max_tool_calls=args.max_tool_calls, max_completion_length=args.max_completion_length,
+        tool_timeout=args.tool_timeout, seed=args.seeds[0],
+    )
+    per_seed, records = [], []
+    try:
+        for seed in args.seeds:
+            metrics, seed_records = run_seed(args, setup, sampler, seed)
+            per_seed.append({"seed": seed, **metrics})
+            records += seed_records
+    finally:
+        sampler._executor.shutdown(wait=False, cancel_futures=True)
+        setup.close()
+    summary = summarize(per_seed)
+    results = {"config": asdict(args), "model": setup.model, "metric": setup.metric, "summary": summary,
+               "per_seed": per_seed, "records": records, "table": markdown_table(per_seed, summary)}
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / RESULTS_FILE).write_text(json.dumps(results, indent=1, ensure_ascii=False, default=str))
+    (output / "eval_results.md").write_text(results["table"] + "\n")
+    return results
+
+
+# ---- the command ------------------------------------------------------------------------------------------------
+def make_eval_parser():
+    from arpo_trl.cli import one_line_parser
+
+    return one_line_parser((EvalArguments,), "arpo-trl eval")
+
+
+def eval_command(argv: Sequence[str]) -> None:
+    """`arpo-trl eval --config recipe.yaml [--flags]`: user mistakes end with one line and exit code 2."""
+    from arpo_trl.cli import _fail
+    from arpo_trl.vllm_client import VLLMServerError
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        (args,) = make_eval_parser().parse_args_and_config(list(argv))
+        setup = prepare(args)
+    except (ValueError, FileNotFoundError, ImportError, VLLMServerError) as error:
+        _fail(error)
+    results = evaluate(args, setup)
+    print(results["table"])
+    print(f"Results written to {Path(args.output_dir) / RESULTS_FILE}.")
