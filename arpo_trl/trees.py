@@ -604,19 +604,28 @@ def _view(args: argparse.Namespace) -> None:
         print(f"wrote {render_tree_html(select(records, group=groups[0], source=args.file), args.html)}")
 
 
-def _plot(args: argparse.Namespace) -> None:
-    records = _load(args.file, args.step)
-    groups = [args.group] if args.group is not None else sorted({r["group"] for r in records})
-    out = Path(args.out)
+def plot_run(file: str | os.PathLike, out: str | os.PathLike, step: int | None = None, group: int | None = None,
+             window: int = 20) -> list[Path]:
+    """Tree PNG + HTML of each group of `step` (default: the last) and the entropy-around-tools plot (+ JSON) of
+    the whole file, written into `out`; returns the paths written."""
+    records = _load(str(file), step)
+    groups = [group] if group is not None else sorted({r["group"] for r in records})
+    out, written = Path(out), []
     for g in groups:
-        chosen = select(records, group=g, source=args.file)
+        chosen = select(records, group=g, source=str(file))
         stem = out / f"tree_step{chosen[0]['step']}_group{g}"
-        print(f"wrote {render_tree_png(chosen, stem.with_suffix('.png'))}")
-        print(f"wrote {render_tree_html(chosen, stem.with_suffix('.html'))}")
-    stats = entropy_around_tools(read_jsonl(args.file), args.window)
+        written += [render_tree_png(chosen, stem.with_suffix(".png")),
+                    render_tree_html(chosen, stem.with_suffix(".html"))]
+    stats = entropy_around_tools(read_jsonl(file), window)
     out.mkdir(parents=True, exist_ok=True)
     (out / "entropy_around_tools.json").write_text(json.dumps(stats, indent=1))
-    print(f"wrote {plot_entropy_around_tools(stats, out / 'entropy_around_tools.png')}")
+    written += [out / "entropy_around_tools.json", plot_entropy_around_tools(stats, out / "entropy_around_tools.png")]
+    return written
+
+
+def _plot(args: argparse.Namespace) -> None:
+    for path in plot_run(args.file, args.out, args.step, args.group, args.window):
+        print(f"wrote {path}")
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m arpo_trl.trees") -> int:

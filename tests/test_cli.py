@@ -41,9 +41,31 @@ def _recipe(tmp_path: Path, model_dir, **overrides) -> Path:
     return path
 
 
-def test_train_from_yaml_recipe_saves_the_adapter(tool_model_dir, tmp_path):
+def test_train_from_yaml_recipe_saves_the_adapter(tool_model_dir, tmp_path, capsys):
     main(["train", "--config", str(_recipe(tmp_path, tool_model_dir)), "--branch_threshold", "1.0"])
-    assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+    run = tmp_path / "run"
+    assert (run / "adapter_model.safetensors").is_file()
+    printed = capsys.readouterr().out
+    assert "| step | reward |" in printed and str(run / "trees.jsonl") in printed  # the run summary
+    # the run folder's trees, viewed and drawn by the CLI
+    with pytest.raises(SystemExit) as exit_code:
+        main(["view", str(run / "trees.jsonl"), "--group", "0"])
+    assert exit_code.value.code == 0 and "node 0" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_code:
+        main(["plot", str(run / "trees.jsonl"), "--out", str(tmp_path / "pictures")])
+    assert exit_code.value.code == 0
+    assert (tmp_path / "pictures" / "entropy_around_tools.png").is_file()
+    with pytest.raises(SystemExit) as exit_code:
+        main(["view", str(run / "trees.jsonl"), "--step", "7"])
+    assert exit_code.value.code == 2 and "no step 7" in capsys.readouterr().err
+
+
+def test_search_and_browse_tools_over_the_offline_wiki():
+    from arpo_trl.cli import ARPOScriptArguments, build_tools
+
+    search, browse = build_tools(ARPOScriptArguments(tools=["search", "browse"], search_corpus="wiki"))
+    assert "Paris" in search("capital of France")
+    assert browse("France | capital").startswith("Page: France")
 
 
 def test_train_on_a_reasoning_gym_task(tool_model_dir, tmp_path):

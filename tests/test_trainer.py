@@ -1,5 +1,6 @@
 """ARPOTrainer end to end on CPU: a tiny model that calls `<python>`, real PythonTool subprocesses, TRL's loss."""
 
+import json
 import re
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 from peft import LoraConfig
 
 from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool, arpo_math_reward
-from arpo_trl.rewards import completion_text
+from arpo_trl.rewards import completion_text, validate_format
+from arpo_trl.trees import read_jsonl
 
 
 def length_reward(completions, **kwargs):
@@ -81,6 +83,31 @@ def test_end_to_end_full_finetune_with_python_tool(tool_model_dir, tokenizer, ad
     check_masks(trainer, tokenizer, before)
     rewards = [e["rewards/arpo_math_reward/mean"] for e in trainer.state.log_history if "reward" in e]
     assert rewards and all(-1.0 <= r <= 1.1 for r in rewards)
+    check_run_folder(tmp_path, trainer, steps=2)
+
+
+def check_run_folder(run, trainer, steps):
+    """trees.jsonl holds every step's trees with the rewards TRL computed; metrics, curve and pictures exist."""
+    records = read_jsonl(run / "trees.jsonl")
+    assert sorted({r["step"] for r in records}) == list(range(steps))
+    m = trainer.args.num_generations
+    for step in range(steps):
+        rows = [r for r in records if r["step"] == step]
+        assert len(rows) == 2 * m  # 8 completions per step = 2 prompts × M
+        for r in rows:  # reward = length shaping + ARPO's reward, recomputed from the record's own text
+            text = "".join(seg["text"] for seg in r["segments"])
+            arpo_part = r["reward"] - length_reward([text])[0]
+            if validate_format(text) is not None:
+                assert arpo_part == pytest.approx(-1.0, abs=1e-6)
+            else:
+                assert min(abs(arpo_part - v) for v in (0.0, 1.0)) < 1e-6
+            assert r["advantage"] is not None
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in metrics if "reward" in row] == list(range(1, steps + 1))
+    pictures = {p.name for p in (run / "trees").iterdir()}
+    assert {"entropy_around_tools.png", "entropy_around_tools.json", f"tree_step{steps - 1}_group0.png",
+            f"tree_step{steps - 1}_group0.html"} <= pictures
+    assert (run / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_end_to_end_lora_hard_attribution(tool_model_dir, tokenizer, addition_dataset, tmp_path):
