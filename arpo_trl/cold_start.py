@@ -30,7 +30,7 @@ from arpo_trl.data import PYTHON_SYSTEM_PROMPT, arpo_prompt, resolve_system_prom
 from arpo_trl.tools.base import format_result
 from arpo_trl.tools.python import PythonTool
 
-ARITHMETIC_TASKS = ("basic_arithmetic", "chain_sum", "simple_equations")
+ARITHMETIC_TASKS = ("basic_arithmetic", "chain_sum", "products")
 _THOUGHTS = (
     "I will compute this with Python.",
     "Let me evaluate the expression in Python.",

@@ -17,4 +17,5 @@ def test_quickstart_notebook_runs(tool_model_dir, tmp_path, monkeypatch):
         if cell.cell_type == "code":
             exec(compile(cell.source, f"{NOTEBOOK.name}", "exec"), namespace)
     assert namespace["trainer"].state.global_step == 1
-    assert len(namespace["tree"]) == 4
+    assert len(namespace["tree"]) == 4 and {r["step"] for r in namespace["tree"]} == {0}
+    assert (tmp_path / "run" / "tree.png").read_bytes()[:4] == b"\x89PNG"
