@@ -24,6 +24,7 @@ from arpo_trl.trees import plot_run
 logger = logging.getLogger(__name__)
 TREES_FILE = "trees.jsonl"
 METRICS_FILE = "metrics.jsonl"
+SMOOTHING = 5
 CURVE_KEYS = ("reward", "arpo/tool_calls_per_trajectory", "arpo/forks_per_group")
 
 
@@ -75,7 +76,13 @@ def plot_curves(metrics_path: str | os.PathLike, out: str | os.PathLike) -> Path
     series = {k: v for k, v in curves(read_metrics(metrics_path)).items() if v}
     fig, axes = plt.subplots(1, max(len(series), 1), figsize=(4 * max(len(series), 1), 3.2), squeeze=False)
     for ax, (name, points) in zip(axes[0], series.items()):
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+        steps, values = [p[0] for p in points], [p[1] for p in points]
+        ax.plot(steps, values, marker="o", label="per step")
+        if len(values) >= 2 * SMOOTHING:  # a step's few prompts make single steps noisy
+            means = [sum(values[max(0, i - SMOOTHING + 1) : i + 1]) / len(values[max(0, i - SMOOTHING + 1) : i + 1])
+                     for i in range(len(values))]
+            ax.plot(steps, means, linestyle="--", label=f"running mean ({SMOOTHING} steps)")
+            ax.legend(fontsize=7)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -48,3 +48,20 @@ def test_wandb_offline_and_trackio(tool_model_dir, tmp_path):
     assert list((tmp_path / "trackio").rglob("*.db")), "trackio stored nothing"
     logged = curves([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()])
     assert logged["reward"] and logged["arpo/forks_per_group"]
+
+
+def test_curves_summary_and_plot_from_a_metrics_file(tmp_path):
+    from arpo_trl.tracking import plot_curves, run_summary
+
+    rows = [{"step": s, "reward": s / 10, "rewards/arpo_math_reward/mean": -1 + s / 10, "loss": 0.1,
+             "arpo/forks_per_group": 1.0, "arpo/tool_calls_per_trajectory": float("nan") if s == 3 else 0.5}
+            for s in range(1, 13)] + [{"step": 12, "train_runtime": 99.0}]  # the final summary log has no reward
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    series = curves(rows)
+    assert series["reward"] == [(s, s / 10) for s in range(1, 13)]
+    assert [s for s, _ in series["arpo/tool_calls_per_trajectory"]] == [s for s in range(1, 13) if s != 3]
+    assert series["rewards/arpo_math_reward/mean"][0] == (1, -0.9)
+    summary = run_summary(tmp_path)
+    assert "| step | reward | arpo/tool_calls_per_trajectory | arpo/forks_per_group |" in summary
+    assert "| 3 | 0.300 |  | 1.000 | -0.700 |" in summary and str(tmp_path / "metrics.jsonl") in summary
+    assert plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
