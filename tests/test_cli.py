@@ -115,3 +115,21 @@ def test_console_script_is_installed():
     script = Path(sys.executable).with_name("arpo-trl")
     result = subprocess.run([str(script), "train", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "--branch_threshold" in result.stdout and "--reward_funcs" in result.stdout
+
+
+def test_train_under_accelerate_launch_two_processes(tool_model_dir, tmp_path):
+    """`accelerate launch -m arpo_trl.cli train` (2 CPU processes, gloo): one run folder, by the main process."""
+    import os
+
+    recipe = _recipe(tmp_path, tool_model_dir, branch_threshold=1.0)
+    accelerate = Path(sys.executable).with_name("accelerate")
+    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "arpo_trl.cli", "train", "--config", str(recipe)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run = tmp_path / "run"
+    assert (run / "adapter_model.safetensors").is_file()
+    records = [json.loads(line) for line in (run / "trees.jsonl").read_text().splitlines()]
+    assert len(records) == 8 and {r["step"] for r in records} == {0}  # the main process's 2 prompts × M=4
+    assert done.stdout.count("| step | reward |") == 1  # the summary is printed once
