@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from arpo_trl.rollout import BRANCH_POLICIES, check_branching_args, default_initial_rollouts
+from arpo_trl.tool_calls import TOOL_CALL_FORMATS, check_call_format
 from arpo_trl.weight_sync import SYNC_MODES, check_sync_mode
 
 ATTRIBUTIONS = ("soft", "hard")
@@ -91,6 +92,26 @@ class ARPOConfig(GRPOConfig):
             "of training (view them with `arpo-trl view`).",
         },
     )
+    tool_call_format: str = field(
+        default="tags",
+        metadata={
+            "help": "How the model calls tools. 'tags' (the paper's): `<python>…</python>`, answered with "
+            "` <result>…</result>`. 'chat_template': the tokenizer's native function calling for instruct models "
+            "(Hermes-style, as Qwen2.5/Qwen3): the prompt lists each tool's JSON schema (`Tool.schema()`) through the "
+            "chat template, the model writes `<tool_call>{\"name\": …, \"arguments\": {…}}</tool_call>`, and the "
+            "result is appended as the template renders a tool message. Needs conversational prompts and a template "
+            "that renders `tools`.",
+            "choices": list(TOOL_CALL_FORMATS),
+        },
+    )
+    tool_call_open: str = field(
+        default="<tool_call>",
+        metadata={"help": "tool_call_format='chat_template': the marker that opens a call in the model's output."},
+    )
+    tool_call_close: str = field(
+        default="</tool_call>",
+        metadata={"help": "tool_call_format='chat_template': the marker that closes a call (generation stops there)."},
+    )
     tool_timeout: float = field(
         default=30.0,
         metadata={
@@ -156,6 +177,9 @@ class ARPOConfig(GRPOConfig):
                              self.entropy_window, self.branch_policy, self.max_tool_calls)
         if self.entropy_top_k is not None and self.entropy_top_k < 1:
             raise ValueError(f"entropy_top_k must be >= 1 or None, got {self.entropy_top_k}.")
+        check_call_format(self.tool_call_format)
+        if not self.tool_call_open or not self.tool_call_close:
+            raise ValueError("tool_call_open and tool_call_close must be non-empty markers, e.g. '<tool_call>'.")
         if self.tool_timeout <= 0:
             raise ValueError(f"tool_timeout must be > 0 seconds, got {self.tool_timeout}.")
         if self.max_tool_workers < 1:

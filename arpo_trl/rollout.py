@@ -5,7 +5,8 @@ Per prompt, with a budget of M trajectories:
   2. generate every active path until a tool's closing tag, EOS or its length budget;
   3. measure H, the entropy of the first k tokens of each new segment (normalised by ln|V|); a path's
      first segment sets H_initial;
-  4. run the tool calls (concurrently) and append ` <result>\\n…\\n</result>` (loss mask 0);
+  4. run the tool calls (concurrently) and append ` <result>\\n…\\n</result>` (loss mask 0; with a
+     `ChatTemplateFormat`, the chat template's tool message and next assistant header instead);
   5. for each segment that followed a tool result, fork Z-1 copies of the path at that result with
      probability clip(τ + β·(H - H_initial), 0, 1), while the prompt has fewer than M paths;
   6. if none of a prompt's paths is active and it has fewer than M, add one fresh global path;
@@ -27,13 +28,14 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from arpo_trl.engines import GenerationEngine, Segment, normalized_entropy
-from arpo_trl.tags import cut_at_stop, extract_call
-from arpo_trl.tools.base import Tool, format_result
+from arpo_trl.tags import cut_at_stop
+from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall
+from arpo_trl.tools.base import Tool
 
 
 @dataclass
@@ -132,12 +134,12 @@ def check_branching_args(
 @dataclass
 class _ToolRequest:
     path: Trajectory
-    tool: Tool
-    content: str
+    call: ToolCall
 
 
 class BranchingSampler:
-    """Builds ARPO rollout trees from token-id prompts with any `GenerationEngine` and tag tools."""
+    """Builds ARPO rollout trees from token-id prompts with any `GenerationEngine` and tools, called as tags
+    (`TagFormat`, the default) or through the chat template (`call_format=ChatTemplateFormat(...)`)."""
 
     def __init__(
         self,
@@ -157,6 +159,7 @@ class BranchingSampler:
         tool_timeout: float = 30.0,
         max_tool_workers: int = 8,
         seed: int | None = None,
+        call_format: CallFormat | None = None,
     ):
         tags = [tool.tag for tool in tools]
         if len(set(tags)) != len(tags):
@@ -166,7 +169,7 @@ class BranchingSampler:
         check_branching_args(num_generations, initial_rollouts, branch_factor, branch_threshold, entropy_window,
                              branch_policy, max_tool_calls)
         self.engine, self.tokenizer = engine, tokenizer
-        self.tools = {tool.close_tag: tool for tool in tools}
+        self.call_format = call_format if call_format is not None else TagFormat(tools)
         self.num_generations, self.initial_rollouts = num_generations, initial_rollouts
         self.branch_factor, self.branch_threshold, self.entropy_weight = branch_factor, branch_threshold, entropy_weight
         self.entropy_window, self.branch_policy = entropy_window, branch_policy
@@ -197,7 +200,7 @@ class BranchingSampler:
             segments = self.engine.generate(
                 [path.prompt_ids + path.completion_ids for path in active],
                 [self.max_completion_length - len(path.completion_ids) for path in active],
-                list(self.tools),
+                self.call_format.stop_strings,
             )
             requests = [r for path, seg in zip(active, segments) if (r := self._absorb(path, seg))]
             self._run_tools(requests, stats)
@@ -235,25 +238,25 @@ class BranchingSampler:
         path.segment_entropies.append(entropy)
         if path.initial_entropy is None:
             path.initial_entropy = entropy
-        stops = list(self.tools)
+        stops = self.call_format.stop_strings
         cut = cut_at_stop(seg.token_ids, self._decode, self._encode, stops) if seg.finish_reason == "stop" else None
         if cut is None:
             self._append(path, seg.token_ids, 1, seg.logprobs, seg.entropies)
             path.finish_reason = "eos" if seg.finish_reason == "eos" else "length"
             return None
-        kept, rewritten, close_tag = cut
+        kept, rewritten, stop = cut
         self._append(path, kept, 1, seg.logprobs[: len(kept)], seg.entropies[: len(kept)])
         self._append(path, rewritten, 0)
-        content = extract_call(self._decode(kept + rewritten), close_tag)
+        call = self.call_format.parse(self._decode(kept + rewritten), stop)
         if path.tool_calls >= self.max_tool_calls:
             self._append(path, [self.eos_token_id], 0)  # reference: EOS after the call limit (VRT L350)
             return self._finish(path, "call_limit")
-        if not content:
+        if call is None:
             return self._finish(path, "empty_call")  # reference: an empty call silently ends the path
         if len(path.completion_ids) >= self.max_completion_length:
             return self._finish(path, "length")
         path.tool_calls += 1
-        return _ToolRequest(path, self.tools[close_tag], content)
+        return _ToolRequest(path, call)
 
     def _finish(self, path: Trajectory, reason: str) -> None:
         path.finish_reason = reason
@@ -270,24 +273,33 @@ class BranchingSampler:
             path.finish_reason = "length"
 
     def _run_tools(self, requests: list[_ToolRequest], stats: RolloutStats) -> None:
-        futures = [self._executor.submit(request.tool, request.content) for request in requests]
+        futures = [None if r.call.error is not None else self._executor.submit(r.call.tool, r.call.content)
+                   for r in requests]
         deadline = time.monotonic() + self.tool_timeout  # one deadline for the round's concurrent calls
         for request, future in zip(requests, futures):
-            path, tag = request.path, request.tool.tag
-            try:
-                text, failed = future.result(timeout=max(0.0, deadline - time.monotonic())), False
-            except FutureTimeout:
-                text, failed = f"Error: Tool({tag}) timed out after {self.tool_timeout:g} s.", True
-            except Exception as exc:  # a tool's failure is the model's observation, never the trainer's crash
-                text, failed = f"Error: Tool({tag}) execution failed with message: {type(exc).__name__}: {exc}", True
-            if not isinstance(text, str):
-                text, failed = f"Error: Tool({tag}) returned {type(text).__name__}, not str.", True
+            path = request.path
+            text, failed = self._tool_output(request.call, future, deadline)
             stats.tool_calls += 1
             stats.tool_failures += failed
             path.tool_failures += failed
-            self._append(path, self._encode(format_result(text)), 0)
+            self._append(path, self._encode(self.call_format.render_result(text, request.call)), 0)
             path.awaiting_entropy = True
             self._truncate(path)
+
+    def _tool_output(self, call: ToolCall, future: Future | None, deadline: float) -> tuple[str, bool]:
+        """The result text of a call and whether it failed; a malformed call's error is its result."""
+        if future is None:
+            return call.error, True
+        tag = call.tool.tag
+        try:
+            text, failed = future.result(timeout=max(0.0, deadline - time.monotonic())), False
+        except FutureTimeout:
+            text, failed = f"Error: Tool({tag}) timed out after {self.tool_timeout:g} s.", True
+        except Exception as exc:  # a tool's failure is the model's observation, never the trainer's crash
+            text, failed = f"Error: Tool({tag}) execution failed with message: {type(exc).__name__}: {exc}", True
+        if not isinstance(text, str):
+            text, failed = f"Error: Tool({tag}) returned {type(text).__name__}, not str.", True
+        return text, failed
 
     def _branch(self, group: list[Trajectory], m: int, policy: str, stats: RolloutStats) -> None:
         """Fork paths whose newest segment followed a tool result, at that result (paper §3.1 step 3)."""

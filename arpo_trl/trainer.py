@@ -30,6 +30,7 @@ from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import run_on_main_process
 from arpo_trl.engines import GenerationEngine, TransformersEngine, VLLMServerEngine
 from arpo_trl.rollout import BranchingSampler, RolloutResult
+from arpo_trl.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.tools.base import Tool
 from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
 from arpo_trl.trees import node_table, select, tree_html, tree_records, write_jsonl
@@ -51,8 +52,9 @@ class ARPOTrainer(GRPOTrainer):
     """Train a tool-using policy with ARPO.
 
     Args:
-        tools: tag tools (`PythonTool()`, `SearchTool(...)`, `Tool(tag, fn)`) the model may call by writing
-            `<tag>…</tag>`. They are ARPO's tools, not TRL's JSON function-calling `tools`.
+        tools: tools (`PythonTool()`, `SearchTool(...)`, `Tool(tag, fn)`) the model may call by writing
+            `<tag>…</tag>`, or, with `tool_call_format='chat_template'`, through the chat template's function
+            calling (`Tool.schema()`). They are ARPO's tools, not TRL's `tools=` (TRL's own tool loop stays off).
         engine: a `GenerationEngine`; defaults to a `TransformersEngine` over the model being trained.
         Everything else is `GRPOTrainer`'s.
     """
@@ -131,6 +133,8 @@ class ARPOTrainer(GRPOTrainer):
             max_completion_length=args.max_completion_length, tool_timeout=args.tool_timeout,
             max_tool_workers=args.max_tool_workers,
             seed=args.seed_sampler if args.seed_sampler is not None else args.seed + self.accelerator.process_index,
+            call_format=make_call_format(args.tool_call_format, self._tokenizer, self.arpo_tools, args.tool_call_open,
+                                         args.tool_call_close, args.chat_template_kwargs),
         )
 
     @staticmethod
@@ -207,7 +211,11 @@ class ARPOTrainer(GRPOTrainer):
         """TRL's `rollout_func`: `prompts` holds each prompt M times in a row; return M trajectories each."""
         training = self.model.training
         m = self.num_generations if training else self.num_generations_eval
-        prompt_ids, _, _ = self._tokenize_prompts(prompts[::m])
+        if isinstance(self.sampler.call_format, ChatTemplateFormat):
+            # TRL renders only its own `tools=` (unset: ARPO runs its tools itself), so the schemas are rendered here.
+            prompt_ids = self.sampler.call_format.prompt_ids(prompts[::m])
+        else:
+            prompt_ids, _, _ = self._tokenize_prompts(prompts[::m])
         # Evaluation samples whole trajectories, as the reference's validation does (no branching).
         policy = None if training else "none"
         if self.use_vllm and self.accelerator.num_processes > 1:

@@ -3,7 +3,10 @@ stops at `</tag>`, calls the tool on `content` and appends ` <result>\\n…\\n</
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 class Tool:
@@ -28,6 +31,25 @@ class Tool:
     def close_tag(self) -> str:
         return f"</{self.tag}>"
 
+    def schema(self) -> dict[str, Any]:
+        """JSON schema for chat-template function calling (`tool_call_format='chat_template'`): the tag as the name,
+        one required string argument. Subclasses override it with their own description and arguments."""
+        doc = inspect.getdoc(self._fn) if inspect.isfunction(self._fn) else None
+        description = doc.split("\n\n")[0] if doc else f"The {self.tag} tool: takes a text input, returns text."
+        return function_schema(self.tag, description, {"input": "The text the tool runs on."})
+
+    def arguments_to_content(self, arguments: Mapping[str, Any]) -> str:
+        """The string `__call__` takes, from a chat-template call's arguments: by default the schema's first required
+        argument. Raises ValueError for a missing required argument."""
+        required = self.schema()["function"]["parameters"].get("required", [])
+        missing = [name for name in required if name not in arguments]
+        if missing:
+            raise ValueError(f"missing the required argument {missing[0]!r}.")
+        if not required:
+            return json.dumps(dict(arguments))
+        value = arguments[required[0]]
+        return value if isinstance(value, str) else json.dumps(value)
+
     def __call__(self, content: str) -> str:
         if self._fn is None:
             raise NotImplementedError(f"{type(self).__name__} needs `fn` or an overridden __call__.")
@@ -40,3 +62,21 @@ class Tool:
 def format_result(text: str) -> str:
     """The reference's result block (VRT L422): a leading space, the output on its own lines."""
     return f" <result>\n{text}\n</result>"
+
+
+def function_schema(name: str, description: str, properties: Mapping[str, str],
+                    required: list[str] | None = None) -> dict[str, Any]:
+    """An OpenAI-style function schema with string arguments (`properties`: name → description), all required
+    unless `required` says otherwise."""
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {key: {"type": "string", "description": text} for key, text in properties.items()},
+                "required": list(properties) if required is None else required,
+            },
+        },
+    }

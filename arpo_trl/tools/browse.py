@@ -46,7 +46,7 @@ from itertools import islice
 from typing import Any, Protocol
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from arpo_trl.tools.base import Tool
+from arpo_trl.tools.base import Tool, function_schema
 
 WIKI_BASE = "https://en.wikipedia.org/wiki/"
 USAGE = "Write <browse>URL or page title | what to look for</browse>, e.g. <browse>Paris | population</browse>."
@@ -554,6 +554,19 @@ class BrowseTool(Tool):
         self.condenser = condenser if condenser is not None else ExtractiveCondenser()
         self.max_tokens = max_tokens
         self.counter = TokenCounter(tokenizer)
+
+    def schema(self) -> dict[str, Any]:
+        return function_schema(
+            self.tag, "Open a web page by URL or title and return its text relevant to a goal, condensed.",
+            {"ref": "The URL or page title to open.", "goal": "What to look for on the page (optional)."},
+            required=["ref"],
+        )
+
+    def arguments_to_content(self, arguments: Mapping[str, Any]) -> str:
+        if "ref" not in arguments:
+            raise ValueError("missing the required argument 'ref'.")
+        goal = str(arguments.get("goal") or "").strip()
+        return f"{arguments['ref']} | {goal}" if goal else str(arguments["ref"])
 
     def __call__(self, content: str) -> str:
         ref, goal = parse_request(content)

@@ -16,8 +16,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from arpo_trl.tools.base import Tool
+from arpo_trl.tools.base import Tool, function_schema
 
 # Runs inside the child: limits first, then the user's code with its last bare expression printed (ToRA
 # style, as the reference does via `ast`). Our own frames are cut from tracebacks.
@@ -74,6 +75,12 @@ class PythonTool(Tool):
         self.max_output_chars = max_output_chars
         self.python_executable = python_executable or sys.executable
         self.extra_env = dict(extra_env or {})
+
+    def schema(self) -> dict[str, Any]:
+        return function_schema(
+            self.tag, "Run Python code in a sandboxed subprocess and return what it prints (a final bare expression "
+            "is printed too), or its error.", {"code": "The Python source code to run."},
+        )
 
     def _child_env(self, scratch: str) -> dict[str, str]:
         env = {

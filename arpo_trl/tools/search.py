@@ -8,9 +8,9 @@ supplies as the default.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
-from arpo_trl.tools.base import Tool
+from arpo_trl.tools.base import Tool, function_schema
 
 
 class SearchBackend(Protocol):
@@ -62,6 +62,10 @@ class SearchTool(Tool):
         self.backend = backend
         self.top_k = top_k
         self.max_chars_per_page = max_chars_per_page
+
+    def schema(self) -> dict[str, Any]:
+        return function_schema(self.tag, "Search for passages about a query; returns the best as 'Page i: …' lines.",
+                               {"query": "The search query."})
 
     def __call__(self, query: str) -> str:
         query = query.replace('"', "").strip()  # as the reference: quotes stripped
