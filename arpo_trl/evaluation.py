@@ -109,6 +109,11 @@ class EvalArguments:
         default_factory=lambda: ["python"],
         metadata={"help": f"Tools the model may call, by tag: {list(TOOLS)}. 'search' needs `search_corpus`."},
     )
+    tool_call_format: str = field(
+        default="tags",
+        metadata={"help": "'tags' (<python>…</python>) or 'chat_template' (the tokenizer's own function calling; "
+                  "see ARPOConfig.tool_call_format)."},
+    )
     python_timeout: float = field(default=10.0, metadata={"help": "Seconds one Python tool call may run."})
     search_corpus: str | None = field(
         default=None, metadata={"help": "Text file for the BM25 search tool: one document per line (or a .jsonl "
@@ -444,8 +449,11 @@ def run_seed(args: EvalArguments, setup: EvalSetup, sampler, seed: int) -> tuple
     rows, records, start = list(setup.dataset), [], time.perf_counter()
     for begin in range(0, len(rows), args.batch_size):
         batch = rows[begin : begin + args.batch_size]
-        result = sampler.sample([prompt_ids(setup.tokenizer, r["prompt"]) for r in batch],
-                                num_generations=args.n_samples, branch_policy="none")
+        if hasattr(sampler.call_format, "prompt_ids"):  # chat-template calls: tool schemas rendered in the prompt
+            ids = sampler.call_format.prompt_ids([r["prompt"] for r in batch])
+        else:
+            ids = [prompt_ids(setup.tokenizer, r["prompt"]) for r in batch]
+        result = sampler.sample(ids, num_generations=args.n_samples, branch_policy="none")
         for offset, (row, group) in enumerate(zip(batch, result.groups)):
             records.append(_record(args, setup, tags, seed, begin + offset, row, group))
         print(f"arpo-trl eval: seed {seed}: {len(records)}/{len(rows)} questions", file=sys.stderr, flush=True)
@@ -478,12 +486,14 @@ def evaluate(args: EvalArguments, setup: EvalSetup | None = None) -> dict:
     the results (`config`, `model`, `metric`, `summary`, `per_seed`, `records`, `table`). `setup` replaces the
     engine, tools and data built from `args` (tests, notebooks)."""
     from arpo_trl.rollout import BranchingSampler
+    from arpo_trl.tool_calls import make_call_format
 
     setup = setup or prepare(args)
+    call_format = make_call_format(args.tool_call_format, setup.tokenizer, setup.tools)
     sampler = BranchingSampler(
         setup.engine, setup.tokenizer, setup.tools, num_generations=args.n_samples, branch_policy="none",
         max_tool_calls=args.max_tool_calls, max_completion_length=args.max_completion_length,
-        tool_timeout=args.tool_timeout, seed=args.seeds[0],
+        tool_timeout=args.tool_timeout, seed=args.seeds[0], call_format=call_format,
     )
     per_seed, records = [], []
     try:
@@ -514,12 +524,14 @@ def make_eval_parser():
 def eval_command(argv: Sequence[str]) -> None:
     """`arpo-trl eval --config recipe.yaml [--flags]`: user mistakes end with one line and exit code 2."""
     from arpo_trl.cli import _fail
+    from arpo_trl.tool_calls import make_call_format
     from arpo_trl.vllm_client import VLLMServerError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         (args,) = make_eval_parser().parse_args_and_config(list(argv))
         setup = prepare(args)
+        make_call_format(args.tool_call_format, setup.tokenizer, setup.tools)  # a template without tools: one line
     except (ValueError, FileNotFoundError, ImportError, VLLMServerError) as error:
         _fail(error)
     results = evaluate(args, setup)

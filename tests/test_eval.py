@@ -259,6 +259,8 @@ def test_eval_with_a_lora_adapter_finds_its_base_model(tiny_model_dir, tmp_path)
     ({"model_name_or_path": None}, [], r"model_name_or_path: required"),
     ({"adapter": "no/such/adapter"}, [], r"adapter: 'no/such/adapter' is not a PEFT adapter folder"),
     ({"device": "nope"}, [], r"device: cannot use 'nope'"),
+    ({"tool_call_format": "chat_template"}, [], r"ignores `tools`.*tool_call_format='tags'"),
+    ({"tool_call_format": "json"}, [], r"tool_call_format must be one of"),
     ({"n_samplez": 3}, [], r"Unknown arguments from config file: \['--n_samplez'"),
     ({}, ["--n_samples", "two"], r"invalid int value: 'two'"),
     ({"backend": "vllm_server", "vllm_server_base_url": "http://127.0.0.1:9", "vllm_server_timeout": 0.5}, [],
