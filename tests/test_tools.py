@@ -1,6 +1,7 @@
 """PythonTool (real subprocesses) and SearchTool over a real BM25 index."""
 
 import os
+import subprocess
 import time
 
 import pytest
@@ -30,31 +31,31 @@ def test_python_tool_errors_are_text(python_tool):
     assert "SyntaxError" in python_tool("def f(:")
 
 
-def test_python_tool_timeout_kills_the_process_group(python_tool, tmp_path):
-    marker = tmp_path / "child_alive"
+def test_python_tool_timeout_kills_everything_the_code_started(python_tool):
     start = time.monotonic()
-    code = f"import subprocess\nsubprocess.Popen(['sh', '-c', 'sleep 3; touch {marker}'])\nwhile True: pass"
+    code = "import subprocess\nsubprocess.Popen(['sleep', '30'])\nwhile True: pass"
     out = python_tool(code)
     assert out.startswith("TimeoutError") and time.monotonic() - start < 4
-    time.sleep(3.5)
-    assert not marker.exists(), "the child the code spawned outlived the timeout"
+    time.sleep(0.5)
+    assert subprocess.run(["pgrep", "-f", "^sleep 30$"], capture_output=True).returncode == 1
 
 
 def test_python_tool_limits_output_and_memory(python_tool):
     out = python_tool("print('x' * 10**7)")
-    assert len(out) < 400 and "truncated" in out
+    assert len(out) < 400 and "too much output" in out
     assert "MemoryError" in python_tool("b = bytearray(8 * 2**30)")
+    assert python_tool("import os\nos._exit(3)") == "Process exited with status 3."
+    assert "Process killed by SIGSEGV" in python_tool("import ctypes\nctypes.string_at(0)")
 
 
 def test_python_tool_runs_in_a_scratch_dir_without_trainer_secrets(python_tool):
     os.environ["ARPO_FAKE_SECRET"] = "hunter2"
     try:
-        out = python_tool("import os\nprint(os.getcwd())\nprint(os.environ.get('ARPO_FAKE_SECRET'))")
+        out = python_tool("import os\nprint(os.getcwd() == os.environ['HOME'])\n"
+                          "print(os.environ.get('ARPO_FAKE_SECRET'))")
     finally:
         del os.environ["ARPO_FAKE_SECRET"]
-    cwd, secret = out.splitlines()
-    assert "arpo_python_" in cwd and secret == "None"
-    assert not os.path.exists(cwd), "scratch dir removed after the call"
+    assert out.splitlines() == ["True", "None"]
 
 
 def test_search_tool_over_bm25():

@@ -1,60 +1,30 @@
-"""`PythonTool`: runs model-written code in a separate, resource-limited process.
+"""`PythonTool`: runs model-written code in a `Sandbox` and returns what happened as text.
 
-Differs from the reference (`python_tool.py`: bare `python -c` with a 120 s timeout, stderr on failure,
-empty output retried) in that the child gets its own session (killed as a group on timeout), rlimits on
-memory, CPU time and file size, a fresh scratch directory as cwd/HOME, an environment without the
-trainer's variables, no stdin, and bounded output. Errors are returned as text, never raised.
+Differs from the reference (`python_tool.py`: a bare `python -c` in the trainer's environment with a 120 s timeout,
+stderr on failure, empty output retried): the code runs in an OS-level sandbox (`arpo_trl/tools/sandbox.py`:
+namespaces, rlimits, scrubbed environment, no network, its own filesystem view), every outcome — timeout, a
+resource limit, a signal, a non-zero exit — is described in the result text, and nothing is ever raised into
+the rollout.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
+import threading
 from typing import Any
 
 from arpo_trl.tools.base import Tool, function_schema
+from arpo_trl.tools.sandbox import Sandbox, SandboxResult
 
-# Runs inside the child: limits first, then the user's code with its last bare expression printed (ToRA
-# style, as the reference does via `ast`). Our own frames are cut from tracebacks.
-_BOOTSTRAP = r'''
-import ast, resource, signal, sys, traceback
-mem, cpu, fsize = (int(x) for x in sys.argv[2:5])
-if mem > 0:
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-source = open(sys.argv[1], encoding="utf-8", errors="replace").read()
-try:
-    tree = ast.parse(source, "<python>")
-    last = tree.body[-1] if tree.body else None
-    if isinstance(last, ast.Expr) and not (
-        isinstance(last.value, ast.Call) and getattr(last.value.func, "id", None) == "print"
-    ):
-        tree.body[-1] = ast.Expr(ast.Call(ast.Name("print", ast.Load()), [last.value], []))
-        ast.fix_missing_locations(tree)
-    code = compile(tree, "<python>", "exec")
-    del ast, resource, signal, source, tree, last, mem, cpu, fsize
-    exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
-except SystemExit:
-    raise
-except SyntaxError as exc:
-    traceback.print_exception(type(exc), exc, None)
-    sys.exit(1)
-except BaseException as exc:
-    traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
-    sys.exit(1)
-'''
+_SIGNAL_HINTS = {
+    "SIGXCPU": "CPU time limit exceeded",
+    "SIGKILL": "killed, e.g. for exceeding the memory limit",
+    "SIGSEGV": "segmentation fault, e.g. recursion too deep",
+    "SIGXFSZ": "file size limit exceeded",
+}
 
 
 class PythonTool(Tool):
-    """Execute `<python>…</python>` code in a subprocess and return its output (or error) as text."""
+    """Execute `<python>…</python>` code in a sandboxed process and return its output (or what went wrong)."""
 
     def __init__(
         self,
@@ -64,17 +34,34 @@ class PythonTool(Tool):
         max_output_chars: int = 4096,
         python_executable: str | None = None,
         extra_env: dict[str, str] | None = None,
+        isolation: str = "auto",
+        pool_size: int = 2,
+        disk_limit_mb: int = 64,
+        max_processes: int = 32,
+        preimport: tuple[str, ...] = (),
+        binds: tuple[str, ...] = (),
     ):
         super().__init__(tag)
-        if timeout <= 0:
-            raise ValueError(f"PythonTool timeout must be > 0 seconds, got {timeout}.")
         if max_output_chars < 1:
             raise ValueError(f"PythonTool max_output_chars must be >= 1, got {max_output_chars}.")
         self.timeout = timeout
-        self.memory_limit_mb = memory_limit_mb
         self.max_output_chars = max_output_chars
-        self.python_executable = python_executable or sys.executable
-        self.extra_env = dict(extra_env or {})
+        self.sandbox_options = dict(
+            timeout=timeout, memory_mb=memory_limit_mb, max_output_bytes=4 * max_output_chars + 1024,
+            disk_mb=disk_limit_mb, max_processes=max_processes, isolation=isolation, pool_size=pool_size,
+            preimport=tuple(preimport), binds=tuple(binds), python_executable=python_executable, extra_env=extra_env,
+        )
+        Sandbox.validate(**self.sandbox_options)
+        self._sandbox: Sandbox | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def sandbox(self) -> Sandbox:
+        """Started on first use (it probes the OS and pre-starts `pool_size` processes)."""
+        with self._lock:
+            if self._sandbox is None:
+                self._sandbox = Sandbox(**self.sandbox_options)
+            return self._sandbox
 
     def schema(self) -> dict[str, Any]:
         return function_schema(
@@ -82,73 +69,37 @@ class PythonTool(Tool):
             "is printed too), or its error.", {"code": "The Python source code to run."},
         )
 
-    def _child_env(self, scratch: str) -> dict[str, str]:
-        env = {
-            "PATH": os.defpath,
-            "HOME": scratch,
-            "TMPDIR": scratch,
-            "LANG": "C.UTF-8",
-            "PYTHONIOENCODING": "utf-8",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-        }
-        env.update(self.extra_env)
-        return env
-
     def __call__(self, code: str) -> str:
-        scratch = tempfile.mkdtemp(prefix="arpo_python_")
-        try:
-            return self._run(code, Path(scratch))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        return self.describe(self.sandbox.run(code))
 
-    def _run(self, code: str, scratch: Path) -> str:
-        (scratch / "main.py").write_text(code, encoding="utf-8", errors="replace")
-        (scratch / "_bootstrap.py").write_text(_BOOTSTRAP, encoding="utf-8")
-        cap_bytes = 4 * self.max_output_chars + 1024  # file-size rlimit: what we keep plus a margin
-        argv = [
-            self.python_executable, "-I", str(scratch / "_bootstrap.py"), str(scratch / "main.py"),
-            str(self.memory_limit_mb * 2**20), str(int(self.timeout) + 1), str(cap_bytes),
-        ]
-        with open(scratch / "stdout", "wb") as out, open(scratch / "stderr", "wb") as err:
-            proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=scratch,
-                env=self._child_env(str(scratch)), start_new_session=True, close_fds=True,
-            )
-            timed_out = self._wait(proc)
-        stdout = self._read(scratch / "stdout")
-        stderr = self._read(scratch / "stderr")
-        if timed_out:
-            partial = f"\n{stdout}" if stdout else ""
-            return f"TimeoutError: execution exceeded {self.timeout:g} s and was killed.{partial}"
-        if proc.returncode != 0:
-            if proc.returncode < 0:
-                name = signal.Signals(-proc.returncode).name
-                stderr = (stderr + f"\nProcess killed by {name} (resource limit exceeded?)").strip()
-            return self._truncate("\n".join(s for s in (stdout, stderr) if s))
-        return stdout if stdout else "(no output)"
+    def close(self) -> None:
+        if self._sandbox is not None:
+            self._sandbox.close()
 
-    def _wait(self, proc: subprocess.Popen) -> bool:
-        deadline = time.monotonic() + self.timeout
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        try:  # the whole session: children the code spawned die with it
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        return timed_out
-
-    def _read(self, path: Path) -> str:
-        data = path.read_bytes()[: 4 * self.max_output_chars + 4]
-        return self._truncate(data.decode("utf-8", errors="replace").strip())
+    def describe(self, result: SandboxResult) -> str:
+        output = result.output.strip()
+        if result.timed_out:
+            return self._truncate(f"TimeoutError: execution exceeded {self.timeout:g} s and was killed."
+                                  + (f"\n{output}" if output else ""))
+        if result.output_exceeded:
+            return self._truncate(output) + "\n... [the process was killed: too much output]"
+        if result.signal is not None:
+            hint = _SIGNAL_HINTS.get(result.signal, "terminated by a signal")
+            return self._truncate("\n".join(filter(None, [output, f"Process killed by {result.signal} ({hint})."])))
+        if result.exit_code:
+            return self._truncate(output) if output else f"Process exited with status {result.exit_code}."
+        return self._truncate(output) if output else "(no output)"
 
     def _truncate(self, text: str) -> str:
         if len(text) <= self.max_output_chars:
             return text
         return text[: self.max_output_chars] + f"\n... [output truncated to {self.max_output_chars} chars]"
+
+    def __getstate__(self) -> dict:  # copies (e.g. a deepcopied config) start their own sandbox
+        state = dict(self.__dict__)
+        state["_sandbox"], state["_lock"] = None, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
