@@ -11,6 +11,7 @@ Only two hooks change (plus, with `use_vllm=True`, the weight-sync object TRL ca
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -37,6 +38,7 @@ from arpo_trl.trees import node_table, select, tree_html, tree_records, write_js
 from arpo_trl.vllm_client import VLLMClient, check_server_tokenizer
 from arpo_trl.weight_sync import LoRAAdapterSync, NoSync, ReloadWeightsSync, has_tied_embeddings, resolve_sync_mode
 
+SAMPLER_STATE_FILE = "arpo_sampler_rng_{rank}.json"
 logger = logging.getLogger(__name__)
 def is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
@@ -268,6 +270,27 @@ class ARPOTrainer(GRPOTrainer):
             [f["node"] for f in fields], [f["parent"] for f in fields], [f["fork_position"] for f in fields],
             [f["length"] for f in fields], width,
         )
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        # Trainer saves the global RNGs (torch: the transformers backend's sampling); the fork decisions use
+        # the sampler's own RNG, which must be saved too for a resumed run to grow the same trees.
+        super()._save_rng_state(output_dir)
+        path = os.path.join(output_dir, SAMPLER_STATE_FILE.format(rank=self.args.process_index))
+        version, internal, gauss = self.sampler.rng.getstate()
+        with open(path, "w") as f:
+            json.dump({"version": version, "internal": list(internal), "gauss": gauss}, f)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        path = os.path.join(checkpoint or "", SAMPLER_STATE_FILE.format(rank=self.args.process_index))
+        if checkpoint is None or not os.path.isfile(path):
+            if checkpoint is not None:
+                logger.warning("ARPO: %s has no sampler RNG state (%s); fork decisions after resuming will differ "
+                               "from the original run.", checkpoint, os.path.basename(path))
+            return
+        with open(path) as f:
+            state = json.load(f)
+        self.sampler.rng.setstate((state["version"], tuple(state["internal"]), state["gauss"]))
 
     def _generate_and_score_completions(self, inputs):
         # Hard attribution needs the group advantages TRL computes, then spreads them per token.

@@ -1,0 +1,62 @@
+"""`resume_from_checkpoint` continues a run, and with the same seed the transformers backend grows the same trees
+after resuming as the uninterrupted run did (torch RNG from Trainer's checkpoint, fork RNG from ours)."""
+
+import logging
+import os
+
+import torch
+from peft import LoraConfig
+
+from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool, arpo_math_reward
+from arpo_trl.trainer import SAMPLER_STATE_FILE
+from arpo_trl.trees import read_jsonl
+
+TREE_KEYS = ("step", "group", "node", "parent", "kind", "fork_position", "tool_calls", "finish_reason", "segments")
+
+
+def _trainer(model_dir, tokenizer, dataset, output_dir, **kw):
+    args = ARPOConfig(
+        output_dir=str(output_dir), per_device_train_batch_size=8, num_generations=4, initial_rollouts=2,
+        max_completion_length=48, max_steps=4, learning_rate=5e-3, logging_steps=1, use_cpu=True, bf16=False,
+        report_to="none", save_strategy="steps", save_steps=2, seed=3, beta=0.0, temperature=1.2, **kw,
+    )
+    return ARPOTrainer(model=str(model_dir), reward_funcs=[arpo_math_reward, _length], args=args,
+                       train_dataset=dataset, processing_class=tokenizer, tools=[PythonTool(timeout=5, pool_size=0)],
+                       peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
+def _length(completions, **kwargs):
+    return [len(str(c)) / 100 for c in completions]
+
+
+def _trees(run_dir, from_step):
+    records = [r for r in read_jsonl(os.path.join(run_dir, "trees.jsonl")) if r["step"] >= from_step]
+    return [{k: r[k] for k in TREE_KEYS} for r in records]
+
+
+def _lora_weights(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora" in n}
+
+
+def test_resume_reproduces_the_trees_of_the_uninterrupted_run(tool_model_dir, tokenizer, addition_dataset, tmp_path,
+                                                              caplog):
+    full = _trainer(tool_model_dir, tokenizer, addition_dataset, tmp_path / "full")
+    full.train()
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    assert (checkpoint / SAMPLER_STATE_FILE.format(rank=0)).is_file()
+    expected = _trees(tmp_path / "full", from_step=2)
+    assert {r["step"] for r in expected} == {2, 3} and any(r["kind"] == "branch" for r in expected)
+
+    resumed = _trainer(tool_model_dir, tokenizer, addition_dataset, tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+    assert _trees(tmp_path / "resumed", from_step=0) == expected, "resumed run grew different trees"
+    full_w, resumed_w = _lora_weights(full), _lora_weights(resumed)
+    assert all(torch.allclose(full_w[n], resumed_w[n], atol=1e-5) for n in full_w)
+
+    os.remove(checkpoint / SAMPLER_STATE_FILE.format(rank=0))  # an old checkpoint: resumes, and says what differs
+    with caplog.at_level(logging.WARNING, logger="arpo_trl.trainer"):
+        _trainer(tool_model_dir, tokenizer, addition_dataset, tmp_path / "old").train(
+            resume_from_checkpoint=str(checkpoint))
+    assert "no sampler RNG state" in caplog.text
+    assert _trees(tmp_path / "old", from_step=0) != expected, "the saved fork RNG made no difference"
