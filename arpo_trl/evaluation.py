@@ -502,7 +502,6 @@ def evaluate(args: EvalArguments, setup: EvalSetup | None = None) -> dict:
             per_seed.append({"seed": seed, **metrics})
             records += seed_records
     finally:
-        sampler._executor.shutdown(wait=False, cancel_futures=True)
         setup.close()
     summary = summarize(per_seed)
     results = {"config": asdict(args), "model": setup.model, "metric": setup.metric, "summary": summary,

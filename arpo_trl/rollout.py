@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from arpo_trl.engines import GenerationEngine, Segment, normalized_entropy
 from arpo_trl.tags import cut_at_stop
 from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall
 from arpo_trl.tools.base import Tool
+from arpo_trl.tools.runner import CallOutcome, run_calls
 
 
 @dataclass
@@ -176,7 +174,7 @@ class BranchingSampler:
         self.max_tool_calls, self.max_completion_length = max_tool_calls, max_completion_length
         self.tool_timeout = tool_timeout
         self.rng = random.Random(seed)
-        self._executor = ThreadPoolExecutor(max_workers=max_tool_workers, thread_name_prefix="arpo-tool")
+        self.max_tool_workers = max_tool_workers
         eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
         self.eos_token_id = eos[0]
 
@@ -273,12 +271,13 @@ class BranchingSampler:
             path.finish_reason = "length"
 
     def _run_tools(self, requests: list[_ToolRequest], stats: RolloutStats) -> None:
-        futures = [None if r.call.error is not None else self._executor.submit(r.call.tool, r.call.content)
-                   for r in requests]
-        deadline = time.monotonic() + self.tool_timeout  # one deadline for the round's concurrent calls
-        for request, future in zip(requests, futures):
+        valid = [r for r in requests if r.call.error is None]
+        outcomes = run_calls([_bind(r.call.tool, r.call.content) for r in valid], self.max_tool_workers,
+                             self.tool_timeout)  # one deadline for the round's concurrent calls
+        by_request = {id(r): outcome for r, outcome in zip(valid, outcomes)}
+        for request in requests:
             path = request.path
-            text, failed = self._tool_output(request.call, future, deadline)
+            text, failed = self._tool_output(request.call, by_request.get(id(request)))
             stats.tool_calls += 1
             stats.tool_failures += failed
             path.tool_failures += failed
@@ -286,20 +285,19 @@ class BranchingSampler:
             path.awaiting_entropy = True
             self._truncate(path)
 
-    def _tool_output(self, call: ToolCall, future: Future | None, deadline: float) -> tuple[str, bool]:
+    def _tool_output(self, call: ToolCall, outcome: CallOutcome | None) -> tuple[str, bool]:
         """The result text of a call and whether it failed; a malformed call's error is its result."""
-        if future is None:
+        if outcome is None:
             return call.error, True
-        tag = call.tool.tag
-        try:
-            text, failed = future.result(timeout=max(0.0, deadline - time.monotonic())), False
-        except FutureTimeout:
-            text, failed = f"Error: Tool({tag}) timed out after {self.tool_timeout:g} s.", True
-        except Exception as exc:  # a tool's failure is the model's observation, never the trainer's crash
-            text, failed = f"Error: Tool({tag}) execution failed with message: {type(exc).__name__}: {exc}", True
+        tag, text = call.tool.tag, outcome.value
+        if outcome.timed_out:
+            return f"Error: Tool({tag}) timed out after {self.tool_timeout:g} s.", True
+        if outcome.error is not None:  # a tool's failure is the model's observation, never the trainer's crash
+            exc = outcome.error
+            return f"Error: Tool({tag}) execution failed with message: {type(exc).__name__}: {exc}", True
         if not isinstance(text, str):
-            text, failed = f"Error: Tool({tag}) returned {type(text).__name__}, not str.", True
-        return text, failed
+            return f"Error: Tool({tag}) returned {type(text).__name__}, not str.", True
+        return text, False
 
     def _branch(self, group: list[Trajectory], m: int, policy: str, stats: RolloutStats) -> None:
         """Fork paths whose newest segment followed a tool result, at that result (paper §3.1 step 3)."""
@@ -332,3 +330,7 @@ class BranchingSampler:
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _bind(tool: Tool, content: str):
+    return lambda: tool(content)

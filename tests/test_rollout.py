@@ -3,6 +3,7 @@ tokenizer, tag cutting, tools and bookkeeping are the real ones)."""
 
 import math
 import random
+import threading
 import time
 
 import pytest
@@ -251,3 +252,40 @@ def test_sampler_rejects_bad_arguments(tokenizer):
         BranchingSampler(engine, tokenizer, [], branch_policy="greedy")
     with pytest.raises(ValueError, match="initial_rollouts"):
         BranchingSampler(engine, tokenizer, [], num_generations=4, initial_rollouts=5)
+
+
+def test_hung_and_failing_tools_under_concurrency_do_not_starve_later_rounds(tokenizer):
+    """Round 1: every call hangs (2 workers, all stuck for good). Round 2: every call raises. Round 3 must still run
+    every call: a timed-out call is abandoned (daemon thread), not left holding a worker as a ThreadPoolExecutor
+    would."""
+    release = threading.Event()
+
+    def hang(code):
+        release.wait(60)
+        return "late"
+
+    def script(text, rng):
+        calls = text.count("</result>")
+        if calls == 3:
+            return "<answer>\\boxed{2}</answer>", 0.1, "eos"
+        return ("<search>hang</search>", "<python>boom</python>", "<calc>2</calc>")[calls], 0.1, "stop"
+
+    def boom(code):
+        raise ValueError("bad input")
+
+    tools = [Tool("search", hang), Tool("python", boom), Tool("calc", lambda s: str(int(s) * 21))]
+    sampler = _sampler(tokenizer, script, tools=tools, num_generations=8, branch_policy="none", tool_timeout=0.3,
+                       max_tool_workers=2, max_tool_calls=3, max_completion_length=600, seed=1)
+    start = time.monotonic()
+    result = sampler.sample(_prompts(tokenizer, 2))
+    elapsed = time.monotonic() - start
+    texts = [tokenizer.decode(t.completion_ids, skip_special_tokens=True) for t in result.trajectories]
+    outputs = [s for text in texts for s in text.split("<result>\n")[1:]]
+    assert len(outputs) == result.stats.tool_calls == 16 * 3
+    for text in texts:
+        first, second, third = text.split("<result>\n")[1:]
+        assert first.startswith("Error: Tool(search) timed out after 0.3 s.")
+        assert second.startswith("Error: Tool(python) execution failed with message: ValueError: bad input")
+        assert third.startswith("42\n"), "round 3's calls starved behind the hung ones"
+    assert elapsed < 3 * 0.3 + 10, "rounds waited for hung calls beyond the deadline"
+    release.set()
