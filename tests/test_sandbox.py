@@ -166,7 +166,9 @@ def leftovers(tool: PythonTool, before: set[int], grace: float = 3.0) -> set[int
 
 
 def host_temp_entries() -> set[str]:
-    return set(os.listdir(tempfile.gettempdir())) | set(os.listdir("/dev/shm"))
+    """Sandbox scratch dirs and anything in /dev/shm (other processes' /tmp files would make this flaky)."""
+    scratch = {e for e in os.listdir(tempfile.gettempdir()) if e.startswith("arpo_sandbox_")}
+    return scratch | set(os.listdir("/dev/shm"))
 
 
 @pytest.fixture(scope="module")

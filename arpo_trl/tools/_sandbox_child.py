@@ -16,6 +16,7 @@ drops every privilege, waits for the code, applies the rlimits and executes it.
 
 import ast
 import ctypes
+import gc
 import json
 import os
 import platform
@@ -167,8 +168,9 @@ def read_code() -> str:
     return b"".join(chunks).decode("utf-8", errors="replace")
 
 
-def execute(source: str) -> None:
-    """Run the code as __main__, printing a final bare expression (ToRA style, as the reference does via `ast`)."""
+def execute(source: str) -> int:
+    """Run the code as __main__, printing a final bare expression (ToRA style, as the reference does via `ast`);
+    return its exit status."""
     try:
         tree = ast.parse(source, "<python>")
         last = tree.body[-1] if tree.body else None
@@ -180,14 +182,34 @@ def execute(source: str) -> None:
         code = compile(tree, "<python>", "exec")
     except (SyntaxError, ValueError) as exc:  # ValueError: source with NUL bytes
         traceback.print_exception(type(exc), exc, None)
-        sys.exit(1)
+        return 1
     try:
         exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
-    except SystemExit:
-        raise
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
     except BaseException as exc:
         traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)  # our own frame cut
-        sys.exit(1)
+        return 1
+    return 0
+
+
+def finish(status: int) -> None:
+    """Exit as Python would (non-daemon threads joined, atexit handlers run, output flushed), then skip the
+    interpreter's teardown: in a forked child it touches every inherited object, copying shared pages (~25 ms)."""
+    import atexit
+    import threading
+
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status & 0xFF)
 
 
 def runner() -> None:
@@ -211,12 +233,12 @@ def runner() -> None:
     if not source:  # the trainer closed the pool
         os._exit(0)
     # The code runs in a child, not as PID 1, so that signals behave as usual (init ignores default-action ones).
+    gc.freeze()  # the child's collections then skip our objects: fewer shared pages copied
     pid = os.fork()
     if pid == 0:
         os.close(STATUS_FD)  # the code cannot forge its outcome
         set_limits()
-        execute(source)
-        sys.exit(0)
+        finish(execute(source))
     for fd in (0, 1, 2):
         os.close(fd)
     report(pid)

@@ -109,6 +109,7 @@ class Sandbox:
         self._next_slot = 0
         self._closed = False
         atexit.register(self.close)
+        self._refill()  # cheap: the processes start in the background
 
     @staticmethod
     def validate(timeout: float = 10.0, memory_mb: int = 2048, max_output_bytes: int = 1 << 16, disk_mb: int = 64,
@@ -212,8 +213,8 @@ class Sandbox:
 
     def _take(self) -> _Worker:
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
+            if self._idle:  # the oldest: the newest was started a moment ago and may not be ready yet
+                return self._idle.pop(0)
         return self._spawn()
 
     def _refill(self) -> None:
