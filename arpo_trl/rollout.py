@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from arpo_trl.engines import GenerationEngine, Segment, normalized_entropy
 from arpo_trl.tags import cut_at_stop
 from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall
-from arpo_trl.tools.base import Tool
+from arpo_trl.tools.base import Tool, ToolEnvironmentError
 from arpo_trl.tools.runner import CallOutcome, run_calls
 
 
@@ -292,6 +292,8 @@ class BranchingSampler:
         tag, text = call.tool.tag, outcome.value
         if outcome.timed_out:
             return f"Error: Tool({tag}) timed out after {self.tool_timeout:g} s.", True
+        if isinstance(outcome.error, ToolEnvironmentError):
+            raise RuntimeError(f"Tool({tag}) cannot run: {outcome.error}") from outcome.error
         if outcome.error is not None:  # a tool's failure is the model's observation, never the trainer's crash
             exc = outcome.error
             return f"Error: Tool({tag}) execution failed with message: {type(exc).__name__}: {exc}", True

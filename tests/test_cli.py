@@ -85,6 +85,8 @@ def test_train_on_a_reasoning_gym_task(tool_model_dir, tmp_path):
     ({}, ["--max_steps", "abc"], "invalid int value: 'abc'"),
     ({"branch_threshold": 2.0}, [], "branch_threshold"),
     ({"model_name_or_path": None}, [], "model_name_or_path: required"),
+    ({"python_isolation": "docker"}, [], "python_\\*: Sandbox isolation must be one of"),
+    ({"python_pool_size": -1}, [], "python_\\*: Sandbox pool_size must be an integer >= 0"),
 ])
 def test_user_mistakes_get_one_line(tool_model_dir, tmp_path, capsys, overrides, extra, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -11,7 +11,7 @@ import pytest
 from arpo_trl.engines import Segment
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tags import cut_at_stop, extract_call
-from arpo_trl.tools import PythonTool, Tool
+from arpo_trl.tools import PythonTool, Tool, ToolEnvironmentError
 
 CALL = "<python>print(1+1)</python>"
 
@@ -289,3 +289,14 @@ def test_hung_and_failing_tools_under_concurrency_do_not_starve_later_rounds(tok
         assert third.startswith("42\n"), "round 3's calls starved behind the hung ones"
     assert elapsed < 3 * 0.3 + 10, "rounds waited for hung calls beyond the deadline"
     release.set()
+
+
+def test_a_broken_tool_environment_stops_the_rollout(tokenizer):
+    """A sandbox that cannot start is the trainer's problem, not an observation to train on."""
+    def broken(code):
+        raise ToolEnvironmentError("the sandbox could not start: no space left on device")
+
+    sampler = _sampler(tokenizer, calls_then_answers(1), tools=[Tool("python", broken)], num_generations=2,
+                       branch_policy="none")
+    with pytest.raises(RuntimeError, match=r"Tool\(python\) cannot run: the sandbox could not start"):
+        sampler.sample(_prompts(tokenizer, 1))

@@ -274,6 +274,18 @@ def test_sandbox_settings_are_validated():
             Sandbox(**kwargs)
     with pytest.raises(ValueError, match="max_output_chars"):
         PythonTool(max_output_chars=0)
+    with pytest.raises(ValueError, match="python_executable '/no/python' is not an executable file"):
+        PythonTool(python_executable="/no/python")
+
+
+def test_a_sandbox_that_cannot_start_is_an_error_not_an_observation(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    fake.chmod(0o755)
+    sandbox = Sandbox(pool_size=0, isolation="rlimits", python_executable=str(fake))
+    fake.write_text("#!/bin/sh\necho 'error disk full' >&2\nexit 1\n")  # dies before its sandbox is ready
+    with pytest.raises(SandboxError, match="the sandbox could not start"):
+        sandbox.run("print(1)")
 
 
 def test_namespaces_required_but_missing_is_a_clear_error(monkeypatch):

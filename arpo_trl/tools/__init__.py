@@ -1,4 +1,4 @@
-from arpo_trl.tools.base import Tool, format_result
+from arpo_trl.tools.base import Tool, ToolEnvironmentError, format_result
 from arpo_trl.tools.browse import (
     BrowseError,
     BrowseTool,
@@ -18,5 +18,5 @@ from arpo_trl.tools.search import BM25Backend, SearchBackend, SearchTool
 __all__ = [
     "BM25Backend", "BrowseError", "BrowseTool", "ExtractiveCondenser", "FetchError", "HTTPBackend", "ModelCondenser",
     "Page", "PageBackend", "PageNotFound", "PageStore", "PythonTool", "SearchBackend", "SearchTool", "TokenCounter",
-    "Tool", "format_result",
+    "Tool", "ToolEnvironmentError", "format_result",
 ]

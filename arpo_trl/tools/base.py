@@ -9,6 +9,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 
+class ToolEnvironmentError(RuntimeError):
+    """The tool's machinery failed, not the call (e.g. its sandbox cannot start). The sampler raises it instead of
+    showing it to the model: a run whose every call fails this way would otherwise train on garbage silently."""
+
+
 class Tool:
     """A tag tool. Subclass and override `__call__`, or pass `fn`::
 

@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from arpo_trl.tools.base import ToolEnvironmentError
+
 logger = logging.getLogger(__name__)
 
 ISOLATIONS = ("auto", "namespaces", "rlimits")
@@ -70,7 +72,7 @@ class _Worker:
     scratch: str | None
 
 
-class SandboxError(RuntimeError):
+class SandboxError(ToolEnvironmentError):
     """The sandbox itself could not start (not an error of the code it runs)."""
 
 
@@ -94,7 +96,7 @@ class Sandbox:
         extra_env: dict[str, str] | None = None,
     ):
         self.validate(timeout, memory_mb, max_output_bytes, disk_mb, max_processes, max_open_files, isolation,
-                      pool_size)
+                      pool_size, python_executable)
         self.timeout = timeout
         self.cpu_seconds = cpu_seconds or int(timeout) + 1
         self.memory_mb, self.max_output_bytes, self.disk_mb = memory_mb, max_output_bytes, disk_mb
@@ -103,6 +105,10 @@ class Sandbox:
         self.binds = tuple(str(Path(b).resolve()) for b in binds)
         self.python_executable = python_executable or sys.executable
         self.extra_env = dict(extra_env or {})
+        try:
+            self._python_dirs = _python_dirs(self.python_executable)
+        except (OSError, subprocess.CalledProcessError, ValueError) as exc:
+            raise SandboxError(f"cannot run the sandbox's Python {self.python_executable!r}: {exc}") from exc
         self.isolation = self._resolve_isolation(isolation)
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
@@ -114,8 +120,11 @@ class Sandbox:
     @staticmethod
     def validate(timeout: float = 10.0, memory_mb: int = 2048, max_output_bytes: int = 1 << 16, disk_mb: int = 64,
                  max_processes: int = 32, max_open_files: int = 256, isolation: str = "auto", pool_size: int = 2,
-                 **_: object) -> None:
+                 python_executable: str | None = None, **_: object) -> None:
         """Raise ValueError naming the first bad setting."""
+        if python_executable is not None and not (os.path.isfile(python_executable)
+                                                  and os.access(python_executable, os.X_OK)):
+            raise ValueError(f"Sandbox python_executable {python_executable!r} is not an executable file.")
         if not timeout > 0:
             raise ValueError(f"Sandbox timeout must be > 0 seconds, got {timeout}.")
         if isolation not in ISOLATIONS:
@@ -170,7 +179,7 @@ class Sandbox:
     def _settings(self, scratch: str | None, uid: int | None, status_fd: int) -> dict:
         return {
             "namespaces": self.isolation == "namespaces", "scratch": scratch, "uid": uid, "status_fd": status_fd,
-            "binds": sorted(_python_dirs(self.python_executable) | set(self.binds)),
+            "binds": sorted(self._python_dirs | set(self.binds)),
             "cpu_seconds": self.cpu_seconds, "memory_bytes": self.memory_mb << 20,
             "file_bytes": self.disk_mb << 20,
             "disk_bytes": self.disk_mb << 20, "max_open_files": self.max_open_files,
@@ -267,8 +276,8 @@ class Sandbox:
             if worker.status_fd not in open_fds and worker.output_fd in open_fds:
                 deadline = min(deadline, time.monotonic() + 0.5)  # code done; a leftover process holds the pipe
         result.seconds = time.monotonic() - start
-        self._read_status(statuses.decode(errors="replace"), result)
         result.output = output[: self.max_output_bytes].decode("utf-8", errors="replace")
+        self._read_status(statuses.decode(errors="replace"), result)
         return result
 
     def _send(self, worker: _Worker, source: str) -> None:
@@ -287,6 +296,9 @@ class Sandbox:
             worker.code_fd = -1
 
     def _read_status(self, text: str, result: SandboxResult) -> None:
+        if not text.startswith(("ready", "error")) and not result.timed_out:
+            raise SandboxError(f"the sandbox could not start: its process ended before it was ready; it printed "
+                               f"{result.output[-500:]!r}")
         for line in text.splitlines():
             kind, _, value = line.partition(" ")
             if kind == "error":
