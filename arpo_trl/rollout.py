@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -82,6 +83,14 @@ class RolloutStats:
     rounds: int = 0
     tool_calls: int = 0
     tool_failures: int = 0
+    seconds: float = 0.0  # the whole rollout
+    generation_seconds: float = 0.0  # inside engine.generate
+    tool_seconds: float = 0.0  # waiting for tool calls
+
+    @property
+    def overhead_seconds(self) -> float:
+        """Sampler bookkeeping: neither generation nor tools (tag cutting, encoding, branching)."""
+        return self.seconds - self.generation_seconds - self.tool_seconds
 
 
 @dataclass
@@ -191,23 +200,28 @@ class BranchingSampler:
         policy = branch_policy or self.branch_policy
         m = num_generations or self.num_generations
         n = initial_rollouts or (m if policy == "none" else min(self.initial_rollouts, m))
-        stats, self._next_id = RolloutStats(), 0
+        stats, self._next_id, start = RolloutStats(), 0, time.perf_counter()
         groups = [[self._new_path(g, list(p), "global") for _ in range(n)] for g, p in enumerate(prompts)]
         while active := [path for group in groups for path in group if path.active]:
             stats.rounds += 1
+            generation_start = time.perf_counter()
             segments = self.engine.generate(
                 [path.prompt_ids + path.completion_ids for path in active],
                 [self.max_completion_length - len(path.completion_ids) for path in active],
                 self.call_format.stop_strings,
             )
+            stats.generation_seconds += time.perf_counter() - generation_start
             requests = [r for path, seg in zip(active, segments) if (r := self._absorb(path, seg))]
+            tools_start = time.perf_counter()
             self._run_tools(requests, stats)
+            stats.tool_seconds += time.perf_counter() - tools_start
             for group in groups:
                 if policy != "none":
                     self._branch(group, m, policy, stats)
                 if len(group) < m and not any(path.active for path in group):
                     group.append(self._new_path(group[0].group, group[0].prompt_ids, "fill"))
                     stats.fill_ups += 1
+        stats.seconds = time.perf_counter() - start
         return RolloutResult(groups, stats)
 
     def fork_probability(self, delta_entropy: float, policy: str | None = None) -> float:

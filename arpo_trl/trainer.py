@@ -336,6 +336,10 @@ class ARPOTrainer(GRPOTrainer):
             "arpo/tool_failures_per_group": stats.tool_failures / groups,
             "arpo/tokens_generated_per_group": sum(t.own_tokens() for t in trajectories) / groups,
             "arpo/tokens_trained_per_group": sum(map(sum, env_mask)) / max(local_groups, 1),
+            "arpo/rollout_seconds": stats.seconds,
+            "arpo/generation_seconds": stats.generation_seconds,
+            "arpo/tool_seconds": stats.tool_seconds,
+            "arpo/sampler_overhead_seconds": stats.overhead_seconds,
         }
         sync = getattr(self, "vllm_generation", None)
         if getattr(sync, "last_seconds", None) is not None:  # set by a sync before this rollout only

@@ -300,3 +300,16 @@ def test_a_broken_tool_environment_stops_the_rollout(tokenizer):
                        branch_policy="none")
     with pytest.raises(RuntimeError, match=r"Tool\(python\) cannot run: the sandbox could not start"):
         sampler.sample(_prompts(tokenizer, 1))
+
+
+def test_rollout_time_is_split_into_generation_tools_and_overhead(tokenizer):
+    def slow(code):
+        time.sleep(0.2)
+        return "2"
+
+    sampler = _sampler(tokenizer, calls_then_answers(1), tools=[Tool("python", slow)], num_generations=2,
+                       branch_policy="none")
+    stats = sampler.sample(_prompts(tokenizer, 1)).stats
+    assert stats.tool_seconds >= 0.2 and stats.generation_seconds > 0
+    assert 0 <= stats.overhead_seconds < stats.seconds
+    assert stats.seconds >= stats.tool_seconds + stats.generation_seconds
