@@ -24,10 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from arpo_trl.config import ARPOConfig
-from arpo_trl.rewards import GROUND_TRUTH_COLUMNS, arpo_f1_reward, arpo_math_reward, format_credit_reward
+from arpo_trl.rewards import (
+    GROUND_TRUTH_COLUMNS,
+    answer_accuracy,
+    arpo_f1_reward,
+    arpo_math_reward,
+    format_credit_reward,
+)
 
 REWARDS: dict[str, Callable] = {
     "arpo_math": arpo_math_reward, "arpo_f1": arpo_f1_reward, "format_credit": format_credit_reward,
+    "accuracy": answer_accuracy,
 }
 TOOLS = ("python", "search", "browse")
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}

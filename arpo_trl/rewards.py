@@ -148,6 +148,14 @@ def arpo_math_reward(completions: list, **kwargs) -> list[float]:
     return [hierarchical_reward(completion_text(c), t, math_score) for c, t in zip(completions, truths)]
 
 
+def answer_accuracy(completions: list, **kwargs) -> list[float]:
+    """1.0 when the last boxed answer is mathematically equal to the ground truth, format aside, else 0.0: an
+    accuracy to log next to the reward (give it weight 0 in `reward_weights` to leave training unchanged)."""
+    truths = _ground_truths(kwargs, len(completions))
+    answers = [extract_answer(completion_text(c)) for c in completions]
+    return [math_score(a, t) if a is not None else 0.0 for a, t in zip(answers, truths)]
+
+
 FORMAT_CREDITS = (("think", 0.1), ("tool_call", 0.2), ("answer", 0.2), ("boxed", 0.2))
 
 

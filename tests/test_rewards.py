@@ -3,6 +3,7 @@
 import pytest
 
 from arpo_trl.rewards import (
+    answer_accuracy,
     arpo_f1_reward,
     arpo_math_reward,
     extract_answer,
@@ -63,3 +64,9 @@ def test_format_credit_is_graded():
     full = "<think>a</think><python>print(1)</python> <result>\n1\n</result><answer>\\boxed{1}</answer>"
     assert format_credit(full) == pytest.approx(0.7)
     assert format_credit("<answer>1</answer>") == pytest.approx(0.2)
+
+
+def test_answer_accuracy_ignores_format():
+    texts = ["<answer>\\boxed{0.5}</answer>", "<think>x</think><answer>\\boxed{1/2}</answer>",
+             "<answer>\\boxed{3}</answer>", "no answer at all"]
+    assert answer_accuracy(texts, ground_truth=["1/2"] * 4) == [1.0, 1.0, 0.0, 0.0]
