@@ -33,7 +33,10 @@ def cut_at_stop(
 
     Returns `(kept, rewritten, tag)`: `kept` are the model's own tokens up to the tag; when the tag ends
     inside a token (e.g. a `>\\n` token), that token is dropped and the rest of the tag is re-encoded as
-    `rewritten`, so that `decode(kept + rewritten)` ends exactly at the tag. `None` if no stop string."""
+    `rewritten`, so that `decode(kept + rewritten)` ends exactly at the tag. Where that cannot be done (the
+    token also completes a character begun before it, or the tail re-encodes differently on its own, as
+    SentencePiece's `▁` prefix makes `>` decode as ` >`), the token is kept whole: `decode(kept)` then runs
+    past the tag. `None` if no stop string."""
     found = first_stop(token_ids, decode, stop_strings)
     if found is None:
         return None
@@ -43,9 +46,11 @@ def cut_at_stop(
     if end == len(text):
         return list(token_ids[:j]), [], tag
     head = decode(token_ids[: j - 1])
-    if not text.startswith(head) or len(head) > end:  # not byte-aligned: keep the straddling token whole
-        return list(token_ids[:j]), [], tag
-    return list(token_ids[: j - 1]), encode(text[len(head) : end]), tag
+    if text.startswith(head) and len(head) <= end:
+        kept, rewritten = list(token_ids[: j - 1]), encode(text[len(head) : end])
+        if decode(kept + rewritten) == text[:end]:
+            return kept, rewritten, tag
+    return list(token_ids[:j]), [], tag
 
 
 def extract_call(segment_text: str, close_tag: str) -> str:

@@ -23,6 +23,9 @@ from arpo_trl.tools.base import Tool, format_result
 
 TOOL_CALL_FORMATS = ("tags", "chat_template")
 _SENTINEL = "ARPO_TOOL_RESULT_7f3a"
+# Besides JSONDecodeError (a ValueError), json.loads raises a plain ValueError for integers over 4300 digits and
+# RecursionError for deeply nested arrays/objects: all are the model's malformed calls, never the trainer's crash.
+_JSON_ERRORS = (ValueError, RecursionError)
 
 
 @dataclass
@@ -104,7 +107,7 @@ class ChatTemplateFormat:
             return None
         try:
             call = json.loads(body)
-        except json.JSONDecodeError as exc:
+        except _JSON_ERRORS as exc:
             return ToolCall(None, error=f"Error: the tool call is not valid JSON ({exc}): {body[:200]}")
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return ToolCall(None, error='Error: a tool call must be a JSON object {"name": <tool name>, '
@@ -117,7 +120,7 @@ class ChatTemplateFormat:
         if isinstance(arguments, str):  # OpenAI-style: the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except _JSON_ERRORS:
                 pass
         if not isinstance(arguments, dict):
             return ToolCall(tool, error=f"Error: Tool({tool.tag}) arguments must be a JSON object, "
