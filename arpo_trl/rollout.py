@@ -200,6 +200,8 @@ class BranchingSampler:
         policy = branch_policy or self.branch_policy
         m = num_generations or self.num_generations
         n = initial_rollouts or (m if policy == "none" else min(self.initial_rollouts, m))
+        check_branching_args(m, n, self.branch_factor, self.branch_threshold, self.entropy_window, policy,
+                             self.max_tool_calls)
         stats, self._next_id, start = RolloutStats(), 0, time.perf_counter()
         groups = [[self._new_path(g, list(p), "global") for _ in range(n)] for g, p in enumerate(prompts)]
         while active := [path for group in groups for path in group if path.active]:
@@ -345,7 +347,8 @@ class BranchingSampler:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # Tokenizers reject lone surrogates, which a tool's str may hold (JSON escapes, surrogateescape).
+        return self.tokenizer.encode(text.encode("utf-8", "replace").decode("utf-8"), add_special_tokens=False)
 
 
 def _bind(tool: Tool, content: str):

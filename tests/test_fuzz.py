@@ -570,8 +570,6 @@ def _one_call_then_answer(text, rng):
     return (CALL, 0.1, "stop") if "</result>" not in text else ("<answer>1</answer>", 0.1, "eos")
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="rollout.py: a tool output with a lone surrogate (a str from "
-                   "JSON escapes, utf-7 pages, surrogateescape) reaches tokenizer.encode, which raises TypeError")
 def test_a_tool_output_with_a_lone_surrogate_is_an_observation(tokenizer):
     sampler = _sampler(tokenizer, _one_call_then_answer, tools=[Tool("python", lambda code: "a\ud800b")],
                        num_generations=1, branch_policy="none")
@@ -580,20 +578,14 @@ def test_a_tool_output_with_a_lone_surrogate_is_an_observation(tokenizer):
     assert tokenizer.decode(t.completion_ids, skip_special_tokens=True).endswith("</result><answer>1</answer>")
 
 
-@pytest.mark.xfail(strict=True, reason="rollout.py: sample()'s initial_rollouts / branch_policy overrides are not "
-                   "validated; initial_rollouts > num_generations gives more than num_generations paths per prompt")
 def test_sample_overrides_are_validated(tokenizer):
     sampler = _sampler(tokenizer, _one_call_then_answer, num_generations=4)
-    try:
-        result = sampler.sample(_prompts(tokenizer, 1), num_generations=2, initial_rollouts=3)
-    except ValueError:
-        return
-    assert [len(group) for group in result.groups] == [2]
+    with pytest.raises(ValueError, match="initial_rollouts"):
+        sampler.sample(_prompts(tokenizer, 1), num_generations=2, initial_rollouts=3)
+    with pytest.raises(ValueError, match="branch_policy"):
+        sampler.sample(_prompts(tokenizer, 1), branch_policy="sometimes")
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-@pytest.mark.xfail(strict=True, reason="tools/runner.py: a tool raising SystemExit (e.g. exec'd code calling exit()) "
-                   "kills its worker thread silently; the round waits the whole tool_timeout and reports a timeout")
 def test_a_tool_raising_system_exit_fails_at_once(tokenizer):
     def exits(code):
         raise SystemExit(3)

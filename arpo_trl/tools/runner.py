@@ -34,7 +34,7 @@ def run_calls(calls: Sequence[Callable[[], object]], max_workers: int, timeout: 
         outcome = CallOutcome(timed_out=False)
         try:
             outcome.value = calls[index]()
-        except Exception as exc:  # reported to the caller, never raised in the thread
+        except BaseException as exc:  # reported to the caller, never raised in the thread (SystemExit too)
             outcome.error = exc
         with changed:
             outcomes[index] = outcome
