@@ -263,7 +263,7 @@ def test_python_runs_normally_in_the_sandbox(namespace_tool):
     code = ("import math, json, fractions, os\nopen('notes.txt', 'w').write('kept for this call')\n"
             "print(open('notes.txt').read(), os.getcwd(), os.environ['HOME'])\nmath.comb(10, 3)")
     assert namespace_tool(code) == "kept for this call /tmp /tmp\n120"
-    assert namespace_tool("import os\nos.listdir('.')") == "[]", "every call starts with an empty scratch dir"
+    assert namespace_tool("import os\nos.path.exists('notes.txt')") == "False", "every call gets a fresh scratch dir"
     assert namespace_tool("import numpy\nnumpy.arange(4).sum()") == "6"
 
 

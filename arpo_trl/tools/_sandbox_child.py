@@ -89,6 +89,9 @@ def build_root(new_root: str) -> None:
             sources[path] = os.open(path, os.O_PATH | os.O_CLOEXEC)
     devices = {name: os.open(f"/dev/{name}", os.O_PATH | os.O_CLOEXEC) for name in DEVICES}
     mount("tmpfs", new_root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755")
+    disk = f"size={SETTINGS['disk_bytes']},nr_inodes=4096,mode=1777"
+    os.makedirs(new_root + "/tmp")  # first: a Python prefix under /tmp (a venv in a temp clone) is bound inside it
+    mount("tmpfs", new_root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, disk)
     for path, source in sources.items():
         target = new_root + path
         if isinstance(source, str):
@@ -108,10 +111,7 @@ def build_root(new_root: str) -> None:
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{new_root}/dev/{name}")
-    disk = f"size={SETTINGS['disk_bytes']},nr_inodes=4096,mode=1777"
     mount("tmpfs", f"{new_root}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, disk)
-    os.makedirs(new_root + "/tmp")
-    mount("tmpfs", new_root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, disk)
     os.makedirs(new_root + "/proc")
     try:  # our own PID namespace's /proc: shows only the sandbox's processes
         mount("proc", new_root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
