@@ -234,10 +234,11 @@ def build_trainer(script_args: ARPOScriptArguments, training_args: ARPOConfig, m
 def train(argv: Sequence[str]) -> None:
     try:
         script_args, training_args, model_args = make_parser().parse_args_and_config(list(argv))
+        resume = resume_target(training_args.resume_from_checkpoint)
         trainer = build_trainer(script_args, training_args, model_args)
     except (ValueError, FileNotFoundError, ImportError) as error:  # ours and ARPOConfig's checks name the field
         _fail(error)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
     if trainer.accelerator.is_main_process:
@@ -246,6 +247,18 @@ def train(argv: Sequence[str]) -> None:
         print(run_summary(training_args.output_dir))
     if hasattr(trainer, "end"):  # transformers >= 5.18: finish trackers, destroy the process group
         trainer.end()
+
+
+def resume_target(value: str | None) -> str | bool | None:
+    """`resume_from_checkpoint`: a checkpoint folder, or 'true' for the newest checkpoint in output_dir."""
+    if value is None or value == "":
+        return None
+    if str(value).lower() == "true":
+        return True
+    if not os.path.isdir(value):
+        raise FileNotFoundError(f"resume_from_checkpoint: no checkpoint folder {value!r} (a 'checkpoint-N' folder "
+                                "of a run, or 'true' for the newest one in output_dir).")
+    return value
 
 
 def _fail(error: Exception) -> None:

@@ -85,6 +85,7 @@ def test_train_on_a_reasoning_gym_task(tool_model_dir, tmp_path):
     ({}, ["--max_steps", "abc"], "invalid int value: 'abc'"),
     ({"branch_threshold": 2.0}, [], "branch_threshold"),
     ({"model_name_or_path": None}, [], "model_name_or_path: required"),
+    ({"resume_from_checkpoint": "runs/nope/checkpoint-3"}, [], "resume_from_checkpoint: no checkpoint folder"),
     ({"python_isolation": "docker"}, [], "python_\\*: Sandbox isolation must be one of"),
     ({"python_pool_size": -1}, [], "python_\\*: Sandbox pool_size must be an integer >= 0"),
 ])
