@@ -41,10 +41,11 @@ PER_STEP = {  # metrics.jsonl key -> our name
     "arpo/sampler_overhead_seconds": "sampler_overhead_seconds",
     "step_time": "step_seconds",
     "reward": "reward",
-    "rewards/accuracy/mean": "accuracy",
+    "rewards/answer_accuracy/mean": "accuracy",
 }
 RATIO_KEYS = ("tool_calls_per_group", "tokens_generated_per_group", "tokens_trained_per_group", "step_seconds",
               "rollout_seconds")
+DIFFERENCE_KEYS = ("reward", "reward_second_half", "accuracy", "heldout_pass@1")  # can be ≤ 0: compared by difference
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip-vllm", action="store_true", help="skip the rollout-only vLLM-CPU comparison")
     parser.add_argument("--vllm-prompts", type=int, default=8)
     parser.add_argument("--out", default="runs/arpo_vs_grpo")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep runs already complete in --out (and its vLLM results) instead of redoing them")
     return parser.parse_args(argv)
 
 
@@ -83,51 +86,76 @@ def ensure_cold_start(model: str) -> None:
 
 def train_and_eval(args: argparse.Namespace, method: str, seed: int) -> dict:
     run_dir = Path(args.out) / f"seed{seed}" / method
+    if args.reuse and _complete(run_dir, args):
+        return read_run(args, method, seed, run_dir, wall=None)
     n = args.num_generations if METHODS[method] == "none" else args.initial_rollouts
     wall = cli("train", "--config", "recipes/arpo_vs_grpo.yaml", "--model_name_or_path", args.model,
                "--branch_policy", METHODS[method], "--initial_rollouts", str(n), "--seed", str(seed),
                "--num_generations", str(args.num_generations), "--max_steps", str(args.steps),
                "--per_device_train_batch_size", str(args.prompts_per_step * args.num_generations),
                "--max_completion_length", str(args.max_completion_length), "--output_dir", str(run_dir))
+    if args.eval_questions:
+        cli("eval", "--config", "recipes/eval_quickstart.yaml", "--model_name_or_path", args.model,
+            "--adapter", str(run_dir), "--num_samples", str(args.eval_questions), "--n_samples", "1", "--k", "1",
+            "--max_completion_length", str(args.max_completion_length), "--output_dir", str(run_dir / "eval"))
+    return read_run(args, method, seed, run_dir, wall)
+
+
+def _complete(run_dir: Path, args: argparse.Namespace) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return False
+    steps = sum("step_time" in json.loads(line) for line in metrics.read_text().splitlines())
+    return steps == args.steps and (not args.eval_questions or (run_dir / "eval" / "eval_results.json").is_file())
+
+
+def read_run(args: argparse.Namespace, method: str, seed: int, run_dir: Path, wall: float | None) -> dict:
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [{ours: s[key] for key, ours in PER_STEP.items() if key in s} for s in steps if "step_time" in s]
     run = {"method": method, "seed": seed, "train_wall_seconds": wall, "steps": steps,
            "mean": {key: statistics.fmean(s[key] for s in steps) for key in PER_STEP.values() if key in steps[0]}}
     if args.eval_questions:
-        cli("eval", "--config", "recipes/eval_quickstart.yaml", "--model_name_or_path", args.model,
-            "--adapter", str(run_dir), "--num_samples", str(args.eval_questions), "--n_samples", "1", "--k", "1",
-            "--max_completion_length", str(args.max_completion_length), "--output_dir", str(run_dir / "eval"))
         summary = json.loads((run_dir / "eval" / "eval_results.json").read_text())["summary"]
         run["heldout_pass@1"] = summary["pass@1"]["mean"]
     return run
 
 
 def pairwise(runs: list[dict], methods: list[str]) -> dict:
-    """For every seed, each method's mean over the baseline's (GRPO) in the same seed; medians over seeds."""
+    """Per seed, each method against the baseline (GRPO) of the same seed: cost ratios and quality differences;
+    then the median over seeds."""
     if "grpo" not in methods:
         return {}
-    ratios = {}
+    comparisons = {}
     for method in [m for m in methods if m != "grpo"]:
-        per_seed = {key: [] for key in RATIO_KEYS}
-        for seed in {r["seed"] for r in runs}:
-            mine = next(r for r in runs if r["seed"] == seed and r["method"] == method)
-            base = next(r for r in runs if r["seed"] == seed and r["method"] == "grpo")
+        ratios, differences = {k: [] for k in RATIO_KEYS}, {k: [] for k in DIFFERENCE_KEYS}
+        for seed in sorted({r["seed"] for r in runs}):
+            mine = _flat(next(r for r in runs if r["seed"] == seed and r["method"] == method))
+            base = _flat(next(r for r in runs if r["seed"] == seed and r["method"] == "grpo"))
             for key in RATIO_KEYS:
-                if base["mean"].get(key):
-                    per_seed[key].append(mine["mean"][key] / base["mean"][key])
-        ratios[f"{method}/grpo"] = {key: statistics.median(v) for key, v in per_seed.items() if v}
-    return ratios
+                if base.get(key):
+                    ratios[key].append(mine[key] / base[key])
+            for key in DIFFERENCE_KEYS:
+                if key in base and key in mine:
+                    differences[key].append(mine[key] - base[key])
+        comparisons[f"{method}/grpo"] = {key: statistics.median(v) for key, v in ratios.items() if v}
+        comparisons[f"{method} - grpo"] = {key: statistics.median(v) for key, v in differences.items() if v}
+    return {name: values for name, values in comparisons.items() if values}
+
+
+def _flat(run: dict) -> dict:
+    """A run's per-step means, its held-out pass@1 and its reward over the second half of training."""
+    half = len(run["steps"]) // 2
+    second = [s["reward"] for s in run["steps"][half:] if "reward" in s]
+    extra = {"reward_second_half": statistics.fmean(second)} if second else {}
+    return {**run["mean"], **extra, **({"heldout_pass@1": run["heldout_pass@1"]} if "heldout_pass@1" in run else {})}
 
 
 def summarize(runs: list[dict], methods: list[str]) -> dict:
+    """Per method, the median over seeds of each run's per-step means."""
     summary = {}
     for method in methods:
-        mine = [r for r in runs if r["method"] == method]
-        keys = list(mine[0]["mean"]) + (["heldout_pass@1"] if "heldout_pass@1" in mine[0] else [])
-        values = {key: [r["mean"][key] if key in r["mean"] else r[key] for r in mine] for key in keys}
-        half = len(mine[0]["steps"]) // 2  # reward over the second half of training
-        values["reward_second_half"] = [statistics.fmean(s["reward"] for s in r["steps"][half:]) for r in mine]
-        summary[method] = {key: statistics.median(v) for key, v in values.items()}
+        flat = [_flat(r) for r in runs if r["method"] == method]
+        summary[method] = {key: statistics.median(f[key] for f in flat) for key in flat[0]}
     return summary
 
 
@@ -230,8 +258,12 @@ def main(argv=None) -> dict:
             runs.append(train_and_eval(args, method, seed))
     report = {"config": vars(args), "runs": runs, "summary": summarize(runs, args.methods),
               "ratios": pairwise(runs, args.methods)}
-    if not args.skip_vllm:
+    previous = out / "results.json"
+    if args.reuse and previous.is_file() and json.loads(previous.read_text()).get("vllm"):
+        report["vllm"] = json.loads(previous.read_text())["vllm"]
+    elif not args.skip_vllm:
         report["vllm"] = vllm_rollouts(args)
+    if report.get("vllm"):
         report["ratios"].update({f"vllm {m}/grpo": {k: v / report["vllm"]["grpo"][k] for k, v in values.items()
                                                     if report["vllm"]["grpo"].get(k)}
                                  for m, values in report["vllm"].items() if m != "grpo" and "grpo" in report["vllm"]})

@@ -72,5 +72,6 @@ def test_arpo_vs_grpo_ratios_are_pairwise_medians():
 
     runs = [run("grpo", 0, 4.0), run("arpo", 0, 2.0), run("grpo", 1, 10.0), run("arpo", 1, 6.0),
             run("grpo", 2, 8.0), run("arpo", 2, 8.0)]
-    assert bench.pairwise(runs, ["arpo", "grpo"]) == {"arpo/grpo": {"tool_calls_per_group": 0.6}}
+    assert bench.pairwise(runs, ["arpo", "grpo"]) == {"arpo/grpo": {"tool_calls_per_group": 0.6},
+                                                      "arpo - grpo": {"reward_second_half": 0.0}}
     assert bench.summarize(runs, ["arpo", "grpo"])["arpo"]["tool_calls_per_group"] == 6.0
