@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from arpo_trl.rollout import BRANCH_POLICIES, check_branching_args, default_initial_rollouts
+from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS, check_branching_args, default_initial_rollouts
 from arpo_trl.tool_calls import TOOL_CALL_FORMATS, check_call_format
 from arpo_trl.weight_sync import SYNC_MODES, check_sync_mode
 
@@ -123,6 +123,16 @@ class ARPOConfig(GRPOConfig):
         default=8,
         metadata={"help": "Tool calls run concurrently across paths in a thread pool of this size."},
     )
+    rollout_scheduler: str = field(
+        default="auto",
+        metadata={
+            "help": "How the rollout's requests are scheduled. 'events': every path advances on its own (its next "
+            "request goes out as soon as its own tool result or fork decision is ready; vLLM server mode). 'waves': "
+            "requests ready together are generated as one batch (the transformers backend; deterministic for a seed). "
+            "'auto': events where the engine supports it, else waves.",
+            "choices": list(SCHEDULERS),
+        },
+    )
     seed_sampler: int | None = field(
         default=None,
         metadata={"help": "Seed of the fork-decision RNG; defaults to `seed`."},
@@ -182,6 +192,8 @@ class ARPOConfig(GRPOConfig):
             raise ValueError("tool_call_open and tool_call_close must be non-empty markers, e.g. '<tool_call>'.")
         if self.tool_timeout <= 0:
             raise ValueError(f"tool_timeout must be > 0 seconds, got {self.tool_timeout}.")
+        if self.rollout_scheduler not in SCHEDULERS:
+            raise ValueError(f"rollout_scheduler must be one of {SCHEDULERS}, got {self.rollout_scheduler!r}.")
         if self.max_tool_workers < 1:
             raise ValueError(f"max_tool_workers must be >= 1, got {self.max_tool_workers}.")
         self._validate_vllm_fields()

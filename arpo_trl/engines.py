@@ -35,6 +35,10 @@ class Segment:
 
 
 class GenerationEngine(Protocol):
+    """What the sampler needs. An engine may also offer `async agenerate(prefix, max_new_tokens, stop) -> Segment`
+    (and `async aclose()`): the sampler then drives every path on its own (`arpo_trl.scheduling.EventScheduler`);
+    a batch-only engine is driven in waves."""
+
     vocab_size: int
 
     def generate(
@@ -278,12 +282,23 @@ class VLLMServerEngine:
                 future.cancel()
             raise
 
+    async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
+        """One segment, from asyncio: the event-driven scheduler sends each path's request as soon as it is ready."""
+        _check_budgets([prefix], [max_new_tokens])
+        payload = self._payload(list(prefix), max_new_tokens, list(stop))
+        return self._segment((await self.client.acompletion(payload))["choices"][0], max_new_tokens)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
     def _complete(self, prefix: list[int], budget: int, stop: list[str]) -> Segment:
+        return self._segment(self.client.completion(self._payload(prefix, budget, stop))["choices"][0], budget)
+
+    def _payload(self, prefix: list[int], budget: int, stop: list[str]) -> dict:
         payload = {"model": self.model_name, "prompt": prefix, "max_tokens": budget, "n": 1, **self.sampling}
         if stop:
             payload["stop"] = stop
-        choice = self.client.completion(payload)["choices"][0]
-        return self._segment(choice, budget)
+        return payload
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

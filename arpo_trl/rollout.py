@@ -1,22 +1,31 @@
-"""ARPO's entropy-based adaptive rollout (paper §3.1; reference `vllm_rollout_with_tools.py`).
+"""ARPO's entropy-based adaptive rollout (paper §3.1; reference `vllm_rollout_with_tools.py`), event-driven.
 
-Per prompt, with a budget of M trajectories:
-  1. start N global paths from the prompt;
-  2. generate every active path until a tool's closing tag, EOS or its length budget;
-  3. measure H, the entropy of the first k tokens of each new segment (normalised by ln|V|); a path's
-     first segment sets H_initial;
-  4. run the tool calls (concurrently) and append ` <result>\\n…\\n</result>` (loss mask 0; with a
-     `ChatTemplateFormat`, the chat template's tool message and next assistant header instead);
-  5. for each segment that followed a tool result, fork Z-1 copies of the path at that result with
-     probability clip(τ + β·(H - H_initial), 0, 1), while the prompt has fewer than M paths;
-  6. if none of a prompt's paths is active and it has fewer than M, add one fresh global path;
-  repeat 2-6 until no path is active. Each prompt ends with exactly M trajectories.
+Per prompt, with a budget of M trajectories, N global paths start the tree, and every path runs one program
+(`BranchingSampler._grow`):
+  1. generate until a tool's closing tag, EOS or its length budget; the first k tokens of the path's first
+     segment give H_initial (entropy normalised by ln|V|);
+  2. run the tool and append ` <result>\\n…\\n</result>` (loss mask 0; with a `ChatTemplateFormat`, the chat
+     template's tool message and next assistant header instead);
+  3. probe: generate the next k tokens only, and measure their entropy H;
+  4. right then, while the prompt has fewer than M paths, fork Z-1 copies of the path at the tool result with
+     probability clip(τ + β·(H - H_initial), 0, 1); the copies start from the result beside the path, which goes
+     on after its probe;
+  5. back to 1, until EOS, the call limit or the budget.
+When forking can no longer fill a prompt's M slots (even if every live path forked at every tool result it may
+still reach), all the missing trajectories start at once as fresh global samples ("fill-ups", paper §3.1 step 4:
+"add M-N-Ẑ trajectory-level samples"). Each prompt ends with exactly M trajectories.
+
+A scheduler (`arpo_trl.scheduling`) drives the programs: against a server every path advances on its own; with a
+batch engine the requests that are ready together form one batch (a wave), in path order, so a seed reproduces the
+trees.
 
 Where we differ from the reference code, deliberately (see docs/differences.md):
   * H_initial is reset every rollout and inherited by branches (the reference keeps a per-slot dict that is
     never cleared, so from the second step on ΔH compares with a stale, unrelated value).
-  * The fork is decided by the entropy measured right after a tool result and placed at that result, as
-    the paper describes; the reference decides with the previous segment's entropy (one round late).
+  * The fork is decided by the k tokens right after a tool result and placed at that result, as the paper
+    describes; the reference decides with the previous segment's entropy, one round late.
+  * Fill-ups start all at once, as soon as they are certain to be needed, and do not fork; the reference adds one
+    per round once every path of the prompt has ended, and lets it fork.
   * Tokens the environment writes (tool results, the EOS after the call limit, the tail of a closing tag
     that ended inside a token) have loss mask 0: the loss covers exactly the tokens the model sampled.
   * Result text is encoded without special tokens (the reference's `encode` would insert a BOS on Llama).
@@ -27,14 +36,15 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 from arpo_trl.engines import GenerationEngine, Segment, normalized_entropy
+from arpo_trl.scheduling import CallRequest, GenerateRequest, make_scheduler
 from arpo_trl.tags import cut_at_stop
 from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall
 from arpo_trl.tools.base import Tool, ToolEnvironmentError
-from arpo_trl.tools.runner import CallOutcome, run_calls
+from arpo_trl.tools.runner import CallOutcome
 
 
 @dataclass
@@ -44,7 +54,7 @@ class Trajectory:
     id: int
     group: int
     prompt_ids: list[int]
-    kind: str  # "global", "branch" or "fill" (a top-up global path)
+    kind: str  # "global", "branch" or "fill" (a global path started to complete the budget)
     parent: int | None = None
     fork_position: int | None = None
     fork_delta: float | None = None  # ΔH that triggered this branch
@@ -57,11 +67,8 @@ class Trajectory:
     initial_entropy: float | None = None
     segment_entropies: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # None while active
-    # Bookkeeping for the fork rule: was the last thing appended a tool result, and where did the current
-    # segment start (length and call count), so that a fork can copy the path as it was at that result.
-    awaiting_entropy: bool = False
-    fork_candidate: bool = False
-    _segment_start: tuple[int, int, int] = (0, 0, 0)
+    segment_start: int = 0  # where the segment being generated began (after the last environment tokens)
+    fork_decisions: int = 0  # tool results whose fork decision is settled (inherited by branches)
 
     @property
     def active(self) -> bool:
@@ -74,23 +81,24 @@ class Trajectory:
     def snapshot(self, length: int) -> tuple[list[int], list[int], list[float], list[float]]:
         return self.completion_ids[:length], self.mask[:length], self.logprobs[:length], self.entropies[:length]
 
+    def cut(self, length: int) -> None:
+        self.completion_ids, self.mask, self.logprobs, self.entropies = self.snapshot(length)
+
 
 @dataclass
 class RolloutStats:
     forks: int = 0
     fork_deltas: list[float] = field(default_factory=list)
     fill_ups: int = 0
-    rounds: int = 0
+    waves: int = 0  # batch engines: engine calls; event-driven: most requests in sequence along one chain
+    critical_path_tokens: int = 0  # longest chain of sequentially generated tokens the rollout waited for
+    requests: int = 0
     tool_calls: int = 0
     tool_failures: int = 0
     seconds: float = 0.0  # the whole rollout
-    generation_seconds: float = 0.0  # inside engine.generate
-    tool_seconds: float = 0.0  # waiting for tool calls
-
-    @property
-    def overhead_seconds(self) -> float:
-        """Sampler bookkeeping: neither generation nor tools (tag cutting, encoding, branching)."""
-        return self.seconds - self.generation_seconds - self.tool_seconds
+    generation_seconds: float = 0.0  # while generation was in progress
+    tool_seconds: float = 0.0  # waiting for tool calls alone (no generation in progress)
+    overhead_seconds: float = 0.0  # in the sampler's own code: tag cutting, encoding, branching, scheduling
 
 
 @dataclass
@@ -103,7 +111,21 @@ class RolloutResult:
         return [t for group in self.groups for t in group]
 
 
+@dataclass
+class Rollout:
+    """The state of one `sample` call, shared by the path programs and the scheduler."""
+
+    groups: list[list[Trajectory]]
+    num_generations: int
+    policy: str
+    stats: RolloutStats = field(default_factory=RolloutStats)
+    started: list[tuple[Trajectory, Trajectory | None]] = field(default_factory=list)  # (new path, its creator)
+    next_id: int = 0
+
+
 BRANCH_POLICIES = ("entropy", "random", "none")
+SCHEDULERS = ("auto", "events", "waves")
+_OPEN = object()  # `_absorb`: the probe stopped at k tokens inside a segment, which goes on
 
 
 def default_initial_rollouts(num_generations: int, branch_policy: str) -> int:
@@ -138,15 +160,14 @@ def check_branching_args(
         raise ValueError(f"max_tool_calls must be >= 0, got {max_tool_calls}.")
 
 
-@dataclass
-class _ToolRequest:
-    path: Trajectory
-    call: ToolCall
-
-
 class BranchingSampler:
     """Builds ARPO rollout trees from token-id prompts with any `GenerationEngine` and tools, called as tags
-    (`TagFormat`, the default) or through the chat template (`call_format=ChatTemplateFormat(...)`)."""
+    (`TagFormat`, the default) or through the chat template (`call_format=ChatTemplateFormat(...)`).
+
+    `scheduler`: 'events' (every path advances on its own; needs an engine with `agenerate`, such as
+    `VLLMServerEngine`), 'waves' (ready requests batched into one `generate` call; deterministic for a seed), or
+    'auto' (events when the engine can, else waves).
+    """
 
     def __init__(
         self,
@@ -167,6 +188,7 @@ class BranchingSampler:
         max_tool_workers: int = 8,
         seed: int | None = None,
         call_format: CallFormat | None = None,
+        scheduler: str = "auto",
     ):
         tags = [tool.tag for tool in tools]
         if len(set(tags)) != len(tags):
@@ -175,19 +197,23 @@ class BranchingSampler:
             initial_rollouts = default_initial_rollouts(num_generations, branch_policy)
         check_branching_args(num_generations, initial_rollouts, branch_factor, branch_threshold, entropy_window,
                              branch_policy, max_tool_calls)
-        self.engine, self.tokenizer = engine, tokenizer
+        if tool_timeout <= 0 or max_tool_workers < 1:
+            raise ValueError(f"tool_timeout must be > 0 and max_tool_workers >= 1, got {tool_timeout}, "
+                             f"{max_tool_workers}.")
+        self.engine, self.tokenizer, self.tools = engine, tokenizer, list(tools)
         self.call_format = call_format if call_format is not None else TagFormat(tools)
         self.num_generations, self.initial_rollouts = num_generations, initial_rollouts
         self.branch_factor, self.branch_threshold, self.entropy_weight = branch_factor, branch_threshold, entropy_weight
         self.entropy_window, self.branch_policy = entropy_window, branch_policy
         self.max_tool_calls, self.max_completion_length = max_tool_calls, max_completion_length
-        self.tool_timeout = tool_timeout
+        self.tool_timeout, self.max_tool_workers = tool_timeout, max_tool_workers
         self.rng = random.Random(seed)
-        self.max_tool_workers = max_tool_workers
+        self.scheduler = make_scheduler(scheduler, engine)
         eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
         self.eos_token_id = eos[0]
+        self._max_token_chars: int | None = None
 
-    # ---- the algorithm ------------------------------------------------------------------------------
+    # ---- the algorithm ------------------------------------------------------------------------------------
     def sample(
         self,
         prompts: Sequence[Sequence[int]],
@@ -202,29 +228,37 @@ class BranchingSampler:
         n = initial_rollouts or (m if policy == "none" else min(self.initial_rollouts, m))
         check_branching_args(m, n, self.branch_factor, self.branch_threshold, self.entropy_window, policy,
                              self.max_tool_calls)
-        stats, self._next_id, start = RolloutStats(), 0, time.perf_counter()
-        groups = [[self._new_path(g, list(p), "global") for _ in range(n)] for g, p in enumerate(prompts)]
-        while active := [path for group in groups for path in group if path.active]:
-            stats.rounds += 1
-            generation_start = time.perf_counter()
-            segments = self.engine.generate(
-                [path.prompt_ids + path.completion_ids for path in active],
-                [self.max_completion_length - len(path.completion_ids) for path in active],
-                self.call_format.stop_strings,
-            )
-            stats.generation_seconds += time.perf_counter() - generation_start
-            requests = [r for path, seg in zip(active, segments) if (r := self._absorb(path, seg))]
-            tools_start = time.perf_counter()
-            self._run_tools(requests, stats)
-            stats.tool_seconds += time.perf_counter() - tools_start
-            for group in groups:
-                if policy != "none":
-                    self._branch(group, m, policy, stats)
-                if len(group) < m and not any(path.active for path in group):
-                    group.append(self._new_path(group[0].group, group[0].prompt_ids, "fill"))
-                    stats.fill_ups += 1
-        stats.seconds = time.perf_counter() - start
-        return RolloutResult(groups, stats)
+        start = time.perf_counter()
+        rollout = Rollout([[] for _ in prompts], m, policy)
+        for g, prompt in enumerate(prompts):
+            for _ in range(n):
+                self._start(rollout, g, list(prompt), "global", None)
+            self._fill_up(rollout, g, None)
+        self.scheduler.run(self, rollout)
+        rollout.stats.seconds = time.perf_counter() - start
+        return RolloutResult(rollout.groups, rollout.stats)
+
+    def grow(self, rollout: Rollout, path: Trajectory) -> Generator[GenerateRequest | CallRequest, object, None]:
+        """One path's program (paper §3.1): it yields requests (generate, call a tool) and receives their results
+        (a `Segment`, a `CallOutcome`); forks and fill-ups it starts are queued in `rollout.started`."""
+        probe = continued = False
+        while path.active:
+            room = self.max_completion_length - len(path.completion_ids)
+            segment = yield GenerateRequest(path, min(room, self.entropy_window) if probe else room)
+            if not continued:
+                entropy = normalized_entropy(segment.entropies, self.entropy_window, self.engine.vocab_size)
+                if probe:  # the k tokens after the tool result decide the fork at that result, right now
+                    self._decide_fork(rollout, path, entropy - path.initial_entropy)
+                path.segment_entropies.append(entropy)
+                if path.initial_entropy is None:
+                    path.initial_entropy = entropy
+            call = self._absorb(path, segment, continued, probe and room > self.entropy_window)
+            probe, continued = False, call is _OPEN
+            if isinstance(call, ToolCall):
+                outcome = yield CallRequest(path, call)
+                self._append_result(rollout.stats, path, call, outcome)
+                probe = path.active and self._at_tool_result(rollout, path)
+        self._fill_up(rollout, path.group, path)
 
     def fork_probability(self, delta_entropy: float, policy: str | None = None) -> float:
         """P(fork) = clip(τ + β·ΔH, 0, 1) for 'entropy'; τ for the 'random' ablation."""
@@ -232,11 +266,62 @@ class BranchingSampler:
             return self.branch_threshold
         return min(1.0, max(0.0, self.branch_threshold + self.entropy_weight * delta_entropy))
 
-    # ---- steps ----------------------------------------------------------------------------------------
-    def _new_path(self, group: int, prompt_ids: list[int], kind: str) -> Trajectory:
-        self._next_id += 1
-        return Trajectory(id=self._next_id - 1, group=group, prompt_ids=prompt_ids, kind=kind)
+    # ---- tree steps -----------------------------------------------------------------------------------------
+    def _at_tool_result(self, rollout: Rollout, path: Trajectory) -> bool:
+        """A tool result was appended: probe first if a fork is possible here (also for the 'random' ablation, so
+        that it differs from ARPO in the decision only), else settle the decision at once."""
+        if self._may_fork(rollout, path):
+            return True
+        self._decide_fork(rollout, path, None)
+        return False
 
+    def _may_fork(self, rollout: Rollout, path: Trajectory) -> bool:
+        group = rollout.groups[path.group]
+        return rollout.policy != "none" and self.branch_factor > 1 and path.kind != "fill" and \
+            len(group) < rollout.num_generations
+
+    def _decide_fork(self, rollout: Rollout, path: Trajectory, delta: float | None) -> None:
+        """Settle the fork at the path's latest tool result: Z-1 copies with probability P (paper §3.1 step 3)."""
+        path.fork_decisions += 1
+        if delta is not None and self._may_fork(rollout, path):  # None: no fork was possible at the result
+            if self.rng.random() < self.fork_probability(delta, rollout.policy):
+                group, stats = rollout.groups[path.group], rollout.stats
+                for _ in range(min(self.branch_factor - 1, rollout.num_generations - len(group))):
+                    child = self._start(rollout, path.group, path.prompt_ids, "branch", path)
+                    child.completion_ids, child.mask, child.logprobs, child.entropies = path.snapshot(
+                        path.segment_start)
+                    child.parent, child.fork_position, child.fork_delta = path.id, path.segment_start, delta
+                    child.segment_start, child.fork_decisions = path.segment_start, path.fork_decisions
+                    child.tool_calls, child.tool_failures = path.tool_calls, path.tool_failures
+                    child.initial_entropy, child.segment_entropies = path.initial_entropy, list(path.segment_entropies)
+                    stats.forks += 1
+                    stats.fork_deltas.append(delta)
+        self._fill_up(rollout, path.group, path)
+
+    def fork_capacity(self, rollout: Rollout, path: Trajectory) -> int:
+        """The most paths forking can still add below a live path: Z-1 copies at each tool result it may still
+        reach, and likewise below every copy, so Z^r - 1 for r unsettled fork decisions."""
+        if not path.active or path.kind == "fill" or rollout.policy == "none" or self.branch_factor == 1:
+            return 0
+        remaining = max(0, self.max_tool_calls - path.fork_decisions)
+        return min(self.branch_factor ** remaining - 1, rollout.num_generations)
+
+    def _fill_up(self, rollout: Rollout, g: int, creator: Trajectory | None) -> None:
+        """Start every global path the prompt is now certain to need: those forking cannot supply."""
+        group = rollout.groups[g]
+        capacity = sum(self.fork_capacity(rollout, path) for path in group)
+        for _ in range(rollout.num_generations - len(group) - capacity):
+            self._start(rollout, g, group[0].prompt_ids, "fill", creator)
+            rollout.stats.fill_ups += 1
+
+    def _start(self, rollout: Rollout, g: int, prompt_ids: list[int], kind: str, creator: Trajectory | None):
+        path = Trajectory(id=rollout.next_id, group=g, prompt_ids=prompt_ids, kind=kind)
+        rollout.next_id += 1
+        rollout.groups[g].append(path)
+        rollout.started.append((path, creator))
+        return path
+
+    # ---- path steps ------------------------------------------------------------------------------------------
     def _append(self, path: Trajectory, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None,
                 entropies: Sequence[float] | None = None) -> None:
         path.completion_ids += ids
@@ -244,22 +329,22 @@ class BranchingSampler:
         path.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
         path.entropies += list(entropies) if entropies is not None else [math.nan] * len(ids)
 
-    def _absorb(self, path: Trajectory, seg: Segment) -> _ToolRequest | None:
-        """Append a generated segment; record its entropy; return the tool call it ends with, if any."""
-        path._segment_start = (len(path.completion_ids), path.tool_calls, path.tool_failures)
-        path.fork_candidate, path.awaiting_entropy = path.awaiting_entropy, False
-        entropy = normalized_entropy(seg.entropies, self.entropy_window, self.engine.vocab_size)
-        path.segment_entropies.append(entropy)
-        if path.initial_entropy is None:
-            path.initial_entropy = entropy
+    def _absorb(self, path: Trajectory, seg: Segment, continued: bool, may_continue: bool):
+        """Append generated tokens to the open segment; return the tool call it ends with, `_OPEN` if a probe
+        stopped inside it, or None once the path is finished. A continued segment is searched as a whole: a tag
+        may straddle the probe and its continuation, which the engine (seeing only new text) cannot stop at."""
+        start = path.segment_start
+        self._append(path, seg.token_ids, 1, seg.logprobs, seg.entropies)
         stops = self.call_format.stop_strings
-        cut = cut_at_stop(seg.token_ids, self._decode, self._encode, stops) if seg.finish_reason == "stop" else None
+        found = seg.finish_reason == "stop" or continued
+        cut = cut_at_stop(path.completion_ids[start:], self._decode, self._encode, stops) if found else None
         if cut is None:
-            self._append(path, seg.token_ids, 1, seg.logprobs, seg.entropies)
+            if may_continue and seg.finish_reason == "length" and len(path.completion_ids) < self.max_completion_length:
+                return _OPEN
             path.finish_reason = "eos" if seg.finish_reason == "eos" else "length"
-            return None
+            return self._finish(path, path.finish_reason)
         kept, rewritten, stop = cut
-        self._append(path, kept, 1, seg.logprobs[: len(kept)], seg.entropies[: len(kept)])
+        path.cut(start + len(kept))  # what the engine generated past the tag is dropped
         self._append(path, rewritten, 0)
         call = self.call_format.parse(self._decode(kept + rewritten), stop)
         if path.tool_calls >= self.max_tool_calls:
@@ -270,7 +355,7 @@ class BranchingSampler:
         if len(path.completion_ids) >= self.max_completion_length:
             return self._finish(path, "length")
         path.tool_calls += 1
-        return _ToolRequest(path, call)
+        return call
 
     def _finish(self, path: Trajectory, reason: str) -> None:
         path.finish_reason = reason
@@ -282,24 +367,20 @@ class BranchingSampler:
         limit = self.max_completion_length
         over = len(path.completion_ids) > limit
         if over:
-            path.completion_ids, path.mask, path.logprobs, path.entropies = path.snapshot(limit)
+            path.cut(limit)
         if over or (path.active and len(path.completion_ids) >= limit):
             path.finish_reason = "length"
 
-    def _run_tools(self, requests: list[_ToolRequest], stats: RolloutStats) -> None:
-        valid = [r for r in requests if r.call.error is None]
-        outcomes = run_calls([_bind(r.call.tool, r.call.content) for r in valid], self.max_tool_workers,
-                             self.tool_timeout)  # one deadline for the round's concurrent calls
-        by_request = {id(r): outcome for r, outcome in zip(valid, outcomes)}
-        for request in requests:
-            path = request.path
-            text, failed = self._tool_output(request.call, by_request.get(id(request)))
-            stats.tool_calls += 1
-            stats.tool_failures += failed
-            path.tool_failures += failed
-            self._append(path, self._encode(self.call_format.render_result(text, request.call)), 0)
-            path.awaiting_entropy = True
-            self._truncate(path)
+    def _append_result(self, stats: RolloutStats, path: Trajectory, call: ToolCall, outcome: CallOutcome | None):
+        text, failed = self._tool_output(call, outcome)
+        stats.tool_calls += 1
+        stats.tool_failures += failed
+        path.tool_failures += failed
+        room = self.max_completion_length - len(path.completion_ids)
+        text = text[: (room + 16) * self._longest_token()]  # a huge output: encode no more than can fit
+        self._append(path, self._encode(self.call_format.render_result(text, call)), 0)
+        path.segment_start = len(path.completion_ids)
+        self._truncate(path)
 
     def _tool_output(self, call: ToolCall, outcome: CallOutcome | None) -> tuple[str, bool]:
         """The result text of a call and whether it failed; a malformed call's error is its result."""
@@ -317,31 +398,12 @@ class BranchingSampler:
             return f"Error: Tool({tag}) returned {type(text).__name__}, not str.", True
         return text, False
 
-    def _branch(self, group: list[Trajectory], m: int, policy: str, stats: RolloutStats) -> None:
-        """Fork paths whose newest segment followed a tool result, at that result (paper §3.1 step 3)."""
-        for source in list(group):
-            if len(group) >= m:
-                return
-            if not source.fork_candidate:
-                continue
-            source.fork_candidate = False
-            delta = source.segment_entropies[-1] - source.initial_entropy
-            if self.rng.random() >= self.fork_probability(delta, policy):
-                continue
-            for _ in range(min(self.branch_factor - 1, m - len(group))):
-                group.append(self._fork(source, delta))
-                stats.forks += 1
-                stats.fork_deltas.append(delta)
-
-    def _fork(self, source: Trajectory, delta: float) -> Trajectory:
-        length, calls, failures = source._segment_start
-        child = self._new_path(source.group, source.prompt_ids, "branch")
-        child.completion_ids, child.mask, child.logprobs, child.entropies = source.snapshot(length)
-        child.parent, child.fork_position, child.fork_delta = source.id, length, delta
-        child.tool_calls, child.tool_failures = calls, failures
-        child.initial_entropy = source.initial_entropy
-        child.segment_entropies = source.segment_entropies[:-1]
-        return child
+    def _longest_token(self) -> int:
+        """Characters in the vocabulary's longest token (an upper bound on characters per token)."""
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._max_token_chars = max(map(len, vocab), default=64) + 4
+        return self._max_token_chars
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -349,7 +411,3 @@ class BranchingSampler:
     def _encode(self, text: str) -> list[int]:
         # Tokenizers reject lone surrogates, which a tool's str may hold (JSON escapes, surrogateescape).
         return self.tokenizer.encode(text.encode("utf-8", "replace").decode("utf-8"), add_special_tokens=False)
-
-
-def _bind(tool: Tool, content: str):
-    return lambda: tool(content)

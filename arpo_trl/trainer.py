@@ -137,6 +137,7 @@ class ARPOTrainer(GRPOTrainer):
             seed=args.seed_sampler if args.seed_sampler is not None else args.seed + self.accelerator.process_index,
             call_format=make_call_format(args.tool_call_format, self._tokenizer, self.arpo_tools, args.tool_call_open,
                                          args.tool_call_close, args.chat_template_kwargs),
+            scheduler=args.rollout_scheduler if self.engine is not None else "waves",
         )
 
     @staticmethod
@@ -330,7 +331,8 @@ class ARPOTrainer(GRPOTrainer):
         metrics = {
             "arpo/forks_per_group": stats.forks / groups,
             "arpo/fill_ups_per_group": stats.fill_ups / groups,
-            "arpo/rounds": stats.rounds,
+            "arpo/waves": stats.waves,
+            "arpo/critical_path_tokens": stats.critical_path_tokens,
             "arpo/tool_calls_per_trajectory": statistics.fmean(t.tool_calls for t in trajectories),
             "arpo/tool_calls_per_group": stats.tool_calls / groups,
             "arpo/tool_failures_per_group": stats.tool_failures / groups,

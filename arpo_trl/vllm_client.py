@@ -7,9 +7,11 @@ environment, and its weight sync is NCCL-only (``trl_internals.md`` §4.2). Ever
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
+import httpx
 import requests
 
 START_HINT = (
@@ -36,6 +38,8 @@ class VLLMClient:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
+        self.pool_size = pool_size
+        self._async: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
         self._session = requests.Session()
         # One pooled connection per concurrent completion request (the engine sends them in parallel).
         adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=pool_size)
@@ -50,15 +54,44 @@ class VLLMClient:
             response = self._session.request(method, self._url(path), json=json,
                                              timeout=timeout or self.request_timeout)
         except requests.Timeout as error:
-            raise VLLMServerError(
-                f"vLLM server at {self.base_url} did not answer {method} {path} within "
-                f"{timeout or self.request_timeout:.0f} s: {error}"
-            ) from error
+            raise self._timed_out(method, path, timeout, error) from error
         except requests.ConnectionError as error:
-            raise VLLMServerError(
-                f"Lost the connection to the vLLM server at {self.base_url} during {method} {path} (did it die? "
-                f"check its log): {error}"
-            ) from error
+            raise self._disconnected(method, path, error) from error
+        return self._content(method, path, response)
+
+    async def arequest(self, method: str, path: str, json: dict | None = None) -> Any:
+        """`request` from asyncio: cancelling the awaiting task closes its connection, so vLLM aborts the request."""
+        try:
+            response = await self._async_client().request(method, self._url(path), json=json)
+        except httpx.TimeoutException as error:
+            raise self._timed_out(method, path, None, error) from error
+        except httpx.TransportError as error:
+            raise self._disconnected(method, path, error) from error
+        return self._content(method, path, response)
+
+    def _async_client(self) -> httpx.AsyncClient:
+        """One connection pool per event loop (each rollout runs its own), closed by `aclose`."""
+        loop = asyncio.get_running_loop()
+        if self._async is None or self._async[0] is not loop:
+            limits = httpx.Limits(max_connections=self.pool_size, max_keepalive_connections=self.pool_size)
+            timeout = httpx.Timeout(self.request_timeout, pool=None)  # waiting for a free connection is not a fault
+            self._async = (loop, httpx.AsyncClient(limits=limits, timeout=timeout))
+        return self._async[1]
+
+    async def aclose(self) -> None:
+        if self._async is not None and self._async[0] is asyncio.get_running_loop():
+            await self._async[1].aclose()
+        self._async = None
+
+    def _timed_out(self, method: str, path: str, timeout: float | None, error: Exception) -> VLLMServerError:
+        return VLLMServerError(f"vLLM server at {self.base_url} did not answer {method} {path} within "
+                               f"{timeout or self.request_timeout:.0f} s: {error}")
+
+    def _disconnected(self, method: str, path: str, error: Exception) -> VLLMServerError:
+        return VLLMServerError(f"Lost the connection to the vLLM server at {self.base_url} during {method} {path} "
+                               f"(did it die? check its log): {error}")
+
+    def _content(self, method: str, path: str, response) -> Any:
         if response.status_code >= 400:
             raise VLLMServerError(
                 f"vLLM server at {self.base_url} answered {method} {path} with HTTP {response.status_code}: "
@@ -103,6 +136,9 @@ class VLLMClient:
 
     def completion(self, payload: dict) -> dict:
         return self.request("POST", "/v1/completions", json=payload)
+
+    async def acompletion(self, payload: dict) -> dict:
+        return await self.arequest("POST", "/v1/completions", json=payload)
 
     def tokenize(self, text: str, model: str) -> list[int]:
         return self.request("POST", "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})[

@@ -431,16 +431,12 @@ def check_trajectory(t, engine, tokenizer, fmt, limits, outputs) -> None:
         if bit == 0:
             assert all(lp == 0.0 and math.isnan(h) for lp, h in zip(t.logprobs[a:b], t.entropies[a:b]))
             continue
-        seg_index, first = engine.origin[t.logprobs[a]]
-        prefix, seg = engine.segments[seg_index]
-        # one segment, from its first token on, continuing exactly the prefix the engine was given
-        assert first == 0 and prefix == tuple(t.prompt_ids + t.completion_ids[:a])
-        assert t.completion_ids[a:b] == seg.token_ids[: b - a]
-        assert t.logprobs[a:b] == seg.logprobs[: b - a] and t.entropies[a:b] == seg.entropies[: b - a]
-        cut = cut_at_stop(seg.token_ids, engine._decode, encode, fmt.stop_strings)
-        cut = cut if seg.finish_reason == "stop" else None
+        pieces = model_run_pieces(t, engine, a, b)
+        ids = [i for seg in pieces for i in seg.token_ids]  # a probe and its continuation are one segment
+        cut = cut_at_stop(ids, engine._decode, encode, fmt.stop_strings)
+        cut = cut if pieces[-1].finish_reason == "stop" or len(pieces) > 1 else None
         if r + 1 == len(runs):  # the path ends with model tokens: the whole segment, a cut one or the budget
-            assert b - a == len(cut[0] if cut else seg.token_ids) or b == max_len
+            assert b - a == len(cut[0] if cut else ids) or b == max_len
             continue
         kept, rewritten, _ = cut  # followed by environment tokens: the segment ended at a tool's tag
         env = t.completion_ids[b : runs[r + 1][1]]
@@ -459,6 +455,24 @@ def check_trajectory(t, engine, tokenizer, fmt, limits, outputs) -> None:
             assert text.startswith(before) or (n == max_len and before.startswith(text))
             calls += 1
     assert calls == t.tool_calls
+
+
+def model_run_pieces(t, engine, a: int, b: int) -> list[Segment]:
+    """The engine segments a run of model tokens `[a, b)` is made of: each from its first token on, continuing exactly
+    the prefix the engine was given; all but the last whole (a probe that stopped at its token budget)."""
+    pieces, pos = [], a
+    while pos < b:
+        seg_index, first = engine.origin[t.logprobs[pos]]
+        prefix, seg = engine.segments[seg_index]
+        assert first == 0 and prefix == tuple(t.prompt_ids + t.completion_ids[:pos])
+        n = min(b - pos, len(seg.token_ids))
+        assert t.completion_ids[pos : pos + n] == seg.token_ids[:n]
+        assert t.logprobs[pos : pos + n] == seg.logprobs[:n] and t.entropies[pos : pos + n] == seg.entropies[:n]
+        if pos + n < b:
+            assert n == len(seg.token_ids) and seg.finish_reason == "length"
+        pieces.append(seg)
+        pos += n
+    return pieces
 
 
 def result_block(fmt) -> tuple[str, str]:

@@ -55,6 +55,9 @@ class Tool:
         value = arguments[required[0]]
         return value if isinstance(value, str) else json.dumps(value)
 
+    def interrupt(self) -> None:
+        """Stop the calls in progress, if the tool can (a cancelled rollout calls it); by default nothing."""
+
     def __call__(self, content: str) -> str:
         if self._fn is None:
             raise NotImplementedError(f"{type(self).__name__} needs `fn` or an overridden __call__.")

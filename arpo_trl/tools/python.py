@@ -76,6 +76,11 @@ class PythonTool(Tool):
         if self._sandbox is not None:
             self._sandbox.close()
 
+    def interrupt(self) -> None:
+        """Kill the processes of the calls in progress (each call then returns at once)."""
+        if self._sandbox is not None:
+            self._sandbox.kill_running()
+
     def describe(self, result: SandboxResult) -> str:
         output = result.output.strip()
         if result.timed_out:

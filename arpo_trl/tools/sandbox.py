@@ -23,6 +23,7 @@ for their code — a call then costs milliseconds instead of an interpreter star
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import logging
@@ -111,6 +112,7 @@ class Sandbox:
             raise SandboxError(f"cannot run the sandbox's Python {self.python_executable!r}: {exc}") from exc
         self.isolation = self._resolve_isolation(isolation)
         self._idle: list[_Worker] = []
+        self._running: dict[int, _Worker] = {}  # id(worker) -> worker, calls in progress
         self._lock = threading.Lock()
         self._next_slot = 0
         self._closed = False
@@ -143,11 +145,23 @@ class Sandbox:
         if self._closed:
             raise SandboxError("this Sandbox was closed.")
         worker = self._take()
+        with self._lock:
+            self._running[id(worker)] = worker
         try:
             return self._collect(worker, source)
         finally:
+            with self._lock:
+                self._running.pop(id(worker), None)
             self._kill(worker)
             self._refill()
+
+    def kill_running(self) -> None:
+        """Kill the processes of the calls in progress; their `run` returns at once (as a crash or timeout)."""
+        with self._lock:
+            running = list(self._running.values())
+        for worker in running:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(worker.process.pid, signal.SIGKILL)
 
     def close(self) -> None:
         """Stop the idle pooled processes (also done at interpreter exit)."""

@@ -1,0 +1,268 @@
+"""Schedulers: drive the sampler's per-path programs (`BranchingSampler.grow`) against an engine and the tools.
+
+A program yields requests and receives their results; the algorithm lives there once, and a scheduler only decides
+when each request runs:
+
+* `EventScheduler` (engines with `agenerate`, e.g. a vLLM server): every path advances on its own. Its next request
+  goes out as soon as its own tool result or fork decision is ready, tools run as their calls arrive, and the server's
+  continuous batching does the batching. No round waits for its slowest path.
+* `WaveScheduler` (batch engines, e.g. transformers in process): the requests that are ready together are generated
+  as one batch (a wave), in path order, while the tool calls issued at the same moment run; then every result goes
+  back to its program in path order. Deterministic for a seed.
+
+Both measure the rollout's critical path: the longest chain of sequentially generated tokens it waited for (for
+waves, the sum of each wave's longest segment; for events, the longest chain of requests, where a branch's chain
+continues its parent's at the fork and a fill-up's the chain of the step that started it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Generator
+from concurrent.futures import wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from arpo_trl.tools.runner import ToolRunner
+
+if TYPE_CHECKING:
+    from arpo_trl.rollout import BranchingSampler, Rollout, Trajectory
+    from arpo_trl.tool_calls import ToolCall
+
+
+@dataclass
+class GenerateRequest:
+    """Continue `path` (prompt + completion so far) by at most `max_new_tokens` tokens."""
+
+    path: Trajectory
+    max_new_tokens: int
+
+
+@dataclass
+class CallRequest:
+    """Run a parsed tool call; a malformed call (`call.error`) is answered with None, never run."""
+
+    path: Trajectory
+    call: ToolCall
+
+
+Program = Generator[Any, Any, None]
+
+
+def make_scheduler(name: str, engine) -> WaveScheduler | EventScheduler:
+    """'events' needs an engine with `agenerate`; 'waves' drives any engine; 'auto' picks events where it can."""
+    asynchronous = callable(getattr(engine, "agenerate", None))
+    if name == "waves" or (name == "auto" and not asynchronous):
+        return WaveScheduler()
+    if name in ("events", "auto"):
+        if not asynchronous:
+            raise ValueError(f"scheduler='events' needs an engine with an `agenerate` method (e.g. VLLMServerEngine); "
+                             f"{type(engine).__name__} only generates in batches: use scheduler='waves' or 'auto'.")
+        return EventScheduler()
+    raise ValueError(f"scheduler must be one of ('auto', 'events', 'waves'), got {name!r}.")
+
+
+def _bind(call: ToolCall) -> Callable[[], object]:
+    return lambda: call.tool(call.content)
+
+
+def _interrupt_tools(sampler: BranchingSampler) -> None:
+    """A cancelled rollout stops the tool calls still running (e.g. kills PythonTool's processes)."""
+    for tool in sampler.tools:
+        with contextlib.suppress(Exception):
+            tool.interrupt()
+
+
+class WaveScheduler:
+    """Ready requests → one `engine.generate` batch per wave; tool calls run during the wave."""
+
+    def run(self, sampler: BranchingSampler, rollout: Rollout) -> None:
+        stats = rollout.stats
+        runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
+        programs: dict[int, Program] = {}
+        answers: list[tuple[Trajectory, object]] = []
+        try:
+            while True:
+                requests = self._step(sampler, rollout, programs, answers)
+                if not requests:
+                    return
+                answers = self._act(sampler, stats, runner, requests)
+        except BaseException:
+            runner.cancel_pending()
+            _interrupt_tools(sampler)
+            raise
+
+    @staticmethod
+    def _step(sampler, rollout, programs, answers) -> list[tuple[Trajectory, Any]]:
+        """Send every answer to its program in path order; new paths (forks, fill-ups) join at the end, in order."""
+        start = time.perf_counter()
+        work = sorted(answers, key=lambda item: item[0].id) + [(path, None) for path, _ in rollout.started]
+        for path, _ in rollout.started:
+            programs[path.id] = sampler.grow(rollout, path)
+        rollout.started.clear()
+        requests = []
+        for path, answer in work:  # `work` grows while it is walked: forks made by earlier steps
+            try:
+                requests.append((path, programs[path.id].send(answer)))
+            except StopIteration:
+                del programs[path.id]
+            for new, _ in rollout.started:
+                programs[new.id] = sampler.grow(rollout, new)
+                work.append((new, None))
+            rollout.started.clear()
+        rollout.stats.overhead_seconds += time.perf_counter() - start
+        return requests
+
+    @staticmethod
+    def _act(sampler, stats, runner: ToolRunner, requests) -> list[tuple[Trajectory, object]]:
+        """Start the tool calls, generate the wave, wait for the calls; the answers in request order."""
+        generate = [(path, r) for path, r in requests if isinstance(r, GenerateRequest)]
+        calls = [(path, r) for path, r in requests if isinstance(r, CallRequest)]
+        futures = {path.id: runner.submit(_bind(r.call)) for path, r in calls if r.call.error is None}
+        answers: list[tuple[Trajectory, object]] = []
+        if generate:
+            start = time.perf_counter()
+            segments = sampler.engine.generate([path.prompt_ids + path.completion_ids for path, _ in generate],
+                                               [r.max_new_tokens for _, r in generate],
+                                               sampler.call_format.stop_strings)
+            stats.generation_seconds += time.perf_counter() - start
+            stats.waves += 1
+            stats.requests += len(generate)
+            stats.critical_path_tokens += max(len(segment.token_ids) for segment in segments)
+            answers += [(path, segment) for (path, _), segment in zip(generate, segments)]
+        start = time.perf_counter()
+        wait(futures.values())
+        stats.tool_seconds += time.perf_counter() - start
+        answers += [(path, futures[path.id].result() if path.id in futures else None) for path, _ in calls]
+        return answers
+
+
+class _Activity:
+    """Splits wall time into generation in progress, tools alone in progress, and the rest."""
+
+    def __init__(self, stats):
+        self.stats, self.generating, self.calling, self.last = stats, 0, 0, time.perf_counter()
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        if self.generating:
+            self.stats.generation_seconds += now - self.last
+        elif self.calling:
+            self.stats.tool_seconds += now - self.last
+        self.last = now
+
+    @contextlib.contextmanager
+    def busy(self, kind: str):
+        self._tick()
+        setattr(self, kind, getattr(self, kind) + 1)
+        try:
+            yield
+        finally:
+            self._tick()
+            setattr(self, kind, getattr(self, kind) - 1)
+
+
+class EventScheduler:
+    """One asyncio task per path; requests and tool calls are awaited as they come."""
+
+    def run(self, sampler: BranchingSampler, rollout: Rollout) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self._run(sampler, rollout))
+        return self._run_in_thread(sampler, rollout)  # an event loop already runs here (e.g. Jupyter)
+
+    def _run_in_thread(self, sampler: BranchingSampler, rollout: Rollout) -> None:
+        loop, outcome = asyncio.new_event_loop(), {}
+        main = loop.create_task(self._run(sampler, rollout))
+
+        def target() -> None:
+            try:
+                outcome["value"] = loop.run_until_complete(main)
+            except BaseException as exc:
+                outcome["error"] = exc
+            finally:
+                loop.close()
+
+        thread = threading.Thread(target=target, name="arpo-rollout", daemon=True)
+        thread.start()
+        try:
+            thread.join()
+        except BaseException:  # Ctrl-C here: cancel the rollout and wait until it cleaned up
+            loop.call_soon_threadsafe(main.cancel)
+            thread.join()
+            raise
+        if "error" in outcome:
+            raise outcome["error"]
+
+    async def _run(self, sampler: BranchingSampler, rollout: Rollout) -> None:
+        engine, stats = sampler.engine, rollout.stats
+        runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
+        activity = _Activity(stats)
+        clock: dict[int, int] = {}  # path id -> tokens on its chain so far
+        depth: dict[int, int] = {}  # path id -> requests on its chain so far
+        tasks: set[asyncio.Task] = set()
+        done = asyncio.get_running_loop().create_future()
+
+        def start_new() -> None:
+            for path, creator in rollout.started:
+                clock[path.id] = clock.get(creator.id, 0) if creator is not None else 0
+                depth[path.id] = depth.get(creator.id, 0) if creator is not None else 0
+                task = asyncio.create_task(drive(path))
+                tasks.add(task)
+                task.add_done_callback(finished)
+            rollout.started.clear()
+
+        def finished(task: asyncio.Task) -> None:
+            tasks.discard(task)
+            if done.done() or task.cancelled():
+                return
+            if task.exception() is not None:
+                done.set_exception(task.exception())
+            elif not tasks:
+                done.set_result(None)
+
+        async def drive(path: Trajectory) -> None:
+            program, answer = sampler.grow(rollout, path), None
+            while True:
+                start = time.perf_counter()
+                try:
+                    request = program.send(answer)
+                except StopIteration:
+                    return
+                finally:
+                    start_new()
+                    stats.overhead_seconds += time.perf_counter() - start
+                if isinstance(request, GenerateRequest):
+                    with activity.busy("generating"):
+                        answer = await engine.agenerate(path.prompt_ids + path.completion_ids, request.max_new_tokens,
+                                                        sampler.call_format.stop_strings)
+                    clock[path.id] += len(answer.token_ids)
+                    depth[path.id] += 1
+                    stats.requests += 1
+                    stats.critical_path_tokens = max(stats.critical_path_tokens, clock[path.id])
+                    stats.waves = max(stats.waves, depth[path.id])
+                elif request.call.error is not None:
+                    answer = None
+                else:
+                    with activity.busy("calling"):
+                        answer = await asyncio.wrap_future(runner.submit(_bind(request.call)))
+
+        start_new()
+        try:
+            if tasks:
+                await done
+        except BaseException:
+            runner.cancel_pending()
+            _interrupt_tools(sampler)
+            raise
+        finally:
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            close = getattr(engine, "aclose", None)
+            if close is not None:
+                await close()
