@@ -49,6 +49,15 @@ class CallRequest:
     call: ToolCall
 
 
+@dataclass
+class CommitRequest:
+    """Resume `path` once it is committed (a branch started before its parent's fork decision); a dropped path's
+    program is closed instead."""
+
+    path: Trajectory
+
+
+PathRequest = GenerateRequest | CallRequest | CommitRequest
 Program = Generator[Any, Any, None]
 
 
@@ -80,48 +89,68 @@ class WaveScheduler:
     """Ready requests → one `engine.generate` batch per wave; tool calls run during the wave."""
 
     def run(self, sampler: BranchingSampler, rollout: Rollout) -> None:
-        stats = rollout.stats
-        runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
-        programs: dict[int, Program] = {}
+        self.sampler, self.rollout = sampler, rollout
+        self.runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
+        self.programs: dict[int, Program] = {}
+        self.waiting: dict[int, Trajectory] = {}  # branches waiting for their parent's decision
         answers: list[tuple[Trajectory, object]] = []
         try:
-            while True:
-                requests = self._step(sampler, rollout, programs, answers)
-                if not requests:
-                    return
-                answers = self._act(sampler, stats, runner, requests)
+            while requests := self._step(answers):
+                answers = self._act(requests)
         except BaseException:
-            runner.cancel_pending()
+            self.runner.cancel_pending()
             _interrupt_tools(sampler)
             raise
+        finally:
+            self.runner.close()
+            del self.sampler, self.rollout, self.runner, self.programs, self.waiting
 
-    @staticmethod
-    def _step(sampler, rollout, programs, answers) -> list[tuple[Trajectory, Any]]:
+    def _step(self, answers: list[tuple[Trajectory, object]]) -> list[tuple[Trajectory, Any]]:
         """Send every answer to its program in path order; new paths (forks, fill-ups) join at the end, in order."""
         start = time.perf_counter()
-        work = sorted(answers, key=lambda item: item[0].id) + [(path, None) for path, _ in rollout.started]
-        for path, _ in rollout.started:
-            programs[path.id] = sampler.grow(rollout, path)
-        rollout.started.clear()
+        work = sorted(answers, key=lambda item: item[0].id)
+        self._admit(work)
         requests = []
         for path, answer in work:  # `work` grows while it is walked: forks made by earlier steps
+            if path.id not in self.programs:  # dropped meanwhile
+                continue
             try:
-                requests.append((path, programs[path.id].send(answer)))
+                request = self.programs[path.id].send(answer)
             except StopIteration:
-                del programs[path.id]
-            for new, _ in rollout.started:
-                programs[new.id] = sampler.grow(rollout, new)
-                work.append((new, None))
-            rollout.started.clear()
-        rollout.stats.overhead_seconds += time.perf_counter() - start
-        return requests
+                del self.programs[path.id]
+            else:
+                if isinstance(request, CommitRequest):
+                    self.waiting[path.id] = path
+                else:
+                    requests.append((path, request))
+            self._admit(work)
+        self.rollout.stats.overhead_seconds += time.perf_counter() - start
+        if self.waiting and not requests:
+            raise RuntimeError(f"paths {sorted(self.waiting)} wait for a fork decision that no path will make")
+        return [(path, request) for path, request in requests if path.id in self.programs]
 
-    @staticmethod
-    def _act(sampler, stats, runner: ToolRunner, requests) -> list[tuple[Trajectory, object]]:
+    def _admit(self, work: list[tuple[Trajectory, object]]) -> None:
+        """Programs for the paths just started, resumed for those just committed, closed for those dropped."""
+        rollout = self.rollout
+        for path, _ in rollout.started:
+            self.programs[path.id] = self.sampler.grow(rollout, path)
+            work.append((path, None))
+        for path in rollout.committed:
+            if self.waiting.pop(path.id, None) is not None:
+                work.append((path, None))
+        for path in rollout.cancelled:
+            self.waiting.pop(path.id, None)
+            program = self.programs.pop(path.id, None)
+            if program is not None:
+                program.close()
+        rollout.started.clear(), rollout.committed.clear(), rollout.cancelled.clear()
+
+    def _act(self, requests) -> list[tuple[Trajectory, object]]:
         """Start the tool calls, generate the wave, wait for the calls; the answers in request order."""
+        sampler, stats = self.sampler, self.rollout.stats
         generate = [(path, r) for path, r in requests if isinstance(r, GenerateRequest)]
         calls = [(path, r) for path, r in requests if isinstance(r, CallRequest)]
-        futures = {path.id: runner.submit(_bind(r.call)) for path, r in calls if r.call.error is None}
+        futures = {path.id: self.runner.submit(_bind(r.call)) for path, r in calls if r.call.error is None}
         answers: list[tuple[Trajectory, object]] = []
         if generate:
             start = time.perf_counter()
@@ -204,23 +233,29 @@ class EventScheduler:
         activity = _Activity(stats)
         clock: dict[int, int] = {}  # path id -> tokens on its chain so far
         depth: dict[int, int] = {}  # path id -> requests on its chain so far
-        tasks: set[asyncio.Task] = set()
+        tasks: dict[int, asyncio.Task] = {}
+        commits: dict[int, asyncio.Event] = {}  # branches waiting for their parent's decision
         done = asyncio.get_running_loop().create_future()
 
         def start_new() -> None:
             for path, creator in rollout.started:
                 clock[path.id] = clock.get(creator.id, 0) if creator is not None else 0
                 depth[path.id] = depth.get(creator.id, 0) if creator is not None else 0
-                task = asyncio.create_task(drive(path))
-                tasks.add(task)
-                task.add_done_callback(finished)
+                tasks[path.id] = task = asyncio.create_task(drive(path))
+                task.add_done_callback(lambda task, key=path.id: finished(key, task))
             rollout.started.clear()
+            for path in rollout.committed:
+                commits.setdefault(path.id, asyncio.Event()).set()
+            for path in rollout.cancelled:  # speculative paths the decisions made unnecessary
+                if path.id in tasks:
+                    tasks[path.id].cancel()
+            rollout.committed.clear(), rollout.cancelled.clear()
 
-        def finished(task: asyncio.Task) -> None:
-            tasks.discard(task)
-            if done.done() or task.cancelled():
+        def finished(key: int, task: asyncio.Task) -> None:
+            tasks.pop(key, None)
+            if done.done():
                 return
-            if task.exception() is not None:
+            if not task.cancelled() and task.exception() is not None:
                 done.set_exception(task.exception())
             elif not tasks:
                 done.set_result(None)
@@ -243,8 +278,8 @@ class EventScheduler:
                     clock[path.id] += len(answer.token_ids)
                     depth[path.id] += 1
                     stats.requests += 1
-                    stats.critical_path_tokens = max(stats.critical_path_tokens, clock[path.id])
-                    stats.waves = max(stats.waves, depth[path.id])
+                elif isinstance(request, CommitRequest):
+                    answer = await commits.setdefault(path.id, asyncio.Event()).wait()
                 elif request.call.error is not None:
                     answer = None
                 else:
@@ -260,9 +295,14 @@ class EventScheduler:
             _interrupt_tools(sampler)
             raise
         finally:
-            for task in list(tasks):
+            runner.close()
+            for task in list(tasks.values()):
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
             close = getattr(engine, "aclose", None)
             if close is not None:
                 await close()
+        kept = [path.id for group in rollout.groups for path in group if path.committed]
+        rollout.chains = {key: clock[key] for key in kept}
+        stats.critical_path_tokens = max(rollout.chains.values(), default=0)
+        stats.waves = max((depth[key] for key in kept), default=0)

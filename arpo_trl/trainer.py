@@ -277,9 +277,8 @@ class ARPOTrainer(GRPOTrainer):
         # the sampler's own RNG, which must be saved too for a resumed run to grow the same trees.
         super()._save_rng_state(output_dir)
         path = os.path.join(output_dir, SAMPLER_STATE_FILE.format(rank=self.args.process_index))
-        version, internal, gauss = self.sampler.rng.getstate()
         with open(path, "w") as f:
-            json.dump({"version": version, "internal": list(internal), "gauss": gauss}, f)
+            json.dump(self.sampler.state_dict(), f)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
@@ -290,8 +289,7 @@ class ARPOTrainer(GRPOTrainer):
                                "from the original run.", checkpoint, os.path.basename(path))
             return
         with open(path) as f:
-            state = json.load(f)
-        self.sampler.rng.setstate((state["version"], tuple(state["internal"]), state["gauss"]))
+            self.sampler.load_state_dict(json.load(f))
 
     def _generate_and_score_completions(self, inputs):
         # Hard attribution needs the group advantages TRL computes, then spreads them per token.

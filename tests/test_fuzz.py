@@ -11,6 +11,7 @@ Run with `--hypothesis-show-statistics` to see how often the sampler tests branc
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -377,6 +378,15 @@ class SoupEngine(ScriptedEngine):
         return segment
 
 
+class AsyncSoupEngine(SoupEngine):
+    """The same segments served one request at a time after a random delay: requests complete in random order."""
+
+    async def agenerate(self, prefix, max_new_tokens, stop):
+        segment = self._segment(list(prefix), max_new_tokens, stop)
+        await asyncio.sleep(self.rng.random() * 0.003)
+        return segment
+
+
 def _raise(content):
     raise RuntimeError(f"kaput ✗ {content[:20]}")
 
@@ -386,10 +396,15 @@ def _slow(content):
     return "late"
 
 
+def _jitter(content):
+    time.sleep(random.random() * 0.01)
+    return f"after a while: {content[:10]}"
+
+
 TOOL_KINDS = st.one_of(
     st.tuples(st.just("const"), st.one_of(st.just(""), soup(max_pieces=8),
                                           st.integers(500, 5000).map(lambda k: "x😀" * k))),
-    st.tuples(st.sampled_from(["echo", "raise", "slow", "none", "bytes"]), st.just("")),
+    st.tuples(st.sampled_from(["echo", "raise", "slow", "none", "bytes", "jitter"]), st.just("")),
 )
 
 
@@ -402,7 +417,7 @@ def make_tools(specs: dict[str, tuple[str, str]], outputs: list[str]) -> list[To
             return out
         return call
     behaviours = {"echo": lambda c: c, "raise": _raise, "slow": _slow, "none": lambda c: None,
-                  "bytes": lambda c: c.encode()}
+                  "bytes": lambda c: c.encode(), "jitter": _jitter}
     return [Tool(tag, recorded(behaviours.get(kind, lambda c, out=out: out))) for tag, (kind, out) in specs.items()]
 
 
@@ -537,14 +552,14 @@ def note_coverage(result) -> None:
           f"failures: {min(result.stats.tool_failures, 1)}")
 
 
-def run_sampler(tokenizer, args, pool, n_prompts, tools, chat_template=False):
+def run_sampler(tokenizer, args, pool, n_prompts, tools, chat_template=False, scheduler="waves"):
     outputs: list[str] = []
-    engine = SoupEngine(tokenizer, pool, seed=args["seed"])
+    engine = (AsyncSoupEngine if scheduler == "events" else SoupEngine)(tokenizer, pool, seed=args["seed"])
     slow = any(kind == "slow" for kind, _ in tools.values())
     tools = make_tools(tools, outputs)
     call_format = ChatTemplateFormat(tokenizer, tools) if chat_template else None
     sampler = BranchingSampler(engine, tokenizer, tools, tool_timeout=0.02 if slow else 30.0, call_format=call_format,
-                               **args)
+                               scheduler=scheduler, **args)
     if chat_template:
         prompts = call_format.prompt_ids([[{"role": "user", "content": f"What is {i}+1?"}] for i in range(n_prompts)])
     else:
@@ -570,6 +585,14 @@ def test_sampler_bookkeeping_on_tag_soup(tokenizer, args, pool, n_prompts, tools
        n_prompts=st.integers(1, 2), tools=TOOLS)
 def test_sampler_bookkeeping_with_many_tool_calls(tokenizer, args, pool, n_prompts, tools):
     run_sampler(tokenizer, args, pool, n_prompts, tools)
+
+
+@settings(ROLLOUTS, max_examples=100)
+@given(args=sampler_args(busy=True), pool=st.lists(busy_segments(), min_size=1, max_size=4),
+       n_prompts=st.integers(1, 3), tools=TOOLS)
+def test_event_driven_sampler_bookkeeping_with_random_completion_order(tokenizer, args, pool, n_prompts, tools):
+    """Requests complete in random order and tools take random time: the trees keep every invariant."""
+    run_sampler(tokenizer, args, pool, n_prompts, tools, scheduler="events")
 
 
 @settings(ROLLOUTS, max_examples=100)

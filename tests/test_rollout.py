@@ -1,8 +1,12 @@
 """Exact invariants of the branching sampler, driven by a scripted engine (a test double for the model only:
 tokenizer, tag cutting, tools and bookkeeping are the real ones)."""
 
+import asyncio
+import hashlib
 import math
+import os
 import random
+import signal
 import threading
 import time
 
@@ -17,27 +21,59 @@ CALL = "<python>print(1+1)</python>"
 
 
 class ScriptedEngine:
-    """`script(completion_text, rng) -> (text, per-token entropy, finish)`; ids are the text's real tokens."""
+    """`script(completion_text, rng) -> (text, per-token entropy, finish)`; ids are the text's real tokens. A segment
+    cut by its token budget is continued, from where it stopped, by the next request for that prefix (a probe and its
+    continuation). `calls` holds each `generate` call's prefixes (one wave) and `budgets` their token budgets."""
 
     def __init__(self, tokenizer, script, vocab_size=1000, seed=0):
         self.tokenizer, self.script, self.vocab_size = tokenizer, script, vocab_size
         self.eos_token_ids = [tokenizer.eos_token_id]
         self.rng = random.Random(seed)
         self.calls: list[list[list[int]]] = []
+        self.budgets: list[list[int]] = []
+        self.segments: list[list[Segment]] = []
+        self.rest: dict[tuple[int, ...], tuple[list[int], float, str]] = {}
 
     def generate(self, prefixes, max_new_tokens, stop):
         self.calls.append([list(p) for p in prefixes])
-        out = []
-        for prefix, budget in zip(prefixes, max_new_tokens):
+        self.budgets.append(list(max_new_tokens))
+        self.segments.append([self.segment(prefix, budget) for prefix, budget in zip(prefixes, max_new_tokens)])
+        return self.segments[-1]
+
+    def segment(self, prefix, budget) -> Segment:
+        if (rest := self.rest.pop(tuple(prefix), None)) is not None:
+            ids, entropy, finish = rest
+        else:
             text = self.tokenizer.decode(prefix, skip_special_tokens=False).split("<|im_start|>assistant\n")[-1]
             new, entropy, finish = self.script(text, self.rng)
             ids = self.tokenizer.encode(new, add_special_tokens=False)
             if finish == "eos":
                 ids.append(self.tokenizer.eos_token_id)
-            if len(ids) > budget:
-                ids, finish = ids[:budget], "length"
-            out.append(Segment(ids, [-0.5] * len(ids), [entropy] * len(ids), finish))
-        return out
+        if len(ids) > budget:
+            self.rest[tuple(prefix) + tuple(ids[:budget])] = ids[budget:], entropy, finish
+            ids, finish = ids[:budget], "length"
+        return Segment(ids, [-0.5] * len(ids), [entropy] * len(ids), finish)
+
+
+class AsyncScriptedEngine(ScriptedEngine):
+    """The same policy, served one request at a time (`agenerate`) with a random delay per token, so that requests
+    complete in random order, as on a server. `cancelled` counts requests cancelled midway."""
+
+    def __init__(self, tokenizer, script, seed=0, token_seconds=0.0005, **kw):
+        super().__init__(tokenizer, script, seed=seed, **kw)
+        self.token_seconds, self.delay_rng, self.cancelled, self.in_flight = token_seconds, random.Random(seed), 0, 0
+
+    async def agenerate(self, prefix, max_new_tokens, stop):
+        segment = self.segment(list(prefix), max_new_tokens)
+        self.in_flight += 1
+        try:
+            await asyncio.sleep(self.token_seconds * len(segment.token_ids) * self.delay_rng.uniform(0.2, 3.0))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.in_flight -= 1
+        return segment
 
 
 def _prompts(tokenizer, n=2):
@@ -57,17 +93,23 @@ def calls_then_answers(max_calls):
     return script
 
 
-def _sampler(tokenizer, script, tools=None, **kw):
-    engine = ScriptedEngine(tokenizer, script, seed=kw.pop("engine_seed", 0))
+def _sampler(tokenizer, script, tools=None, engine_class=None, **kw):
+    engine = (engine_class or ScriptedEngine)(tokenizer, script, seed=kw.pop("engine_seed", 0))
     return BranchingSampler(engine, tokenizer, tools if tools is not None else [Tool("python", lambda c: "2")], **kw)
 
 
+def _is_prompt(prefix, prompts) -> bool:
+    return any(list(prefix) == list(p) for p in prompts)
+
+
+@pytest.mark.parametrize("scheduler", ["waves", "events"])
 @pytest.mark.parametrize("policy", ["entropy", "random", "none"])
 @pytest.mark.parametrize("seed", range(4))
-def test_exactly_m_per_prompt_and_branch_prefixes(tokenizer, policy, seed):
+def test_exactly_m_per_prompt_and_branch_prefixes(tokenizer, policy, seed, scheduler):
     m = 8
     sampler = _sampler(tokenizer, calls_then_answers(3), num_generations=m, branch_policy=policy,
-                       max_completion_length=200, seed=seed, engine_seed=seed)
+                       max_completion_length=200, seed=seed, engine_seed=seed, scheduler=scheduler,
+                       engine_class=AsyncScriptedEngine if scheduler == "events" else None)
     result = sampler.sample(_prompts(tokenizer, 3))
     assert [len(g) for g in result.groups] == [m, m, m]
     by_id = {t.id: t for t in result.trajectories}
@@ -106,17 +148,27 @@ def test_mask_is_zero_exactly_on_result_spans(tokenizer):
         assert "<result>" not in model_text
 
 
-def _fork_rate(tokenizer, h_initial, h_after, trials=1500, policy="entropy"):
-    """N=1, M=2: the global path calls a tool once; forked or not at that result decides path 2's kind."""
+def test_fork_probability_is_clip_tau_plus_beta_delta(tokenizer):
+    sampler = _sampler(tokenizer, calls_then_answers(1), branch_threshold=0.3, entropy_weight=0.25)
+    for delta, expected in [(0.0, 0.3), (1.0, 0.55), (-1.0, 0.05), (-1.2, 0.0), (-5.0, 0.0), (2.8, 1.0), (9.0, 1.0)]:
+        assert sampler.fork_probability(delta) == pytest.approx(expected, abs=1e-12)
+    assert sampler.fork_probability(-5.0, policy="random") == sampler.fork_probability(9.0, policy="random") == 0.3
+
+
+def _fork_rate(tokenizer, h_initial, h_after, prompts=6000, policy="entropy", scheduler="waves"):
+    """N=1, M=2, one prompt per group: the global path calls a tool once; a group's second path is a branch iff the
+    decision at that result forked. One rollout of `prompts` groups (deterministic seeds)."""
     def script(text, rng):
         if "</result>" not in text:
             return CALL, h_initial, "stop"
         return "<answer>\\boxed{2}</answer>", h_after, "eos"
     sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_policy=policy,
-                       entropy_window=4, seed=123)
-    prompt = _prompts(tokenizer, 1)
-    forks = sum(sampler.sample(prompt).groups[0][1].kind == "branch" for _ in range(trials))
-    return forks / trials
+                       entropy_window=4, seed=123, scheduler=scheduler,
+                       engine_class=AsyncScriptedEngine if scheduler == "events" else None)
+    if scheduler == "events":
+        sampler.engine.token_seconds = 0.0
+    groups = sampler.sample(_prompts(tokenizer, 1) * prompts).groups
+    return sum(group[1].kind == "branch" for group in groups) / prompts
 
 
 @pytest.mark.parametrize("delta", [-3.0, -1.0, 0.0, 1.0, 4.0])
@@ -126,32 +178,114 @@ def test_fork_frequency_matches_clip_tau_plus_beta_delta(tokenizer, delta):
     # "<answer>…" is more than 4 tokens and the call is too: both windows hold exactly 4 tokens.
     rate = _fork_rate(tokenizer, per_token(1.0), per_token(1.0 + delta))
     expected = min(1.0, max(0.0, 0.5 + 0.2 * delta))
-    assert rate == pytest.approx(expected, abs=0.04)
+    # 6000 trials: ±0.02 is over 3σ at p=0.5 and τ or β off by 0.03 fails (p=0.3 ↔ 0.27: 4.6σ)
+    assert rate == pytest.approx(expected, abs=0.02)
+
+
+def test_fork_frequency_event_driven(tokenizer):
+    vocab_log = math.log(1000)
+    rate = _fork_rate(tokenizer, vocab_log / 4, 2 * vocab_log / 4, prompts=3000, scheduler="events")
+    assert rate == pytest.approx(0.7, abs=0.03)
 
 
 def test_random_policy_ignores_entropy(tokenizer):
-    assert _fork_rate(tokenizer, 0.0, 50.0, policy="random") == pytest.approx(0.5, abs=0.04)
+    assert _fork_rate(tokenizer, 0.0, 50.0, policy="random") == pytest.approx(0.5, abs=0.02)
 
 
-def test_top_up_only_when_no_path_is_active(tokenizer):
-    def script(text, rng):  # one call at most, then answer
-        if "</result>" in text or rng.random() < 0.5:
-            return "<answer>\\boxed{2}</answer>", 0.1, "eos"
-        return CALL, 0.1, "stop"
-    sampler = _sampler(tokenizer, script, num_generations=6, initial_rollouts=2, seed=0)
-    for _ in range(20):
-        sampler.engine.calls.clear()
-        result = sampler.sample(_prompts(tokenizer, 1), initial_rollouts=2)
-        group = result.groups[0]
-        assert len(group) == 6
-        # replay: a "fill" path is created in round r only if no path of the prompt was still active after r
-        fills = [t for t in group if t.kind == "fill"]
-        assert result.stats.fill_ups == len(fills)
-        for fill in fills:
-            earlier = [t for t in group if t.id < fill.id]
-            assert all(not t.active for t in earlier)
-        # each round after the first generates only for paths that exist and are active
-        assert len(sampler.engine.calls[0]) == 2
+def _waves_with_bare_prompts(engine, prompts) -> list[int]:
+    return [sum(_is_prompt(prefix, prompts) for prefix in wave) for wave in engine.calls]
+
+
+def test_fill_ups_start_at_once_when_forks_cannot_fill_the_budget(tokenizer):
+    """Replay the engine's calls wave by wave (speculation off: only certain fill-ups). The reference adds one fill-up
+    per round once every path has ended; here all missing paths start together as soon as they are certain."""
+    answer = lambda text, rng: ("<answer>\\boxed{2}</answer>", 0.1, "eos")  # noqa: E731  (no call: nothing forks)
+    prompts = _prompts(tokenizer, 2)
+    sampler = _sampler(tokenizer, answer, num_generations=6, initial_rollouts=2, speculative_fill_ups=False)
+    result = sampler.sample(prompts)
+    # wave 1: the 2 globals of each prompt; they end without a call, so wave 2 starts the 4 missing of each prompt
+    assert _waves_with_bare_prompts(sampler.engine, prompts) == [4, 8]
+    assert [[t.kind for t in g] for g in result.groups] == [["global"] * 2 + ["fill"] * 4] * 2
+    # no tool calls allowed: forking can never fill, so every path starts in wave 1
+    sampler = _sampler(tokenizer, calls_then_answers(2), num_generations=6, initial_rollouts=2, max_tool_calls=0,
+                       speculative_fill_ups=False)
+    sampler.sample(prompts)
+    assert _waves_with_bare_prompts(sampler.engine, prompts) == [12]
+
+
+def test_fill_ups_wait_for_the_last_fork_decision_that_could_fill(tokenizer):
+    """Each global calls once (the limit), probes, then answers; fork probability 0 (τ=β=0). With M=4, N=2 the two
+    missing slots could be filled by the two decisions, so the fill-ups start in the wave after the probes decided:
+    not before, and not only once the globals have ended."""
+    def script(text, rng):
+        return (CALL, 0.1, "stop") if "</result>" not in text else ("<answer>\\boxed{2}</answer>", 0.1, "eos")
+    prompts = _prompts(tokenizer, 1)
+    sampler = _sampler(tokenizer, script, num_generations=4, initial_rollouts=2, branch_threshold=0.0,
+                       entropy_weight=0.0, entropy_window=3, max_tool_calls=1, speculative_fill_ups=False)
+    result = sampler.sample(prompts)
+    engine = sampler.engine
+    # wave 1: globals to their call; wave 2: their probes (3 tokens) beside the unconfirmed copies; wave 3: the probes
+    # decided "no fork" (copies dropped), so both fill-ups start with the globals' continuations
+    assert _waves_with_bare_prompts(engine, prompts) == [2, 0, 2, 0]
+    assert engine.budgets[1] == [3, 3, 3, 3]  # two probes and the two copies, each k tokens
+    assert [t.kind for t in result.groups[0]] == ["global", "global", "fill", "fill"]
+    assert result.stats.forks == 0 and result.stats.fill_ups == 2
+
+
+def test_branches_start_beside_their_parents_probe(tokenizer):
+    """Fork probability 1: the copy's first request is in the same wave as its parent's probe (no lag), and it is kept
+    with the parent's tokens up to the result."""
+    def script(text, rng):
+        return (CALL, 0.1, "stop") if "</result>" not in text else ("thinking hard <answer>\\boxed{2}</answer>",
+                                                                     0.1, "eos")
+    prompts = _prompts(tokenizer, 1)
+    sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=1.0,
+                       entropy_window=2, max_tool_calls=1, speculative_fill_ups=False)
+    result = sampler.sample(prompts)
+    parent, child = result.groups[0]
+    assert child.kind == "branch" and child.parent == parent.id and child.fork_position == len(parent.completion_ids
+                                                                                              [: child.fork_position])
+    second = sampler.engine.calls[1]
+    assert [list(p) for p in second] == [parent.prompt_ids + parent.completion_ids[: child.fork_position]] * 2
+    assert sampler.engine.budgets[1] == [2, 2]
+
+
+class PrefixPolicy(ScriptedEngine):
+    """A deterministic policy: each segment is a function of the whole prefix (prompt included), so a path's tokens
+    do not depend on which other requests share its wave."""
+
+    def __init__(self, tokenizer, script=None, seed=0):
+        super().__init__(tokenizer, self.script, seed=seed)
+
+    def segment(self, prefix, budget):
+        self._prefix = prefix
+        return super().segment(prefix, budget)
+
+    def script(self, text, rng):
+        h = int(hashlib.sha256(str(self._prefix).encode()).hexdigest()[:6], 16) / 16**6
+        calls = text.count("</result>")
+        if calls < 3 and h < 0.7:
+            return f"step{calls}{int(h * 100)} {CALL}", 3 * h, "stop"
+        return "<answer>\\boxed{2}</answer>", h, "eos"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_speculative_fill_ups_leave_the_trees_unchanged(tokenizer, seed):
+    """Forks take precedence over speculative fill-ups, which are committed in start order: on a policy whose output
+    depends only on its own prefix, the committed trees are those of fill-ups started only once certain."""
+    shapes, stats = [], []
+    for speculate in (True, False):
+        sampler = _sampler(tokenizer, None, num_generations=8, initial_rollouts=3, seed=seed, engine_class=PrefixPolicy,
+                           speculative_fill_ups=speculate)
+        result = sampler.sample(_prompts(tokenizer, 6))
+        stats.append(result.stats)
+        by_id = {t.id: t for t in result.trajectories}  # a path: its kind, tokens and its parent's (ids differ)
+        shapes.append([sorted((t.kind, t.fork_position, t.completion_ids, by_id[t.parent].completion_ids
+                               if t.parent is not None else None) for t in g) for g in result.groups])
+    assert shapes[0] == shapes[1]
+    assert stats[0].forks == stats[1].forks > 0 and stats[0].fill_ups == stats[1].fill_ups > 0
+    assert stats[0].speculative_fill_ups > 0 and stats[0].discarded_tokens > 0  # some were dropped for forks
+    assert stats[1].speculative_fill_ups == stats[1].discarded_tokens == 0
 
 
 def test_call_limit_ends_with_eos(tokenizer):
@@ -302,14 +436,160 @@ def test_a_broken_tool_environment_stops_the_rollout(tokenizer):
         sampler.sample(_prompts(tokenizer, 1))
 
 
-def test_rollout_time_is_split_into_generation_tools_and_overhead(tokenizer):
-    def slow(code):
+class SlowEngine(ScriptedEngine):
+    def generate(self, prefixes, max_new_tokens, stop):
         time.sleep(0.2)
+        return super().generate(prefixes, max_new_tokens, stop)
+
+
+def test_rollout_time_is_split_into_generation_tools_and_overhead(tokenizer):
+    """Waves: 3 generation waves of 0.2 s; the tool calls (0.5 s) of each path run during the next wave's generation,
+    so each of the 2 tool waves costs 0.3 s of waiting alone. The sampler's own time is measured, not derived."""
+    def slow(code):
+        time.sleep(0.5)
         return "2"
 
-    sampler = _sampler(tokenizer, calls_then_answers(1), tools=[Tool("python", slow)], num_generations=2,
-                       branch_policy="none")
+    def script(text, rng):
+        return (CALL, 0.1, "stop") if text.count("</result>") < 2 else ("<answer>\\boxed{2}</answer>", 0.1, "eos")
+
+    sampler = _sampler(tokenizer, script, tools=[Tool("python", slow)], num_generations=3, branch_policy="none",
+                       engine_class=SlowEngine)
     stats = sampler.sample(_prompts(tokenizer, 1)).stats
-    assert stats.tool_seconds >= 0.2 and stats.generation_seconds > 0
-    assert 0 <= stats.overhead_seconds < stats.seconds
-    assert stats.seconds >= stats.tool_seconds + stats.generation_seconds
+    assert stats.waves == 3 and stats.tool_calls == 6
+    assert stats.generation_seconds == pytest.approx(0.6, abs=0.15)
+    assert stats.tool_seconds == pytest.approx(2 * 0.5, abs=0.2)  # tools wait alone: no request overlaps them here
+    assert 0 < stats.overhead_seconds < 0.1
+    assert stats.seconds == pytest.approx(stats.generation_seconds + stats.tool_seconds + stats.overhead_seconds,
+                                          abs=0.1)
+
+
+def test_event_driven_time_split_overlaps_tools_with_generation(tokenizer):
+    """Events: path 0 calls a 0.6 s tool while path 1 generates for 0.6 s: the overlap counts as generation, and the
+    rollout takes about 0.6 s plus path 0's short answer, not 1.2 s as two sequential rounds would."""
+    def slow(code):
+        time.sleep(0.6)
+        return "2"
+
+    turns = iter([(CALL, 0.1, "stop"), ("x <answer>7</answer>", 0.1, "eos")])
+
+    def script(text, rng):
+        return next(turns, ("<answer>\\boxed{2}</answer>", 0.1, "eos"))
+
+    class Timed(AsyncScriptedEngine):  # the long answer takes 0.6 s, any other request 0.05 s
+        async def agenerate(self, prefix, max_new_tokens, stop):
+            segment = self.segment(list(prefix), max_new_tokens)
+            await asyncio.sleep(0.6 if "x <answer>7" in tokenizer.decode(segment.token_ids) else 0.05)
+            return segment
+
+    sampler = _sampler(tokenizer, script, tools=[Tool("python", slow)], num_generations=2, branch_policy="none",
+                       engine_class=Timed, scheduler="events")
+    stats = sampler.sample(_prompts(tokenizer, 1)).stats
+    assert stats.tool_calls == 1 and stats.seconds < 1.0
+    assert stats.generation_seconds == pytest.approx(0.65, abs=0.15)  # both requests at once, then the answer
+    assert stats.tool_seconds < 0.15  # the tool waited alone only between the long answer's end and its own
+
+
+def _tool_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("arpo-tool") and t.name != "arpo-tool-watchdog"]
+
+
+def test_a_hung_tool_delays_only_its_own_path(tokenizer):
+    """Event-driven: one path's first call never returns; it gets the timeout error after 0.5 s and goes on, while
+    the other paths (two calls each) are done long before."""
+    release, answers = threading.Event(), []
+
+    def tool(code):
+        if code == "hang":
+            release.wait(30)
+        return "2"
+
+    class Recording(AsyncScriptedEngine):  # when each path's final answer came back
+        async def agenerate(self, prefix, max_new_tokens, stop):
+            segment = await super().agenerate(prefix, max_new_tokens, stop)
+            if segment.finish_reason == "eos":
+                answers.append(time.monotonic())
+            return segment
+
+    turns = iter(["<python>hang</python>"])
+    script = lambda text, rng: ((next(turns, CALL), 0.1, "stop") if text.count("</result>") < 2  # noqa: E731
+                                else ("<answer>\\boxed{2}</answer>", 0.1, "eos"))
+    sampler = _sampler(tokenizer, script, tools=[Tool("python", tool)], num_generations=4, branch_policy="none",
+                       engine_class=Recording, scheduler="events", tool_timeout=0.5)
+    start = time.monotonic()
+    result = sampler.sample(_prompts(tokenizer, 1))
+    elapsed = time.monotonic() - start
+    release.set()
+    texts = [tokenizer.decode(t.completion_ids, skip_special_tokens=True) for t in result.trajectories]
+    assert sum("Error: Tool(python) timed out after 0.5 s." in text for text in texts) == 1
+    assert all(text.endswith("</answer>") for text in texts)
+    assert result.stats.tool_calls == 8 and result.stats.tool_failures == 1
+    assert 0.5 <= elapsed < 1.5, "the rollout waited for the hung call beyond its timeout"
+    assert sorted(answers)[2] - start < 0.4, "the other paths waited for the hung call"
+
+
+@pytest.mark.parametrize("scheduler", ["events", "waves"])
+def test_ctrl_c_cancels_the_rollout_and_leaves_nothing_running(tokenizer, scheduler):
+    """SIGINT while a sandboxed Python call sleeps and (events) requests are in flight: KeyboardInterrupt comes out
+    at once; the requests were cancelled, the sandbox process killed, the tool threads gone."""
+    from arpo_trl.tools import PythonTool
+
+    python = PythonTool(timeout=60, pool_size=0)
+    turns = iter([("<python>import time; time.sleep(50)</python>", 0.1, "stop")])
+
+    def script(text, rng):
+        return next(turns, ("x " * 40 + "<answer>1</answer>", 0.1, "eos"))
+
+    class Hanging(AsyncScriptedEngine):
+        async def agenerate(self, prefix, max_new_tokens, stop):
+            segment = self.segment(list(prefix), max_new_tokens)
+            self.in_flight += 1
+            try:
+                await asyncio.sleep(0.01 if "<python>" in tokenizer.decode(segment.token_ids) else 60)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            finally:
+                self.in_flight -= 1
+            return segment
+
+        def generate(self, prefixes, max_new_tokens, stop):
+            segments = super().generate(prefixes, max_new_tokens, stop)
+            if len(self.calls) > 1:
+                time.sleep(60)
+            return segments
+
+    sampler = _sampler(tokenizer, script, tools=[python], num_generations=3, branch_policy="none",
+                       engine_class=Hanging, scheduler=scheduler)
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))  # as Ctrl-C: to the process
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        sampler.sample(_prompts(tokenizer, 1))
+    assert time.monotonic() - start < 5
+    if scheduler == "events":
+        assert sampler.engine.in_flight == 0 and sampler.engine.cancelled == 2
+    deadline = time.monotonic() + 5
+    while _tool_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _tool_threads(), "a tool thread outlived the cancelled rollout"
+    assert not python.sandbox._running, "the sandboxed call was not killed"
+    children = os.popen(f"ps -o pid= --ppid {os.getpid()}").read().split()
+    assert not [pid for pid in children if "sleep(50)" in open(f"/proc/{pid}/cmdline", errors="replace").read()]
+    python.close()
+
+
+def test_a_huge_tool_output_is_clipped_before_encoding(tokenizer):
+    """A 20 MB result: only what can fit the budget is encoded (quickly), and the tokens are the full text's."""
+    huge = "abc def " * 2_500_000
+    sampler = _sampler(tokenizer, calls_then_answers(1), tools=[Tool("python", lambda code: huge)], num_generations=2,
+                       branch_policy="none", max_completion_length=300, seed=1)
+    start = time.monotonic()
+    result = sampler.sample(_prompts(tokenizer, 1))
+    assert time.monotonic() - start < 3
+    for t in result.trajectories:
+        assert len(t.completion_ids) <= 300
+        if t.tool_calls:  # cut inside the result: the path ends with environment tokens, the text's beginning
+            at = max(i for i, bit in enumerate(t.mask) if bit) + 1
+            env = t.completion_ids[at:]
+            assert len(env) > 200 and env == tokenizer.encode(" <result>\n" + huge[:10_000],
+                                                              add_special_tokens=False)[: len(env)]

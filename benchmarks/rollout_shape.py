@@ -1,0 +1,223 @@
+"""Rollout shape: how long a rollout waits, ARPO vs GRPO vs random branching, with a synthetic agent (no model).
+
+The synthetic agent is a real `GenerationEngine` over the test suite's BPE tokenizer: each segment is a run of filler
+tokens (length uniform in the regime's range) ending with a `<python>` call (with the regime's probability, while
+calls remain) or an answer and EOS; its tokens carry a per-token entropy drawn per segment. A request cut by its
+token budget (ARPO's probe) is continued exactly by the next request from that point. The sampler, tag cutting,
+fork rule, tools (real `Tool`s that sleep) and schedulers are the real ones.
+
+Cost models, both labelled in the output:
+* decode steps (no waiting): a batched GPU decoder's wave costs its longest segment, so a rollout costs its
+  `critical_path_tokens` (waves scheduler: the sum of each wave's longest segment; events: the longest chain);
+* simulated GPU server (wall time, `--token-ms`): every request takes (its tokens × a fixed time per token), all
+  requests run concurrently, as continuous batching makes them on a GPU; tools sleep their latency.
+
+    python benchmarks/rollout_shape.py                         # all regimes; JSON + tables
+    python benchmarks/rollout_shape.py --regimes quickstart --rollouts 4
+
+Each rollout samples `--prompts` prompts; every method sees the same agent and fork seeds per rollout index
+(paired), and ratios are of means over rollouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from tiny import build_tokenizer  # noqa: E402
+
+from arpo_trl.engines import Segment  # noqa: E402
+from arpo_trl.rollout import BranchingSampler  # noqa: E402
+from arpo_trl.tools import Tool  # noqa: E402
+
+QWEN_VOCAB = 151_665  # entropy is normalised by ln|V| of a Qwen-sized vocabulary, as in the paper's runs
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str
+    num_generations: int  # M
+    initial_rollouts: int  # N
+    max_calls: int
+    segment_tokens: tuple[int, int]
+    call_probability: float
+    max_completion_length: int
+    tool_seconds: tuple[float, float]  # latency uniform in [lo, hi]
+    token_entropy: tuple[float, float] = (0.0, 1.0)  # nats per token, drawn per segment
+
+
+REGIMES = {
+    "paper": Regime("paper-like: <=3 calls, 150-450-token segments, M=16 N=8", 16, 8, 3, (150, 450), 0.9, 2048,
+                    (0.0, 0.0)),
+    "quickstart": Regime("quickstart-like: <=2 calls, 15-45-token segments, M=8 N=4", 8, 4, 2, (15, 45), 0.4, 192,
+                         (0.0, 0.0)),
+    "jitter": Regime("paper-like with tool latency U(0.2 s, 2 s)", 16, 8, 3, (150, 450), 0.9, 2048, (0.2, 2.0)),
+}
+METHODS = {"arpo": "entropy", "grpo": "none", "random": "random"}
+
+
+class SyntheticAgent:
+    """A scripted policy with a token-time cost. `token_seconds=0`: no waiting (decode-step model)."""
+
+    def __init__(self, tokenizer, regime: Regime, seed: int, token_seconds: float = 0.0):
+        self.tokenizer, self.regime, self.token_seconds = tokenizer, regime, token_seconds
+        self.vocab_size = QWEN_VOCAB
+        self.eos_token_ids = [tokenizer.eos_token_id]
+        self.rng = random.Random(seed)
+        self.filler = tokenizer.encode("x", add_special_tokens=False)
+        self.call = tokenizer.encode("<python>1</python>", add_special_tokens=False)
+        self.answer = tokenizer.encode("<answer>\\boxed{2}</answer>", add_special_tokens=False) + self.eos_token_ids
+        self.pending: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}
+        self.generated = 0.0  # tokens the engine generated, also for requests cancelled midway (pro rata)
+
+    def _plan(self, prefix: list[int]) -> tuple[list[int], list[float]]:
+        if (rest := self.pending.pop(tuple(prefix), None)) is not None:
+            return rest
+        calls = self.tokenizer._decode(prefix).count("</result>")  # no per-id type checks (benchmark speed)
+        r = self.regime
+        tail = self.call if calls < r.max_calls and self.rng.random() < r.call_probability else self.answer
+        ids = self.filler * self.rng.randint(*r.segment_tokens) + tail
+        return ids, [self.rng.uniform(*r.token_entropy)] * len(ids)
+
+    def _segment(self, prefix: list[int], budget: int) -> Segment:
+        ids, entropies = self._plan(list(prefix))
+        if len(ids) > budget:
+            self.pending[tuple(prefix) + tuple(ids[:budget])] = ids[budget:], entropies[budget:]
+            return Segment(ids[:budget], [-1.0] * budget, entropies[:budget], "length")
+        return Segment(ids, [-1.0] * len(ids), entropies, "eos" if ids[-1] in self.eos_token_ids else "stop")
+
+    def generate(self, prefixes, max_new_tokens, stop):
+        segments = [self._segment(p, b) for p, b in zip(prefixes, max_new_tokens)]
+        time.sleep(self.token_seconds * max(len(s.token_ids) for s in segments))  # the batch runs concurrently
+        self.generated += sum(len(s.token_ids) for s in segments)
+        return segments
+
+    async def agenerate(self, prefix, max_new_tokens, stop):
+        segment, start = self._segment(prefix, max_new_tokens), time.perf_counter()
+        try:
+            await asyncio.sleep(self.token_seconds * len(segment.token_ids))
+        except asyncio.CancelledError:  # a speculative path dropped: the server generated this much of it
+            done = (time.perf_counter() - start) / self.token_seconds if self.token_seconds else len(segment.token_ids)
+            self.generated += min(len(segment.token_ids), done)
+            raise
+        self.generated += len(segment.token_ids)
+        return segment
+
+
+class SlowTool(Tool):
+    def __init__(self, latency: tuple[float, float], seed: int):
+        super().__init__("python")
+        self.latency, self.rng = latency, random.Random(seed)
+
+    def __call__(self, content: str) -> str:
+        time.sleep(self.rng.uniform(*self.latency))
+        return "2"
+
+
+def run_method(tokenizer, regime: Regime, method: str, scheduler: str, args) -> dict:
+    """`args.rollouts` successive rollouts of one sampler, as in training (its speculation learns the rates)."""
+    policy = METHODS[method]
+    token_seconds = args.token_ms / 1000 if scheduler.startswith("server") else 0.0
+    engine = SyntheticAgent(tokenizer, regime, args.seed, token_seconds)
+    m = regime.num_generations
+    sampler = BranchingSampler(
+        engine, tokenizer, [SlowTool(regime.tool_seconds if token_seconds else (0.0, 0.0), args.seed)],
+        num_generations=m, initial_rollouts=m if policy == "none" else regime.initial_rollouts,
+        branch_policy=policy, max_tool_calls=regime.max_calls, max_completion_length=regime.max_completion_length,
+        seed=args.seed, scheduler=scheduler.split("/")[-1], max_tool_workers=64, tool_timeout=60.0,
+        speculative_fill_ups=not args.no_speculation,
+    )
+    runs = []
+    for rollout in range(args.rollouts):
+        prompts = [tokenizer.encode(f"<|im_start|>user\nWhat is {i}+{rollout}?<|im_end|>\n<|im_start|>assistant\n")
+                   for i in range(args.prompts)]
+        generated = engine.generated
+        result = sampler.sample(prompts)
+        stats, groups = result.stats, len(result.groups)
+        runs.append({
+            "critical_path_tokens": stats.critical_path_tokens, "waves": stats.waves,
+            "unique_tokens_per_group": sum(t.own_tokens() for t in result.trajectories) / groups,
+            "generated_tokens_per_group": (engine.generated - generated) / groups,
+            "tool_calls_per_group": stats.tool_calls / groups,
+            "discarded_tool_calls_per_group": stats.discarded_tool_calls / groups,
+            "forks_per_group": stats.forks / groups, "fill_ups_per_group": stats.fill_ups / groups,
+            "wall_s": stats.seconds, "overhead_fraction": stats.overhead_seconds / stats.seconds,
+        })
+    return {key: statistics.fmean(r[key] for r in runs) for key in runs[0]}
+
+
+RATIO_KEYS = ("critical_path_tokens", "wall_s", "unique_tokens_per_group", "generated_tokens_per_group",
+              "tool_calls_per_group")
+
+
+def measure(tokenizer, regime_key: str, schedulers: list[str], args) -> dict:
+    regime = REGIMES[regime_key]
+    out = {f"{scheduler}/{method}": run_method(tokenizer, regime, method, scheduler, args)
+           for scheduler in schedulers for method in args.methods}
+    ratios = {}
+    for scheduler in schedulers:
+        base = out.get(f"{scheduler}/grpo")
+        for method in args.methods:
+            if method != "grpo" and base:
+                run = out[f"{scheduler}/{method}"]
+                ratios[f"{scheduler}/{method}_vs_grpo"] = {key: round(run[key] / base[key], 3) for key in RATIO_KEYS}
+    if "server/events" in schedulers and "server/waves" in schedulers:
+        for method in args.methods:
+            ratios[f"{method}_events_vs_waves_wall"] = round(
+                out[f"server/events/{method}"]["wall_s"] / out[f"server/waves/{method}"]["wall_s"], 3)
+    return {"regime": regime.name, "runs": out, "ratios": ratios}
+
+
+def print_tables(report: dict) -> None:
+    for key, section in report["regimes"].items():
+        print(f"\n### {key}: {section['regime']}\n")
+        print("| scheduler/method | critical-path tokens | waves | wall s | unique tokens/group | generated/group | "
+              "tool calls/group (+discarded) | forks/group | fill-ups/group | sampler overhead |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for name, r in section["runs"].items():
+            print(f"| {name} | {r['critical_path_tokens']:.0f} | {r['waves']:.1f} | {r['wall_s']:.2f} | "
+                  f"{r['unique_tokens_per_group']:.0f} | {r['generated_tokens_per_group']:.0f} | "
+                  f"{r['tool_calls_per_group']:.2f} (+{r['discarded_tool_calls_per_group']:.2f}) | "
+                  f"{r['forks_per_group']:.2f} | {r['fill_ups_per_group']:.2f} | "
+                  f"{100 * r['overhead_fraction']:.1f} % |")
+        print()
+        for name, value in section["ratios"].items():
+            print(f"- {name}: {value}")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--rollouts", type=int, default=8, help="rollouts per method (paired seeds)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
+    parser.add_argument("--token-ms", type=float, default=0.5, help="simulated server: milliseconds per token")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-speculation", action="store_true", help="fill-ups only once certain (ablation)")
+    parser.add_argument("--out", default=None, help="also write the JSON report here")
+    args = parser.parse_args(argv)
+    tokenizer = build_tokenizer()
+    schedulers = {"paper": ["steps/waves", "steps/events", "server/events"],
+                  "quickstart": ["steps/waves", "steps/events", "server/events"],
+                  "jitter": ["server/waves", "server/events"]}
+    report = {"token_ms": args.token_ms, "rollouts": args.rollouts, "prompts": args.prompts,
+              "speculative_fill_ups": not args.no_speculation,
+              "regimes": {key: measure(tokenizer, key, schedulers[key], args) for key in args.regimes}}
+    print(json.dumps(report, indent=2))
+    print_tables(report)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
