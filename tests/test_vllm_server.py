@@ -330,3 +330,60 @@ def test_client_metrics_and_finish_reasons(vllm_server, tokenizer):
     assert all(math.isfinite(x) for x in seg.logprobs)
     assert "vllm:prefix_cache_queries_total" in client.metrics()
     assert vllm_server.log_path.exists()
+
+
+def test_event_driven_rollout_on_server_is_complete_and_cancellable(vllm_server, tokenizer):
+    """The sampler drives the server event by event (`agenerate`): exactly M per prompt, every request answered; then
+    a Ctrl-C mid-rollout: KeyboardInterrupt at once, and the server aborts the requests it was running (their HTTP
+    connections closed) instead of generating them to the end."""
+    client = VLLMClient(vllm_server.base_url)
+    engine = VLLMServerEngine(client, tokenizer)
+    sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=5)], num_generations=4, initial_rollouts=2,
+                               max_completion_length=96, seed=0)
+    assert type(sampler.scheduler).__name__ == "EventScheduler"
+    result = sampler.sample([_prompt(tokenizer, a, a + 1) for a in range(6)])
+    assert [len(g) for g in result.groups] == [4] * 6 and result.stats.requests > 6
+    assert result.stats.critical_path_tokens > 0 and result.stats.waves >= 1
+
+    long = VLLMServerEngine(client, tokenizer, generation_kwargs={"ignore_eos": True})
+    sampler = BranchingSampler(long, tokenizer, [], num_generations=4, branch_policy="none",
+                               max_completion_length=1000, seed=0)
+    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))  # 128 × 1000 tokens take far longer
+    start = time.monotonic()
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            sampler.sample([_prompt(tokenizer, a, a) for a in range(32)])
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start < 10
+    running = float("inf")
+    for _ in range(50):  # the server notices the closed connections within a moment
+        running = client.metrics().get("vllm:num_requests_running", 0) + client.metrics().get(
+            "vllm:num_requests_waiting", 0)
+        if running == 0:
+            break
+        time.sleep(0.2)
+    assert running == 0, "the server kept generating the cancelled requests"
+
+
+def test_server_killed_during_an_event_driven_rollout_fails_fast(tool_model_dir, tokenizer, tmp_path):
+    """The sampler's event scheduler against a server that dies: a VLLMServerError naming the server, well within the
+    request timeout, and no rollout thread or tool thread left behind."""
+    server = VLLMServer(tool_model_dir, max_model_len=1024, log_path=tmp_path / "server.log").start()
+    try:
+        engine = VLLMServerEngine(VLLMClient(server.base_url, request_timeout=60), tokenizer,
+                                  generation_kwargs={"ignore_eos": True})
+        sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda code: "1")], num_generations=4,
+                                   initial_rollouts=2, max_completion_length=900, seed=0)
+        threading.Timer(3.0, os.killpg, (server.process.pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(VLLMServerError, match=server.base_url):
+            sampler.sample([_prompt(tokenizer, a, a) for a in range(16)])
+        assert time.monotonic() - start < 30
+        time.sleep(0.5)
+        leftovers = [t.name for t in threading.enumerate() if t.name.startswith(("arpo-tool", "arpo-rollout"))
+                     and t.name != "arpo-tool-watchdog"]
+        assert not leftovers, leftovers
+    finally:
+        server.stop()
