@@ -133,6 +133,15 @@ class ARPOConfig(GRPOConfig):
             "choices": list(SCHEDULERS),
         },
     )
+    speculative_fill_ups: bool = field(
+        default=True,
+        metadata={
+            "help": "Start fill-ups (the global paths that complete a prompt's M when forking falls short) before they "
+            "are certain to be needed, as many as forking is expected not to fill; a fork takes their slot back and "
+            "they are confirmed oldest first, so the trees are unchanged. Shortens the rollout's critical path for "
+            "some discarded tokens. False: fill-ups start only once certain.",
+        },
+    )
     seed_sampler: int | None = field(
         default=None,
         metadata={"help": "Seed of the fork-decision RNG; defaults to `seed`."},

@@ -296,7 +296,8 @@ class BranchingSampler:
         continued = False  # the request continues a segment that a short request stopped inside
         while path.active:
             room = self.max_completion_length - len(path.completion_ids)
-            segment = yield GenerateRequest(path, min(room, self.entropy_window) if probe or short else room)
+            request = GenerateRequest(path, min(room, self.entropy_window) if probe or short else room)
+            segment = yield request
             if not continued:
                 entropy = normalized_entropy(segment.entropies, self.entropy_window, self.engine.vocab_size)
                 if probe:  # the k tokens after the tool result decide the fork at that result, right now
@@ -304,7 +305,8 @@ class BranchingSampler:
                 path.segment_entropies.append(entropy)
                 if path.initial_entropy is None:
                     path.initial_entropy = entropy
-            call = self._absorb(rollout, path, segment, continued, (probe or short) and room > self.entropy_window)
+            capped = request.max_new_tokens < room and len(segment.token_ids) >= request.max_new_tokens
+            call = self._absorb(rollout, path, segment, continued, capped)
             probe, short, continued = False, False, call is _OPEN
             while not path.committed and path.kind == "branch":  # until the parent's decision (or dropped)
                 yield CommitRequest(path)
@@ -452,16 +454,15 @@ class BranchingSampler:
         path.entropies += list(entropies) if entropies is not None else [math.nan] * len(ids)
 
     def _absorb(self, rollout: Rollout, path: Trajectory, seg: Segment, continued: bool, may_continue: bool):
-        """Append generated tokens to the open segment; return the tool call it ends with, `_OPEN` if a probe
-        stopped inside it, or None once the path is finished. A continued segment is searched as a whole: a tag
+        """Append generated tokens to the open segment; return the tool call it ends with, `_OPEN` if our token cap
+        (a probe's k) stopped it, or None once the path is finished. A continued segment is searched as a whole: a tag
         may straddle the probe and its continuation, which the engine (seeing only new text) cannot stop at."""
         start = path.segment_start
         self._append(path, seg.token_ids, 1, seg.logprobs, seg.entropies)
         stops = self.call_format.stop_strings
         found = seg.finish_reason == "stop" or continued
         cut = cut_at_stop(path.completion_ids[start:], self._decode, self._encode, stops) if found else None
-        if cut is None and may_continue and seg.finish_reason == "length" and \
-                len(path.completion_ids) < self.max_completion_length:
+        if cut is None and may_continue and seg.finish_reason == "length":
             return _OPEN
         rollout.segments += 1
         if cut is None:

@@ -138,6 +138,7 @@ class ARPOTrainer(GRPOTrainer):
             call_format=make_call_format(args.tool_call_format, self._tokenizer, self.arpo_tools, args.tool_call_open,
                                          args.tool_call_close, args.chat_template_kwargs),
             scheduler=args.rollout_scheduler if self.engine is not None else "waves",
+            speculative_fill_ups=args.speculative_fill_ups,
         )
 
     @staticmethod
@@ -329,6 +330,7 @@ class ARPOTrainer(GRPOTrainer):
         metrics = {
             "arpo/forks_per_group": stats.forks / groups,
             "arpo/fill_ups_per_group": stats.fill_ups / groups,
+            "arpo/discarded_tokens_per_group": stats.discarded_tokens / groups,
             "arpo/waves": stats.waves,
             "arpo/critical_path_tokens": stats.critical_path_tokens,
             "arpo/tool_calls_per_trajectory": statistics.fmean(t.tool_calls for t in trajectories),

@@ -31,22 +31,28 @@ QUESTIONS = [f"What is {a} * {b} + {c}?" for a, b, c in [(17, 23, 5), (48, 12, 9
                                                            (13, 77, 8), (250, 4, 19), (36, 29, 70), (81, 5, 44)]]
 
 
-def rollout(engine, tokenizer, prompts, args, policy: str) -> dict:
+def rollout(engine, tokenizer, prompts, args, policy: str, scheduler: str = "auto") -> dict:
     n = args.num_generations if policy == "none" else args.initial_rollouts
     sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
                                initial_rollouts=n, max_completion_length=args.max_tokens, branch_policy=policy,
-                               seed=args.seed)
+                               seed=args.seed, scheduler=scheduler)
     client = getattr(engine, "client", None)
-    hits = client.metrics().get("vllm:prefix_cache_hits_total", 0.0) if client else None
+    before = client.metrics() if client else {}
     start = time.perf_counter()
     result = sampler.sample(prompts)
     wall = time.perf_counter() - start
     generated = sum(t.own_tokens() for t in result.trajectories)
-    groups = len(result.groups)
-    return {"wall_s": round(wall, 2), "tokens_generated": generated, "tokens_per_s": round(generated / wall, 1),
-            "forks_per_group": result.stats.forks / groups, "tool_calls_per_group": result.stats.tool_calls / groups,
-            "rounds": result.stats.rounds, "trajectories_per_group": statistics.mean(map(len, result.groups)),
-            **({"prefix_cache_hit_tokens": client.metrics()["vllm:prefix_cache_hits_total"] - hits} if client else {})}
+    groups, stats = len(result.groups), result.stats
+    run = {"wall_s": round(wall, 2), "tokens_generated": generated, "tokens_per_s": round(generated / wall, 1),
+           "forks_per_group": stats.forks / groups, "tool_calls_per_group": stats.tool_calls / groups,
+           "waves": stats.waves, "critical_path_tokens": stats.critical_path_tokens,
+           "discarded_tokens": stats.discarded_tokens, "sampler_overhead_s": round(stats.overhead_seconds, 2),
+           "trajectories_per_group": statistics.mean(map(len, result.groups))}
+    if client:  # the server's own count: every token it generated, aborted requests included
+        after = client.metrics()
+        run["prefix_cache_hit_tokens"] = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+        run["server_generated_tokens"] = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    return run
 
 
 def lora_sync(client, engine, model_dir, rank: int, versions: int, out_dir) -> dict:
@@ -106,7 +112,8 @@ def main() -> None:
         client = VLLMClient(args.base_url or server.base_url)
         engine = VLLMServerEngine(client, tokenizer)
         for policy in policies:
-            runs[f"vllm/{policy}"] = rollout(engine, tokenizer, prompts, args, policy)
+            for scheduler in ("events", "waves"):
+                runs[f"vllm-{scheduler}/{policy}"] = rollout(engine, tokenizer, prompts, args, policy, scheduler)
         report["lora_sync"] = lora_sync(client, engine, model_dir, args.lora_rank, 5, f"{args.out}/adapters")
         for policy in policies:  # sampling through the synced adapter, as LoRA training does
             runs[f"vllm_lora/{policy}"] = rollout(engine, tokenizer, prompts, args, policy)
@@ -118,17 +125,25 @@ def main() -> None:
         reference = runs.get(f"transformers/{name.split('/')[1]}")
         if reference and not name.startswith("transformers"):
             run["tokens_per_s_vs_transformers"] = round(run["tokens_per_s"] / reference["tokens_per_s"], 2)
+    report["arpo_vs_grpo"] = {  # the same backend, one after the other: ARPO's rollout cost relative to GRPO's
+        backend: {key: round(runs[f"{backend}/entropy"][key] / runs[f"{backend}/none"][key], 3)
+                  for key in ("wall_s", "critical_path_tokens", "tokens_generated", "tool_calls_per_group")}
+        for backend in {name.split("/")[0] for name in runs}
+        if f"{backend}/entropy" in runs and f"{backend}/none" in runs}
     print(json.dumps(report, indent=2))
     print_table(report)
 
 
 def print_table(report: dict) -> None:
-    print("\n| backend/policy | wall s | tokens | tokens/s | vs HF | forks/group | tool calls/group | rounds |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| backend/policy | wall s | tokens | tokens/s | vs HF | forks/group | tool calls/group | waves | "
+          "critical-path tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in report["runs"].items():
         print(f"| {name} | {r['wall_s']} | {r['tokens_generated']} | {r['tokens_per_s']} | "
               f"{r.get('tokens_per_s_vs_transformers', 1.0)} | {r['forks_per_group']:.2f} | "
-              f"{r['tool_calls_per_group']:.2f} | {r['rounds']} |")
+              f"{r['tool_calls_per_group']:.2f} | {r['waves']} | {r['critical_path_tokens']} |")
+    for backend, ratios in report.get("arpo_vs_grpo", {}).items():
+        print(f"- {backend}, ARPO / GRPO: {ratios}")
     if "lora_sync" in report:
         print(f"\nLoRA sync (r={report['lora_sync']['lora_rank']}, save + hot-load): "
               f"{report['lora_sync']['sync_s_median']} s median")

@@ -38,7 +38,7 @@ def test_one_arpo_step_on_smollm2(tmp_path):
     start = time.perf_counter()
     trainer.train()
     print(f"SmolLM2 ARPO step: {time.perf_counter() - start:.1f} s")
-    log = next(e for e in trainer.state.log_history if "arpo/rounds" in e)
+    log = next(e for e in trainer.state.log_history if "arpo/waves" in e)
     print({k: v for k, v in log.items() if k.startswith("arpo/") or k in ("reward", "step_time")})
     assert log["completions/max_length"] <= 24
     changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
