@@ -427,7 +427,7 @@ class BranchingSampler:
             return
         missing = m - _committed(group)
         expected = sum(self.expected_forks(rollout, path) for path in group if path.committed)
-        wanted = min(missing, math.floor(missing - expected + 0.5))
+        wanted = min(missing, math.ceil(missing - expected))
         for _ in range(wanted - len(_speculative_fills(group))):
             self._start(rollout, g, group[0].prompt_ids, "fill", creator).committed = False
             rollout.stats.speculative_fill_ups += 1

@@ -6,9 +6,9 @@ when each request runs:
 * `EventScheduler` (engines with `agenerate`, e.g. a vLLM server): every path advances on its own. Its next request
   goes out as soon as its own tool result or fork decision is ready, tools run as their calls arrive, and the server's
   continuous batching does the batching. No round waits for its slowest path.
-* `WaveScheduler` (batch engines, e.g. transformers in process): the requests that are ready together are generated
-  as one batch (a wave), in path order, while the tool calls issued at the same moment run; then every result goes
-  back to its program in path order. Deterministic for a seed.
+* `WaveScheduler` (batch engines, e.g. transformers in process): the tool calls of a moment run together, then the
+  requests that are ready together are generated as one batch (a wave), in path order; every result goes back to its
+  program in path order. Deterministic for a seed.
 
 Both measure the rollout's critical path: the longest chain of sequentially generated tokens it waited for (for
 waves, the sum of each wave's longest segment; for events, the longest chain of requests, where a branch's chain
@@ -86,7 +86,7 @@ def _interrupt_tools(sampler: BranchingSampler) -> None:
 
 
 class WaveScheduler:
-    """Ready requests → one `engine.generate` batch per wave; tool calls run during the wave."""
+    """Ready requests → one `engine.generate` batch per wave; the tool calls of a moment run before it."""
 
     def run(self, sampler: BranchingSampler, rollout: Rollout) -> None:
         self.sampler, self.rollout = sampler, rollout
@@ -94,9 +94,10 @@ class WaveScheduler:
         self.programs: dict[int, Program] = {}
         self.waiting: dict[int, Trajectory] = {}  # branches waiting for their parent's decision
         answers: list[tuple[Trajectory, object]] = []
+        held: list[tuple[Trajectory, Any]] = []  # generation requests waiting for the tool calls of their moment
         try:
-            while requests := self._step(answers):
-                answers = self._act(requests)
+            while requests := held + self._step(answers):
+                answers, held = self._act(requests)
         except BaseException:
             self.runner.cancel_pending()
             _interrupt_tools(sampler)
@@ -145,28 +146,42 @@ class WaveScheduler:
                 program.close()
         rollout.started.clear(), rollout.committed.clear(), rollout.cancelled.clear()
 
-    def _act(self, requests) -> list[tuple[Trajectory, object]]:
-        """Start the tool calls, generate the wave, wait for the calls; the answers in request order."""
-        sampler, stats = self.sampler, self.rollout.stats
+    def _align(self, generate: list[tuple[Trajectory, GenerateRequest]]) -> None:
+        """A wave lasts as long as its longest request. When it holds short requests (probes, new branches: k
+        tokens), every request in it stops there too and goes on in the next wave, so that the fork decisions and
+        the branches they start do not wait for long segments (their programs continue them, as a probe's)."""
+        limit = self.sampler.max_completion_length
+        short = [r.max_new_tokens for path, r in generate if r.max_new_tokens < limit - len(path.completion_ids)]
+        if short:
+            for _, request in generate:
+                request.max_new_tokens = min(request.max_new_tokens, max(short))
+
+    def _act(self, requests) -> tuple[list[tuple[Trajectory, object]], list[tuple[Trajectory, Any]]]:
+        """Run the tool calls of this moment (concurrently) and hold the generation requests, which then join the
+        requests of the paths the calls release: one wave instead of two, as a batch engine pays per wave. With no
+        call pending, generate the wave. Returns the answers and the requests still held."""
         generate = [(path, r) for path, r in requests if isinstance(r, GenerateRequest)]
         calls = [(path, r) for path, r in requests if isinstance(r, CallRequest)]
-        futures = {path.id: self.runner.submit(_bind(r.call)) for path, r in calls if r.call.error is None}
-        answers: list[tuple[Trajectory, object]] = []
-        if generate:
+        if calls:
+            futures = {path.id: self.runner.submit(_bind(r.call)) for path, r in calls if r.call.error is None}
             start = time.perf_counter()
-            segments = sampler.engine.generate([path.prompt_ids + path.completion_ids for path, _ in generate],
-                                               [r.max_new_tokens for _, r in generate],
-                                               sampler.call_format.stop_strings)
-            stats.generation_seconds += time.perf_counter() - start
-            stats.waves += 1
-            stats.requests += len(generate)
-            stats.critical_path_tokens += max(len(segment.token_ids) for segment in segments)
-            answers += [(path, segment) for (path, _), segment in zip(generate, segments)]
+            wait(futures.values())
+            self.rollout.stats.tool_seconds += time.perf_counter() - start
+            return [(path, futures[path.id].result() if path.id in futures else None) for path, _ in calls], generate
+        return self._generate(generate), []
+
+    def _generate(self, generate: list[tuple[Trajectory, GenerateRequest]]) -> list[tuple[Trajectory, object]]:
+        sampler, stats = self.sampler, self.rollout.stats
+        generate = sorted(generate, key=lambda item: item[0].id)
+        self._align(generate)
         start = time.perf_counter()
-        wait(futures.values())
-        stats.tool_seconds += time.perf_counter() - start
-        answers += [(path, futures[path.id].result() if path.id in futures else None) for path, _ in calls]
-        return answers
+        segments = sampler.engine.generate([path.prompt_ids + path.completion_ids for path, _ in generate],
+                                           [r.max_new_tokens for _, r in generate], sampler.call_format.stop_strings)
+        stats.generation_seconds += time.perf_counter() - start
+        stats.waves += 1
+        stats.requests += len(generate)
+        stats.critical_path_tokens += max(len(segment.token_ids) for segment in segments)
+        return [(path, segment) for (path, _), segment in zip(generate, segments)]
 
 
 class _Activity:

@@ -443,8 +443,8 @@ class SlowEngine(ScriptedEngine):
 
 
 def test_rollout_time_is_split_into_generation_tools_and_overhead(tokenizer):
-    """Waves: 3 generation waves of 0.2 s; the tool calls (0.5 s) of each path run during the next wave's generation,
-    so each of the 2 tool waves costs 0.3 s of waiting alone. The sampler's own time is measured, not derived."""
+    """Waves: 3 generation waves of 0.2 s, and between them 2 moments of tool calls (0.5 s, the 3 paths' calls
+    concurrently). The sampler's own time is measured, not derived, and the three add up to the rollout's."""
     def slow(code):
         time.sleep(0.5)
         return "2"
@@ -593,3 +593,16 @@ def test_a_huge_tool_output_is_clipped_before_encoding(tokenizer):
             env = t.completion_ids[at:]
             assert len(env) > 200 and env == tokenizer.encode(" <result>\n" + huge[:10_000],
                                                               add_special_tokens=False)[: len(env)]
+
+
+@pytest.mark.parametrize("scheduler", ["waves", "events"])
+def test_a_rollout_leaves_no_thread_behind(tokenizer, scheduler):
+    sampler = _sampler(tokenizer, calls_then_answers(2), num_generations=4, seed=0, scheduler=scheduler,
+                       engine_class=AsyncScriptedEngine if scheduler == "events" else None)
+    before = set(threading.enumerate())  # earlier tests' abandoned calls may still sleep
+    sampler.sample(_prompts(tokenizer, 2))
+    new = lambda: [t.name for t in set(threading.enumerate()) - before if t.name.startswith("arpo-")]  # noqa: E731
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and new():
+        time.sleep(0.02)
+    assert not new()

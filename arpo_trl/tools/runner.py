@@ -104,7 +104,7 @@ class ToolRunner:
 
     def _watch(self) -> None:
         with self._changed:
-            while not (self._closed and not self._deadlines):
+            while not (self._closed and all(entry[2].done() for entry in self._deadlines)):
                 now = time.monotonic()
                 while self._deadlines and (self._deadlines[0][2].done() or self._deadlines[0][0] <= now):
                     _, _, future, lost = heapq.heappop(self._deadlines)
