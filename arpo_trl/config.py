@@ -123,6 +123,17 @@ class ARPOConfig(GRPOConfig):
         default=8,
         metadata={"help": "Tool calls run concurrently across paths in a thread pool of this size."},
     )
+    reward_timeout: float = field(
+        default=2.0,
+        metadata={
+            "help": "Seconds math-verify may spend on one answer in `arpo_math` / `accuracy` (its worker process is "
+            "then killed and the answer scores 0; counted in `rewards/<reward>/timeouts`). See docs/rewards.md."
+        },
+    )
+    reward_batch_timeout: float = field(
+        default=8.0,
+        metadata={"help": "Seconds one math reward call may take over all its answers; those left score 0."},
+    )
     seed_sampler: int | None = field(
         default=None,
         metadata={"help": "Seed of the fork-decision RNG; defaults to `seed`."},
@@ -182,6 +193,9 @@ class ARPOConfig(GRPOConfig):
             raise ValueError("tool_call_open and tool_call_close must be non-empty markers, e.g. '<tool_call>'.")
         if self.tool_timeout <= 0:
             raise ValueError(f"tool_timeout must be > 0 seconds, got {self.tool_timeout}.")
+        for name in ("reward_timeout", "reward_batch_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}.")
         if self.max_tool_workers < 1:
             raise ValueError(f"max_tool_workers must be >= 1, got {self.max_tool_workers}.")
         self._validate_vllm_fields()
