@@ -123,6 +123,14 @@ class ARPOConfig(GRPOConfig):
         default=8,
         metadata={"help": "Tool calls run concurrently across paths in a thread pool of this size."},
     )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Longest prompt (tokens, chat template applied) `arpo-trl train` accepts: a dataset with a longer "
+            "one is an error before training, never silently truncated. Default: the model's context length minus "
+            "max_completion_length."
+        },
+    )
     reward_timeout: float = field(
         default=2.0,
         metadata={
@@ -193,6 +201,8 @@ class ARPOConfig(GRPOConfig):
             raise ValueError("tool_call_open and tool_call_close must be non-empty markers, e.g. '<tool_call>'.")
         if self.tool_timeout <= 0:
             raise ValueError(f"tool_timeout must be > 0 seconds, got {self.tool_timeout}.")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
         for name in ("reward_timeout", "reward_batch_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}.")

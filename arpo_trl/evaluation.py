@@ -36,6 +36,7 @@ from arpo_trl.cli import (
     load_train_dataset,
     resolve_model,
 )
+from arpo_trl.preflight import check_writable_dir
 from arpo_trl.rewards import (
     GROUND_TRUTH_COLUMNS,
     extract_answer,
@@ -412,6 +413,7 @@ def prepare(args: EvalArguments) -> EvalSetup:
     """Check the arguments, load the dataset, tools, tokenizer and engine; every user mistake is a UserInputError
     (or a ValueError/VLLMServerError naming the field or URL)."""
     check_args(args)
+    check_writable_dir(args.output_dir)
     script = ARPOScriptArguments(tools=list(args.tools), python_timeout=args.python_timeout,
                                  search_corpus=args.search_corpus)
     tools = build_tools(script)
