@@ -167,10 +167,12 @@ class ARPOTrainer(GRPOTrainer):
     def _check_server_setup(self) -> str:
         """Resolve the weight-sync mode and reject setups it cannot serve, before waiting for any server."""
         args, model = self.args, self.accelerator.unwrap_model(self.model)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
+        if sharded and not is_peft_model(model) and args.vllm_weight_sync != "none":
             raise NotImplementedError(
-                "vLLM server mode with file-based weight sync does not gather sharded (DeepSpeed/FSDP) weights yet; "
-                "use DDP, or vllm_weight_sync='nccl' on CUDA."
+                "vLLM server mode under DeepSpeed/FSDP syncs LoRA adapters only (gathered from the shards each step): "
+                "train with peft_config=LoraConfig(...), use DDP for full fine-tuning, or vllm_weight_sync='nccl' on "
+                "CUDA."
             )
         if self.loss_type == "vespo" and self.vllm_importance_sampling_correction and \
                 self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"):
