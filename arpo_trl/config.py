@@ -123,25 +123,6 @@ class ARPOConfig(GRPOConfig):
         default=8,
         metadata={"help": "Tool calls run concurrently across paths in a thread pool of this size."},
     )
-    max_prompt_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "Longest prompt (tokens, chat template applied) `arpo-trl train` accepts: a dataset with a longer "
-            "one is an error before training, never silently truncated. Default: the model's context length minus "
-            "max_completion_length."
-        },
-    )
-    reward_timeout: float = field(
-        default=2.0,
-        metadata={
-            "help": "Seconds math-verify may spend on one answer in `arpo_math` / `accuracy` (its worker process is "
-            "then killed and the answer scores 0; counted in `rewards/<reward>/timeouts`). See docs/rewards.md."
-        },
-    )
-    reward_batch_timeout: float = field(
-        default=8.0,
-        metadata={"help": "Seconds one math reward call may take over all its answers; those left score 0."},
-    )
     seed_sampler: int | None = field(
         default=None,
         metadata={"help": "Seed of the fork-decision RNG; defaults to `seed`."},
@@ -179,6 +160,25 @@ class ARPOConfig(GRPOConfig):
         default=64,
         metadata={"help": "Completion requests in flight at once (one per active path) in server mode."},
     )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Longest prompt (tokens, chat template applied) `arpo-trl train` accepts: a dataset with a longer "
+            "one is an error before training, never silently truncated. Default: the model's context length minus "
+            "max_completion_length."
+        },
+    )
+    reward_timeout: float = field(
+        default=2.0,
+        metadata={
+            "help": "Seconds math-verify may spend on one answer in `arpo_math` / `accuracy` (its worker process is "
+            "then killed and the answer scores 0; counted in `rewards/<reward>/timeouts`). See docs/rewards.md."
+        },
+    )
+    reward_batch_timeout: float = field(
+        default=8.0,
+        metadata={"help": "Seconds one math reward call may take over all its answers; those left score 0."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -201,14 +201,10 @@ class ARPOConfig(GRPOConfig):
             raise ValueError("tool_call_open and tool_call_close must be non-empty markers, e.g. '<tool_call>'.")
         if self.tool_timeout <= 0:
             raise ValueError(f"tool_timeout must be > 0 seconds, got {self.tool_timeout}.")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
-        for name in ("reward_timeout", "reward_batch_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}.")
         if self.max_tool_workers < 1:
             raise ValueError(f"max_tool_workers must be >= 1, got {self.max_tool_workers}.")
         self._validate_vllm_fields()
+        self._validate_limits()
         per_process = self.per_device_train_batch_size * self.steps_per_generation
         if per_process % m != 0:
             # The sampler builds each prompt's tree on one process, so a group must never straddle ranks.
@@ -216,6 +212,13 @@ class ARPOConfig(GRPOConfig):
                 f"per_device_train_batch_size * steps_per_generation ({per_process}) must be divisible by "
                 f"num_generations (M={m}) so that every prompt's M trajectories are generated on one process."
             )
+
+    def _validate_limits(self) -> None:
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
+        for name in ("reward_timeout", "reward_batch_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}.")
 
     def _validate_vllm_fields(self) -> None:
         check_sync_mode(self.vllm_weight_sync)
