@@ -7,6 +7,7 @@ machine), the benchmark has the figures."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -192,3 +193,12 @@ def test_chat_template_call_parsing_is_bounded(hermes, name):
     assert (call is None) == (thread_call is None)
     if call is not None and call.error is not None:
         assert len(call.error) < 600  # the error becomes the tool result the model reads: bounded
+
+
+def test_benchmark_report_shape(tmp_path, capsys):
+    out = tmp_path / "hostile.json"
+    report = hostile.main(["--only", "control_equal,tower", "--batch", "4", "--worst-batch", "0", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert [c["case"] for c in report["cases"]] == ["control_equal", "tower"]
+    assert report["batch"]["completions"] == 4 and "worst_batch" not in report
+    assert "| **batch of 4** (arpo_math) |" in capsys.readouterr().out
