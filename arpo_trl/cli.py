@@ -24,6 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from arpo_trl.config import ARPOConfig
+from arpo_trl.preflight import (
+    UserInputError,
+    check_model,
+    check_prompt_lengths,
+    check_writable_dir,
+    cpu_defaults,
+    explain_precision_error,
+)
 from arpo_trl.rewards import (
     GROUND_TRUTH_COLUMNS,
     answer_accuracy,
@@ -38,10 +46,6 @@ REWARDS: dict[str, Callable] = {
 }
 TOOLS = ("python", "search", "browse")
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-class UserInputError(ValueError):
-    """A mistake in the command line, recipe or data: reported in one line, without a traceback."""
 
 
 @dataclass
@@ -126,28 +130,49 @@ def load_reward(name: str) -> Callable:
 
 
 def build_tools(script_args: ARPOScriptArguments) -> list:
-    from arpo_trl.tools import BM25Backend, BrowseTool, PageStore, PythonTool, SearchTool
+    from arpo_trl.tools import BM25Backend, BrowseTool, PageStore, SearchTool
+    from arpo_trl.tools.base import ToolEnvironmentError
 
     tools = []
     for name in script_args.tools:
-        if name == "python":
-            try:
-                tools.append(PythonTool(
-                    timeout=script_args.python_timeout, memory_limit_mb=script_args.python_memory_mb,
-                    isolation=script_args.python_isolation, pool_size=script_args.python_pool_size,
-                    preimport=tuple(script_args.python_preimport),
-                ))
-            except ValueError as error:
-                raise UserInputError(f"python_*: {error}") from error
-        elif name == "search":
-            if not script_args.search_corpus:
-                raise UserInputError("tools: 'search' needs search_corpus (a text file, one document per line).")
-            tools.append(SearchTool(BM25Backend(read_corpus(script_args.search_corpus))))
-        elif name == "browse":
-            tools.append(BrowseTool(PageStore.wiki()))
-        else:
+        if name not in TOOLS:
             raise UserInputError(f"tools: unknown tool {name!r}; expected some of {list(TOOLS)}.")
+        if name == "search" and not script_args.search_corpus:
+            raise UserInputError("tools: 'search' needs search_corpus (a text file, one document per line).")
+        try:
+            if name == "python":
+                tools.append(start_python_tool(script_args))
+            elif name == "search":
+                tools.append(SearchTool(BM25Backend(read_corpus(script_args.search_corpus))))
+            else:
+                tools.append(BrowseTool(PageStore.wiki()))
+        except (ToolEnvironmentError, OSError, RuntimeError) as error:
+            raise UserInputError(f"tools: the {name!r} tool cannot start: {_first_line(error)}") from error
     return tools
+
+
+def start_python_tool(script_args: ARPOScriptArguments):
+    """A PythonTool that has run `print(1)`: a sandbox that cannot run code fails here, not in the first rollout."""
+    from arpo_trl.tools import PythonTool
+
+    try:
+        tool = PythonTool(timeout=script_args.python_timeout, memory_limit_mb=script_args.python_memory_mb,
+                          isolation=script_args.python_isolation, pool_size=script_args.python_pool_size,
+                          preimport=tuple(script_args.python_preimport))
+    except ValueError as error:
+        raise UserInputError(f"python_*: {error}") from error
+    output = tool("print(1)")
+    if output.strip() != "1":
+        tool.close()
+        raise UserInputError(f"tools: the 'python' tool cannot run code here (print(1) gave {output[:200]!r}); check "
+                             f"python_isolation ({script_args.python_isolation!r}), python_memory_mb "
+                             f"({script_args.python_memory_mb}) and python_timeout ({script_args.python_timeout}).")
+    return tool
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0][:300] if text else type(error).__name__)
 
 
 def read_corpus(path: str) -> list:
@@ -160,8 +185,15 @@ def read_corpus(path: str) -> list:
     file = Path(path)
     if not file.is_file():
         raise UserInputError(f"search_corpus: no such file {path!r}.")
-    lines = [line for line in file.read_text().splitlines() if line.strip()]
-    return [json.loads(line)["text"] for line in lines] if file.suffix == ".jsonl" else lines
+    try:
+        lines = [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        documents = [json.loads(line)["text"] for line in lines] if file.suffix == ".jsonl" else lines
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise UserInputError(f"search_corpus: cannot read {path!r} ({type(error).__name__}: {_first_line(error)}); "
+                             "expected UTF-8 text, one document per line (or .jsonl with a `text` field).") from error
+    if not documents:
+        raise UserInputError(f"search_corpus: {path!r} holds no documents.")
+    return documents
 
 
 def load_train_dataset(script_args: ARPOScriptArguments, seed: int = 0):
@@ -174,6 +206,8 @@ def load_train_dataset(script_args: ARPOScriptArguments, seed: int = 0):
     data = named_dataset(name, seed)
     if data is None:
         data = _load_file_or_hub(script_args)
+    if len(data) == 0:
+        raise UserInputError(f"dataset_name: {name!r} has no rows; point it at a dataset with prompts.")
     if "prompt" not in data.column_names or not set(GROUND_TRUTH_COLUMNS) & set(data.column_names):
         raise UserInputError(f"dataset {name!r} has columns {data.column_names}; it needs `prompt` and one of "
                              f"{list(GROUND_TRUTH_COLUMNS)}.")
@@ -189,12 +223,33 @@ def _load_file_or_hub(script_args: ARPOScriptArguments):
     if path.suffix in _FILE_FORMATS:
         if not path.is_file():
             raise UserInputError(f"dataset_name: no such file {name!r}.")
-        return load_dataset(_FILE_FORMATS[path.suffix], data_files={"train": str(path)})["train"]
-    splits = load_dataset(name, script_args.dataset_config)
+        if path.stat().st_size == 0:
+            raise UserInputError(f"dataset_name: {name!r} is empty; point it at a dataset with prompts.")
+        try:
+            return load_dataset(_FILE_FORMATS[path.suffix], data_files={"train": str(path)})["train"]
+        except Exception as error:  # datasets wraps parser errors in its own types
+            if "corresponds to no data" in str(error):
+                raise UserInputError(f"dataset_name: {name!r} has no rows; point it at a dataset with prompts.") \
+                    from error
+            raise UserInputError(f"dataset_name: cannot read {name!r} as {path.suffix} "
+                                 f"({_root_cause(error)}).") from error
+    if path.exists():
+        raise UserInputError(f"dataset_name: {name!r} is not a {'/'.join(_FILE_FORMATS)} file.")
+    try:
+        splits = load_dataset(name, script_args.dataset_config)
+    except Exception as error:  # not found, offline, gated: one line, whatever datasets raises
+        raise UserInputError(f"dataset_name: cannot load the hub dataset {name!r} ({_root_cause(error)}); a local "
+                             f".jsonl/.json/.parquet/.csv file or a named dataset works offline.") from error
     if script_args.dataset_train_split not in splits:
         raise UserInputError(f"dataset_train_split: {script_args.dataset_train_split!r} is not a split of "
                              f"{name!r} (it has {list(splits)}).")
     return splits[script_args.dataset_train_split]
+
+
+def _root_cause(error: BaseException) -> str:
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return f"{type(error).__name__}: {_first_line(error)}"
 
 
 def resolve_model(name: str | None) -> str:
@@ -205,16 +260,36 @@ def resolve_model(name: str | None) -> str:
         from arpo_trl.models import smollm2_path
 
         return str(smollm2_path())
+    check_model(name)
     return name
 
 
-def check_chat_template(model: str, dataset) -> None:
+def check_chat_template(model: str, dataset):
+    """The model's tokenizer, checked against the dataset's prompt format."""
     from transformers import AutoTokenizer
 
-    conversational = isinstance(dataset[0]["prompt"], list)
-    if conversational and AutoTokenizer.from_pretrained(model).chat_template is None:
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if isinstance(dataset[0]["prompt"], list) and tokenizer.chat_template is None:
         raise UserInputError(f"model {model!r} has no chat template, but the dataset's prompts are conversations; "
                              "use an instruct model or plain-text prompts.")
+    return tokenizer
+
+
+def check_prompts_fit(model: str, tokenizer, dataset, args: ARPOConfig) -> None:
+    """Every prompt within max_prompt_length (default: the model's context minus max_completion_length)."""
+    if args.max_prompt_length is not None:
+        check_prompt_lengths(tokenizer, dataset, args.max_prompt_length, "max_prompt_length",
+                             "raise max_prompt_length, shorten the prompts (e.g. system_prompt: python_short) or "
+                             "filter the dataset.")
+        return
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(model).get_text_config(), "max_position_embeddings", None)
+    if context:
+        check_prompt_lengths(tokenizer, dataset, context - args.max_completion_length, "max_prompt_length",
+                             f"the model's context ({context} tokens) minus max_completion_length "
+                             f"({args.max_completion_length}) leaves no room for them: lower max_completion_length, "
+                             "shorten the prompts or filter the dataset.")
 
 
 def build_trainer(script_args: ARPOScriptArguments, training_args: ARPOConfig, model_args):
@@ -226,14 +301,15 @@ def build_trainer(script_args: ARPOScriptArguments, training_args: ARPOConfig, m
     rewards = [load_reward(name) for name in script_args.reward_funcs]
     tools = build_tools(script_args)
     dataset = load_train_dataset(script_args, training_args.seed)
-    check_chat_template(model, dataset)
+    check_prompts_fit(model, check_chat_template(model, dataset), dataset, training_args)
     return ARPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=dataset, tools=tools,
                        peft_config=get_peft_config(model_args))
 
 
 def train(argv: Sequence[str]) -> None:
     try:
-        script_args, training_args, model_args = make_parser().parse_args_and_config(list(argv))
+        script_args, training_args, model_args = parse_train_args(argv)
+        check_writable_dir(training_args.output_dir)
         resume = resume_target(training_args.resume_from_checkpoint)
         trainer = build_trainer(script_args, training_args, model_args)
     except (ValueError, FileNotFoundError, ImportError) as error:  # ours and ARPOConfig's checks name the field
@@ -247,6 +323,14 @@ def train(argv: Sequence[str]) -> None:
         print(run_summary(training_args.output_dir))
     if hasattr(trainer, "end"):  # transformers >= 5.18: finish trackers, destroy the process group
         trainer.end()
+
+
+def parse_train_args(argv: Sequence[str]):
+    """`(script_args, ARPOConfig, ModelConfig)`; without a GPU, CPU and float32 unless the recipe says otherwise."""
+    try:
+        return make_parser().parse_args_and_config(cpu_defaults(argv, "train"))
+    except ValueError as error:
+        raise explain_precision_error(error) from error
 
 
 def resume_target(value: str | None) -> str | bool | None:
@@ -305,6 +389,10 @@ def quickstart(argv: Sequence[str]) -> None:
                                 "(pip install -e .)."))
     import yaml
 
+    try:  # the ARPO run's flags are checked before the minutes of SFT
+        check_writable_dir(parse_train_args(["--config", str(arpo_recipe), *argv])[1].output_dir)
+    except ValueError as error:
+        _fail(error)
     sft_output = yaml.safe_load(sft_recipe.read_text())["output_dir"]
     if (Path(sft_output) / "config.json").is_file():
         print(f"Cold start: using {sft_output} (delete it to redo the SFT).")

@@ -113,9 +113,14 @@ def sft(argv: Sequence[str]) -> None:
     from trl import SFTTrainer, get_peft_config
 
     from arpo_trl.cli import _fail, resolve_model
+    from arpo_trl.preflight import check_writable_dir, cpu_defaults, explain_precision_error
 
     try:
-        script_args, training_args, model_args = make_parser().parse_args_and_config(list(argv))
+        try:
+            script_args, training_args, model_args = make_parser().parse_args_and_config(cpu_defaults(argv, "sft"))
+        except ValueError as error:
+            raise explain_precision_error(error) from error
+        check_writable_dir(training_args.output_dir)
         model = resolve_model(model_args.model_name_or_path)
         dataset = tool_transcripts(script_args.task, script_args.num_examples, script_args.transcript_seed,
                                    resolve_system_prompt(script_args.system_prompt))

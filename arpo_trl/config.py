@@ -179,6 +179,25 @@ class ARPOConfig(GRPOConfig):
         default=64,
         metadata={"help": "Completion requests in flight at once (one per active path) in server mode."},
     )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Longest prompt (tokens, chat template applied) `arpo-trl train` accepts: a dataset with a longer "
+            "one is an error before training, never silently truncated. Default: the model's context length minus "
+            "max_completion_length."
+        },
+    )
+    reward_timeout: float = field(
+        default=2.0,
+        metadata={
+            "help": "Seconds math-verify may spend on one answer in `arpo_math` / `accuracy` (its worker process is "
+            "then killed and the answer scores 0; counted in `rewards/<reward>/timeouts`). See docs/rewards.md."
+        },
+    )
+    reward_batch_timeout: float = field(
+        default=8.0,
+        metadata={"help": "Seconds one math reward call may take over all its answers; those left score 0."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -206,6 +225,7 @@ class ARPOConfig(GRPOConfig):
         if self.max_tool_workers < 1:
             raise ValueError(f"max_tool_workers must be >= 1, got {self.max_tool_workers}.")
         self._validate_vllm_fields()
+        self._validate_limits()
         per_process = self.per_device_train_batch_size * self.steps_per_generation
         if per_process % m != 0:
             # The sampler builds each prompt's tree on one process, so a group must never straddle ranks.
@@ -213,6 +233,13 @@ class ARPOConfig(GRPOConfig):
                 f"per_device_train_batch_size * steps_per_generation ({per_process}) must be divisible by "
                 f"num_generations (M={m}) so that every prompt's M trajectories are generated on one process."
             )
+
+    def _validate_limits(self) -> None:
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
+        for name in ("reward_timeout", "reward_batch_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}.")
 
     def _validate_vllm_fields(self) -> None:
         check_sync_mode(self.vllm_weight_sync)

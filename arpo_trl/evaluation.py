@@ -36,6 +36,7 @@ from arpo_trl.cli import (
     load_train_dataset,
     resolve_model,
 )
+from arpo_trl.preflight import check_writable_dir
 from arpo_trl.rewards import (
     GROUND_TRUTH_COLUMNS,
     extract_answer,
@@ -45,6 +46,7 @@ from arpo_trl.rewards import (
     normalize_answer,
     validate_format,
 )
+from arpo_trl.scoring import configure_math_scoring
 
 METRICS = ("auto", "math", "f1", "em")
 BACKENDS = ("transformers", "vllm_server")
@@ -118,6 +120,11 @@ class EvalArguments:
     search_corpus: str | None = field(
         default=None, metadata={"help": "Text file for the BM25 search tool: one document per line (or a .jsonl "
                                 "with a `text` field)."},
+    )
+    scoring_timeout: float = field(
+        default=2.0,
+        metadata={"help": "Seconds math-verify may spend on one answer (metric 'math'); past it the answer is "
+                  "wrong. See docs/rewards.md."},
     )
     max_tool_calls: int = field(default=3, metadata={"help": "Tool calls per trajectory before it is ended."})
     tool_timeout: float = field(default=30.0, metadata={"help": "Seconds a round's concurrent tool calls may take."})
@@ -289,6 +296,8 @@ def check_args(args: EvalArguments) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserInputError(f"{name}: must be >= 1, got {value}.")
+    if args.scoring_timeout <= 0:
+        raise UserInputError(f"scoring_timeout: must be > 0 seconds, got {args.scoring_timeout}.")
     if args.max_tool_calls < 0:
         raise UserInputError(f"max_tool_calls: must be >= 0, got {args.max_tool_calls}.")
     if args.adapter and not (Path(args.adapter) / "adapter_config.json").is_file():
@@ -404,6 +413,7 @@ def prepare(args: EvalArguments) -> EvalSetup:
     """Check the arguments, load the dataset, tools, tokenizer and engine; every user mistake is a UserInputError
     (or a ValueError/VLLMServerError naming the field or URL)."""
     check_args(args)
+    check_writable_dir(args.output_dir)
     script = ARPOScriptArguments(tools=list(args.tools), python_timeout=args.python_timeout,
                                  search_corpus=args.search_corpus)
     tools = build_tools(script)
@@ -489,6 +499,7 @@ def evaluate(args: EvalArguments, setup: EvalSetup | None = None) -> dict:
     from arpo_trl.tool_calls import make_call_format
 
     setup = setup or prepare(args)
+    configure_math_scoring(timeout=args.scoring_timeout, batch_timeout=max(8.0, args.scoring_timeout))
     call_format = make_call_format(args.tool_call_format, setup.tokenizer, setup.tools)
     sampler = BranchingSampler(
         setup.engine, setup.tokenizer, setup.tools, num_generations=args.n_samples, branch_policy="none",

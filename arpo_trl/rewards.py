@@ -10,24 +10,42 @@ math equivalence via `math-verify` (`arpo_math_reward`; the reference scores mat
 calls `3\\sqrt{3}-6` and `3\\sqrt{3} - 6` different).
 
 The ground truth comes from the dataset column `ground_truth` (`answer` and `solution` are accepted).
+
+Completions are hostile input (docs/rewards.md): the text checks here are linear in the completion's length, and
+math equivalence runs through `arpo_trl.scoring.MathScorer` — length and nesting caps before parsing, a time limit
+per answer and per call, from any thread, printing nothing. Under `GRPOTrainer`, the math rewards log how many
+answers hit a bound as `rewards/<reward>/timeouts` and `rewards/<reward>/capped`.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import string
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from arpo_trl.scoring import ScoreReport, default_scorer
+
 GROUND_TRUTH_COLUMNS = ("ground_truth", "answer", "solution")
 MULTI_TOOL_BONUS = 0.1
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+_BRACES = re.compile("[{}]")
+logger = logging.getLogger(__name__)
+_warned = threading.Event()
 
 
 def completion_text(completion) -> str:
     """A TRL completion is a string, or a list of messages for conversational data."""
     if isinstance(completion, str):
         return completion
-    return "".join(message.get("content") or "" for message in completion if isinstance(message, dict))
+    return "".join(_content(message) for message in completion if isinstance(message, dict))
+
+
+def _content(message: dict) -> str:
+    content = message.get("content") or ""
+    return content if isinstance(content, str) else str(content)
 
 
 def validate_format(text: str, tags: Sequence[str] = ("search", "python"), require_think: bool = True) -> str | None:
@@ -59,31 +77,38 @@ def last_boxed(text: str) -> str | None:
     if start < 0:
         return None
     depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
+    for brace in _BRACES.finditer(text, i):
+        depth += 1 if brace.group() == "{" else -1
         if depth == 0:
-            return text[i + 1 : j]
+            return text[i + 1 : brace.start()]
     return None
 
 
 def extract_answer(text: str) -> str | None:
-    match = re.search(r"<answer>(.*?)</answer>", text, re.DOTALL)
-    return None if match is None else last_boxed(match.group(1))
+    """The last `\\boxed{}` inside the first `<answer>…</answer>` (linear: a regex search is quadratic in the
+    number of unclosed `<answer>` tags)."""
+    start = text.find("<answer>")
+    end = text.find("</answer>", start + len("<answer>")) if start >= 0 else -1
+    return None if end < 0 else last_boxed(text[start + len("<answer>") : end])
 
 
 def normalize_answer(text: str) -> str:
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = text.lower().translate(_PUNCTUATION)
     text = re.sub(r"\b(a|an|the)\b", " ", text)
     return " ".join(text.split())
 
 
+def _truth_list(ground_truths) -> list[str]:
+    if isinstance(ground_truths, str) or not isinstance(ground_truths, Sequence):
+        return [str(ground_truths)]
+    return [str(t) for t in ground_truths]
+
+
 def f1_score(prediction: str, ground_truths: str | Sequence[str]) -> float:
     """SQuAD token F1, max over the ground truths; yes/no/noanswer must match exactly."""
-    truths = [ground_truths] if isinstance(ground_truths, str) else list(ground_truths)
     best = 0.0
-    for truth in truths:
-        pred, gold = normalize_answer(prediction), normalize_answer(str(truth))
+    for truth in _truth_list(ground_truths):
+        pred, gold = normalize_answer(prediction), normalize_answer(truth)
         if (pred in ("yes", "no", "noanswer") or gold in ("yes", "no", "noanswer")) and pred != gold:
             continue
         common = Counter(pred.split()) & Counter(gold.split())
@@ -96,31 +121,47 @@ def f1_score(prediction: str, ground_truths: str | Sequence[str]) -> float:
 
 
 def math_score(prediction: str, ground_truths: str | Sequence[str]) -> float:
-    """1.0 if `math-verify` finds the prediction equivalent to a ground truth, else 0.0."""
-    from math_verify import parse, verify
+    """1.0 if `math-verify` finds the prediction equivalent to a ground truth, else 0.0 (also past the scoring
+    bounds of `arpo_trl.scoring.default_scorer()`)."""
+    return default_scorer().score([prediction], [_truth_list(ground_truths)]).scores[0]
 
-    truths = [ground_truths] if isinstance(ground_truths, str) else list(ground_truths)
-    predicted = parse(f"${prediction}$")
-    for truth in truths:
-        gold = parse(f"${truth}$") or parse(str(truth))
-        if gold and predicted and verify(gold, predicted):
-            return 1.0
-    return 0.0
+
+def math_scores(predictions: Sequence[str], ground_truths: Sequence) -> ScoreReport:
+    """`math_score` for a batch, scored in parallel within the default scorer's bounds; with its bound counters."""
+    return default_scorer().score(list(predictions), [_truth_list(t) for t in ground_truths])
+
+
+def formatted_answer(text: str, require_think: bool = True) -> str | None:
+    """The boxed answer of a completion in the reference's format, or None (the -1 of the reward)."""
+    return None if validate_format(text, require_think=require_think) is not None else extract_answer(text)
+
+
+def tiered(text: str, value: float) -> float:
+    """The reward of a well-formatted completion whose answer scored `value`."""
+    if value <= 0:
+        return 0.0
+    return value + (MULTI_TOOL_BONUS if "</search>" in text and "</python>" in text else 0.0)
 
 
 def hierarchical_reward(
     text: str, ground_truth, score: Callable[[str, object], float], require_think: bool = True
 ) -> float:
-    if validate_format(text, require_think=require_think) is not None:
-        return -1.0
-    answer = extract_answer(text)
-    if answer is None:
-        return -1.0
-    value = score(answer, ground_truth)
-    if value <= 0:
-        return 0.0
-    bonus = MULTI_TOOL_BONUS if "</search>" in text and "</python>" in text else 0.0
-    return value + bonus
+    answer = formatted_answer(text, require_think)
+    return -1.0 if answer is None else tiered(text, score(answer, ground_truth))
+
+
+def _log_bounds(name: str, report: ScoreReport, kwargs: dict) -> None:
+    """Count the answers that hit a scoring bound as TRL metrics (`log_metric`), and warn once, without the text."""
+    log_metric = kwargs.get("log_metric")
+    if callable(log_metric):
+        log_metric(f"rewards/{name}/timeouts", float(report.timeouts))
+        log_metric(f"rewards/{name}/capped", float(report.capped))
+    if report.timeouts and not _warned.is_set():
+        _warned.set()
+        scorer = default_scorer()
+        logger.warning("%s: %d answer(s) took longer than the math scoring bound (%g s per answer, %g s per call) "
+                       "and scored 0; counted in rewards/%s/timeouts. Logged once.", name, report.timeouts,
+                       scorer.timeout, scorer.batch_timeout, name)
 
 
 def _ground_truths(kwargs: dict, n: int) -> list:
@@ -143,9 +184,13 @@ def arpo_f1_reward(completions: list, **kwargs) -> list[float]:
 
 
 def arpo_math_reward(completions: list, **kwargs) -> list[float]:
-    """As `arpo_f1_reward`, but the answer is scored by math equivalence (`math-verify`)."""
+    """As `arpo_f1_reward`, but the answer is scored by math equivalence (`math-verify`, bounded: see
+    `arpo_trl.scoring`)."""
     truths = _ground_truths(kwargs, len(completions))
-    return [hierarchical_reward(completion_text(c), t, math_score) for c, t in zip(completions, truths)]
+    texts = [completion_text(c) for c in completions]
+    answers = [formatted_answer(text) for text in texts]
+    values = _score_answers("arpo_math_reward", answers, truths, kwargs)
+    return [-1.0 if a is None else tiered(text, v) for text, a, v in zip(texts, answers, values)]
 
 
 def answer_accuracy(completions: list, **kwargs) -> list[float]:
@@ -153,7 +198,18 @@ def answer_accuracy(completions: list, **kwargs) -> list[float]:
     accuracy to log next to the reward (give it weight 0 in `reward_weights` to leave training unchanged)."""
     truths = _ground_truths(kwargs, len(completions))
     answers = [extract_answer(completion_text(c)) for c in completions]
-    return [math_score(a, t) if a is not None else 0.0 for a, t in zip(answers, truths)]
+    return _score_answers("answer_accuracy", answers, truths, kwargs)
+
+
+def _score_answers(name: str, answers: list[str | None], truths: list, kwargs: dict) -> list[float]:
+    """Math scores of the answers that exist (0.0 for None), as one bounded batch."""
+    present = [i for i, a in enumerate(answers) if a is not None]
+    report = math_scores([answers[i] for i in present], [truths[i] for i in present])
+    _log_bounds(name, report, kwargs)
+    values = [0.0] * len(answers)
+    for i, value in zip(present, report.scores):
+        values[i] = value
+    return values
 
 
 FORMAT_CREDITS = (("think", 0.1), ("tool_call", 0.2), ("answer", 0.2), ("boxed", 0.2))

@@ -114,7 +114,7 @@ class ChatTemplateFormat:
                                         '"arguments": {...}}.')
         tool = self.tools.get(call["name"])
         if tool is None:
-            return ToolCall(None, error=f"Error: unknown tool {call['name']!r}; the tools are: "
+            return ToolCall(None, error=f"Error: unknown tool {call['name'][:100]!r}; the tools are: "
                                         f"{', '.join(self.tools) or 'none'}.")
         arguments = call.get("arguments", {})
         if isinstance(arguments, str):  # OpenAI-style: the arguments as a JSON string

