@@ -448,14 +448,13 @@ def check_trajectory(t, engine, tokenizer, fmt, limits, outputs) -> None:
             continue
         pieces = model_run_pieces(t, engine, a, b)
         ids = [i for seg in pieces for i in seg.token_ids]  # a probe and its continuation are one segment
-        cut = cut_at_stop(ids, engine._decode, encode, fmt.stop_strings)
-        cut = cut if pieces[-1].finish_reason == "stop" or len(pieces) > 1 else None
         if r + 1 == len(runs):  # the path ends with model tokens: the whole segment, a cut one or the budget
+            cut = cut_at_stop(ids, engine._decode, encode, fmt.stop_strings)
+            cut = cut if pieces[-1].finish_reason == "stop" or len(pieces) > 1 else None
             assert b - a == len(cut[0] if cut else ids) or b == max_len
             continue
-        kept, rewritten, _ = cut  # followed by environment tokens: the segment ended at a tool's tag
-        env = t.completion_ids[b : runs[r + 1][1]]
-        assert len(kept) == b - a and env[: len(rewritten)] == rewritten[: len(env)]
+        env = t.completion_ids[b : runs[r + 1][1]]  # followed by environment tokens: the segment ended at a tag
+        rewritten = tag_cut_before(env, pieces, ids, a, b, t, engine, encode, fmt)
         rest = env[len(rewritten) :]
         if r + 2 < len(runs):  # the model went on: exactly one complete result block
             text = decode(rest)
@@ -488,6 +487,21 @@ def model_run_pieces(t, engine, a: int, b: int) -> list[Segment]:
         pieces.append(seg)
         pos += n
     return pieces
+
+
+def tag_cut_before(env, pieces, ids, a, b, t, engine, encode, fmt) -> list[int]:
+    """The model run `[a, b)` ends at a tool's tag, its tail possibly re-encoded as the first `env` tokens; returns
+    those. When a capped probe ends inside the tag, the closing token came with the continuation (rewritten): any
+    segment generated after `[:b]` may be it (paths with equal prefixes are indistinguishable)."""
+    options = [ids]
+    if pieces[-1].finish_reason == "length":
+        prefix = tuple(t.prompt_ids + t.completion_ids[:b])
+        options = [ids + list(seg.token_ids) for p, seg in engine.segments if p == prefix] + options
+    for option in options:
+        cut = cut_at_stop(option, engine._decode, encode, fmt.stop_strings)
+        if cut and len(cut[0]) == b - a and env[: len(cut[1])] == cut[1][: len(env)]:
+            return cut[1]
+    raise AssertionError(f"model tokens {a}:{b} are not cut at a tag followed by its rewritten tail")
 
 
 def result_block(fmt) -> tuple[str, str]:
