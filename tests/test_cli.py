@@ -93,8 +93,9 @@ def test_train_on_a_reasoning_gym_task(tool_model_dir, tmp_path):
     truth = {}
     for r in records:
         if r["prompt"] is not None:  # the group's first record names its prompt: one of the task's questions
-            [question] = [q for q in answers if q in r["prompt"]]
-            truth[r["step"], r["group"]] = answers[question]
+            matches = [q for q in answers if q in r["prompt"]]
+            assert len(matches) == 1, f"not one of the task's questions: {r['prompt']!r}"
+            truth[r["step"], r["group"]] = answers[matches[0]]
     assert len(truth) == 4 and len({q for q in truth.values()}) > 1
     for r in records:
         text = "".join(seg["text"] for seg in r["segments"])
