@@ -79,6 +79,8 @@ def check_masks(trainer, tokenizer, before, hard=False):
     once, in the row that made the call."""
     after = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert any(not torch.equal(before[n], after[n]) for n in before), "no trainable weight changed"
+    logged = {k for entry in trainer.state.log_history for k in entry}
+    assert {"arpo/forks_per_group", "arpo/tool_calls_per_group", "arpo/tokens_generated_per_group"} <= logged
     logs = [entry for entry in trainer.state.log_history if "arpo/tool_calls_per_group" in entry]
     assert len(logs) == len(trainer.recorded)  # one rollout per step, logged every step
     tool_calls = 0
