@@ -59,12 +59,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-completion-length", type=int, default=80)
     parser.add_argument("--eval-questions", type=int, default=16, help="held-out questions (0: no eval)")
     parser.add_argument("--model", default="runs/quickstart-sft", help="the policy (default: the cold-start model)")
+    parser.add_argument("--recipe", type=_path, default=str(ROOT / "recipes/arpo_vs_grpo.yaml"),
+                        help="training recipe every run starts from (the options above override it)")
+    parser.add_argument("--eval-recipe", type=_path, default=str(ROOT / "recipes/eval_quickstart.yaml"),
+                        help="held-out evaluation recipe")
     parser.add_argument("--skip-vllm", action="store_true", help="skip the rollout-only vLLM-CPU comparison")
     parser.add_argument("--vllm-prompts", type=int, default=8)
     parser.add_argument("--out", default="runs/arpo_vs_grpo")
     parser.add_argument("--reuse", action="store_true",
                         help="keep runs already complete in --out (and its vLLM results) instead of redoing them")
     return parser.parse_args(argv)
+
+
+def _path(text: str) -> str:
+    """An absolute path: the runs start in the repository root, not in the caller's folder."""
+    return str(Path(text).resolve())
 
 
 def cli(*argv: str) -> float:
@@ -89,13 +98,13 @@ def train_and_eval(args: argparse.Namespace, method: str, seed: int) -> dict:
     if args.reuse and _complete(run_dir, args):
         return read_run(args, method, seed, run_dir, wall=None)
     n = args.num_generations if METHODS[method] == "none" else args.initial_rollouts
-    wall = cli("train", "--config", "recipes/arpo_vs_grpo.yaml", "--model_name_or_path", args.model,
+    wall = cli("train", "--config", args.recipe, "--model_name_or_path", args.model,
                "--branch_policy", METHODS[method], "--initial_rollouts", str(n), "--seed", str(seed),
                "--num_generations", str(args.num_generations), "--max_steps", str(args.steps),
                "--per_device_train_batch_size", str(args.prompts_per_step * args.num_generations),
                "--max_completion_length", str(args.max_completion_length), "--output_dir", str(run_dir))
     if args.eval_questions:
-        cli("eval", "--config", "recipes/eval_quickstart.yaml", "--model_name_or_path", args.model,
+        cli("eval", "--config", args.eval_recipe, "--model_name_or_path", args.model,
             "--adapter", str(run_dir), "--num_samples", str(args.eval_questions), "--n_samples", "1", "--k", "1",
             "--max_completion_length", str(args.max_completion_length), "--output_dir", str(run_dir / "eval"))
     return read_run(args, method, seed, run_dir, wall)

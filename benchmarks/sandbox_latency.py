@@ -126,8 +126,9 @@ def measure(variant: Variant, args: argparse.Namespace) -> dict:
     else:
         with Sandbox(timeout=args.timeout, isolation=variant.isolation, pool_size=variant.pool_size,
                      preimport=variant.preimport) as sandbox:
+            row["isolation"], row["pool_size"] = sandbox.isolation, sandbox.pool_size  # what ran, not what was asked
             walls, inners = time_calls(sandboxed(sandbox), variant.payload, args.calls, args.warmup, pause)
-    return {**row, **summary("wall", walls), **summary("inner", inners)}
+    return {**row, "timed_calls": len(walls), **summary("wall", walls), **summary("inner", inners)}
 
 
 def add_ratios(runs: dict[str, dict]) -> None:

@@ -38,15 +38,25 @@ def test_hard_advantages_average_over_sharing_trajectories():
 
 
 def test_groups_never_mix_and_global_paths_keep_their_own_advantage():
-    owners = token_owners([0, 1, 5, 6], [None, 0, None, 5], [None, 1, None, 1], [2, 2, 2, 2], width=2)
+    # Each group numbers its paths from 0, so the same node ids (0 global, 1 its branch) appear in both groups:
+    # an implementation that ignored `groups` would average each shared column over all four rows.
+    per_group = token_owners([0, 1], [None, 0], [None, 1], [2, 2], width=2)
+    owners = torch.cat([per_group, per_group])
     out = hard_advantages(torch.tensor([1.0, 3.0, -2.0, 0.0]), owners, groups=[0, 0, 1, 1])
     torch.testing.assert_close(out, torch.tensor([[2.0, 1.0], [2.0, 3.0], [-1.0, -2.0], [-1.0, 0.0]]))
 
 
 def test_counted_once_hard_gradient_differs_from_soft():
-    # With each shared token counted once at the mean, the summed weight of a shared token is mean, not Σ A.
+    # Path 1 branches off path 0 at 2 and shares its first two tokens. With advantages 1 and 3 a shared token gets
+    # their mean, 2, and is trained once (in path 0's row); soft attribution trains it in both rows, so its summed
+    # weight is Σ A = 4, as is that of hard advantages counted in every row (owner mask ignored).
     owners = token_owners([0, 1], [None, 0], [None, 2], [3, 3], width=3)
-    adv = torch.tensor([1.0, -1.0])
-    weights = hard_advantages(adv, owners, [0, 0]) * owner_mask(owners, [0, 1])
-    assert weights.sum(0).tolist() == [0.0, 0.0, 0.0]
-    assert weights[0].tolist() == [0.0, 0.0, 1.0] and weights[1].tolist() == [0.0, 0.0, -1.0]
+    adv = torch.tensor([1.0, 3.0])
+    hard = hard_advantages(adv, owners, [0, 0])
+    mask = owner_mask(owners, [0, 1])
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    weights = hard * mask
+    assert weights.tolist() == [[2.0, 2.0, 1.0], [0.0, 0.0, 3.0]]
+    assert weights.sum(0).tolist() == [2.0, 2.0, 4.0]  # shared columns: the mean, once
+    soft = adv[:, None].expand(2, 3)
+    assert soft.sum(0).tolist() == [4.0, 4.0, 4.0] == hard.sum(0).tolist()  # Σ A: what counting once avoids

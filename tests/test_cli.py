@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from arpo_trl.cli import main
@@ -69,9 +70,37 @@ def test_search_and_browse_tools_over_the_offline_wiki():
 
 
 def test_train_on_a_reasoning_gym_task(tool_model_dir, tmp_path):
-    recipe = _recipe(tmp_path, tool_model_dir, dataset_name="reasoning_gym:basic_arithmetic:16", use_peft=False)
+    """A full fine-tune on reasoning-gym questions: the saved weights are trained ones, every rollout's prompt is one
+    of the task's seeded questions, and each reward is ARPO's score against that question's own answer."""
+    from safetensors.torch import load_file
+    from test_trainer import length_reward
+
+    from arpo_trl.data import named_dataset
+    from arpo_trl.rewards import arpo_math_reward
+    from arpo_trl.trees import read_jsonl
+
+    spec = "reasoning_gym:basic_arithmetic:16"
+    recipe = _recipe(tmp_path, tool_model_dir, dataset_name=spec, use_peft=False, seed=3, max_steps=2)
     main(["train", "--config", str(recipe)])
-    assert (tmp_path / "run" / "model.safetensors").is_file()
+    run = tmp_path / "run"
+    trained, original = load_file(run / "model.safetensors"), load_file(tool_model_dir / "model.safetensors")
+    assert trained.keys() == original.keys()
+    assert any(not torch.equal(trained[name], original[name]) for name in trained), "the saved model is untrained"
+    task = named_dataset(spec, seed=3)
+    answers = {row["prompt"][-1]["content"]: row["ground_truth"] for row in task}
+    records = read_jsonl(run / "trees.jsonl")
+    assert {r["step"] for r in records} == {0, 1} and len(records) == 2 * 8
+    truth = {}
+    for r in records:
+        if r["prompt"] is not None:  # the group's first record names its prompt: one of the task's questions
+            matches = [q for q in answers if q in r["prompt"]]
+            assert len(matches) == 1, f"not one of the task's questions: {r['prompt']!r}"
+            truth[r["step"], r["group"]] = answers[matches[0]]
+    assert len(truth) == 4 and len({q for q in truth.values()}) > 1
+    for r in records:
+        text = "".join(seg["text"] for seg in r["segments"])
+        expected = arpo_math_reward([text], ground_truth=[truth[r["step"], r["group"]]])[0] + length_reward([text])[0]
+        assert r["reward"] == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.parametrize("overrides,extra,message", [

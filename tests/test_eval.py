@@ -283,21 +283,24 @@ def test_dataset_without_ground_truth_column(tiny_model_dir, tmp_path, capsys):
     assert "needs `prompt` and one of ['ground_truth', 'answer', 'solution']" in capsys.readouterr().err
 
 
-def test_auto_metric_asks_the_dataset(monkeypatch):
-    from arpo_trl import data
+def test_auto_metric_asks_the_dataset():
+    """metric='auto' asks `arpo_trl.data.dataset_metric` (the real one) about named datasets, even against the rows'
+    own `metric` column; for anything else it reads a single-valued `metric` column, else scores by math."""
     from arpo_trl.evaluation import resolve_metric
 
-    rows = Dataset.from_list([{"prompt": "q", "ground_truth": "a", "metric": "f1"}])
+    says_f1 = Dataset.from_list([{"prompt": "q", "ground_truth": "a", "metric": "f1"}])
+    says_math = Dataset.from_list([{"prompt": "q", "ground_truth": "a", "metric": "math"}])
     plain = Dataset.from_list([{"prompt": "q", "ground_truth": "a"}])
-    assert resolve_metric(EvalArguments(dataset_name="reasoning_gym:chain_sum"), rows) == "math" or not hasattr(
-        data, "dataset_metric")
-    monkeypatch.delattr(data, "dataset_metric", raising=False)
-    assert resolve_metric(EvalArguments(dataset_name="x.jsonl"), rows) == "f1"
+    assert resolve_metric(EvalArguments(dataset_name="reasoning_gym:chain_sum"), says_f1) == "math"
+    for named in ("two_hop_qa:8", "paper:hotpotqa", "paper:2WikiMultihopQA", "arpo:hard_search.parquet"):
+        assert resolve_metric(EvalArguments(dataset_name=named), plain) == "f1", named  # the default would be math
+        assert resolve_metric(EvalArguments(dataset_name=named), says_math) == "f1", named
+    assert resolve_metric(EvalArguments(dataset_name="paper:aime24"), says_f1) == "math"
+    assert resolve_metric(EvalArguments(dataset_name="x.jsonl"), says_f1) == "f1"
     assert resolve_metric(EvalArguments(dataset_name="x.jsonl"), plain) == "math"
-    assert resolve_metric(EvalArguments(dataset_name="x.jsonl", metric="em"), rows) == "em"
-    monkeypatch.setattr(data, "dataset_metric", lambda spec: "f1" if spec.startswith("hotpot") else "math",
-                        raising=False)
-    assert resolve_metric(EvalArguments(dataset_name="hotpotqa"), plain) == "f1"
+    mixed = Dataset.from_list([{"prompt": "q", "ground_truth": "a", "metric": m} for m in ("f1", "math")])
+    assert resolve_metric(EvalArguments(dataset_name="x.jsonl"), mixed) == "math"
+    assert resolve_metric(EvalArguments(dataset_name="two_hop_qa", metric="em"), says_f1) == "em"
 
 
 def test_quickstart_eval_recipe_parses_and_passes_the_checks():

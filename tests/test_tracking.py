@@ -3,11 +3,15 @@ the trackers' environment (WANDB_MODE, TRACKIO_DIR) is set before they are impor
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from arpo_trl.tracking import curves
+from arpo_trl.trees import NODE_COLUMNS, node_table, read_jsonl
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -44,10 +48,24 @@ def test_wandb_offline_and_trackio(tool_model_dir, tmp_path):
     tables = list(runs[0].rglob("tree_nodes_*.table.json"))
     assert tables, "the per-step node table was not logged to wandb"
     table = json.loads(tables[0].read_text())
-    assert table["columns"][:4] == ["step", "group", "node", "parent"] and len(table["data"]) == 8
-    assert list((tmp_path / "trackio").rglob("*.db")), "trackio stored nothing"
-    logged = curves([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()])
-    assert logged["reward"] and logged["arpo/forks_per_group"]
+    records = read_jsonl(run / "trees.jsonl")  # the step's 2 prompts × M=4 trajectories
+    assert len(records) == 8 and table["columns"] == list(NODE_COLUMNS)
+    assert table["data"] == node_table(records)[1]  # wandb holds the run's own tree, node by node
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    [train] = [row for row in metrics if "reward" in row]
+    assert train["step"] == 1 and {"arpo/forks_per_group", "arpo/tool_calls_per_group", "reward"} <= set(train)
+    # trackio stored the same step-1 numbers (under TRL's "train/" prefix) as metrics.jsonl
+    db = sqlite3.connect(tmp_path / "trackio" / "arpo-tests.db")
+    rows = db.execute("SELECT metrics FROM metrics WHERE run_name = ? AND step = 1", ("arpo-tracking-test",))
+    stored = {k: v for (blob,) in rows for k, v in json.loads(blob).items()}
+    db.close()
+    for key, value in train.items():
+        if key != "step":
+            assert stored[f"train/{key}"] == pytest.approx(value), key
+    # the curves are the run's: reward = mean of its trajectories' rewards, forks = branches per group
+    logged = curves(metrics)
+    assert logged["reward"] == [(1, pytest.approx(sum(r["reward"] for r in records) / 8))]
+    assert logged["arpo/forks_per_group"] == [(1, sum(r["kind"] == "branch" for r in records) / 2)]
 
 
 def test_curves_summary_and_plot_from_a_metrics_file(tmp_path):

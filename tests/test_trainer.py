@@ -21,12 +21,34 @@ REWARDS = [arpo_math_reward, length_reward]
 
 
 class RecordingTrainer(ARPOTrainer):
-    """Keeps what TRL hands to the loss, to check masks and advantages."""
+    """Keeps what TRL hands to the loss, the rows it was computed from (with the `arpo_*` tree fields TRL merges
+    into them) and the rewards, to check masks and advantages against the trees."""
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self.recorded_rewards = getattr(self, "recorded_rewards", []) + [rewards.detach().clone()]
+        return rewards
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         self.recorded = getattr(self, "recorded", []) + [output]
+        self.recorded_rows = getattr(self, "recorded_rows", []) + [[dict(row) for row in inputs]]
         return output
+
+
+def group_advantages(rewards_per_func: torch.Tensor, m: int) -> torch.Tensor:
+    """GRPO's advantages by hand: weighted reward sum, minus the group mean, over the group's (Bessel) std + 1e-4."""
+    rewards = rewards_per_func.sum(1).view(-1, m)
+    return ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
+
+
+def owner(rows: list[dict], i: int, t: int) -> int:
+    """The node that generated token t of row i: walk up while t lies in the part copied from the parent."""
+    by_node = {row["arpo_node"]: row for row in rows}
+    node = rows[i]["arpo_node"]
+    while by_node[node]["arpo_parent"] is not None and t < by_node[node]["arpo_fork_position"]:
+        node = by_node[node]["arpo_parent"]
+    return node
 
 
 def _args(tmp_path, **kw):
@@ -39,38 +61,89 @@ def _args(tmp_path, **kw):
     return ARPOConfig(**base)
 
 
+def masked_spans(ids: list[int], bits: list[int], value: int) -> list[list[int]]:
+    spans, current = [], []
+    for token, bit in zip(ids, bits):
+        if bit == value:
+            current.append(token)
+        elif current:
+            spans, current = spans + [current], []
+    return spans + ([current] if current else [])
+
+
 def check_masks(trainer, tokenizer, before, hard=False):
+    """Loss mask = model tokens, both ways: every loss-masked span is a tool result block (or the EOS after the call
+    limit), and there are as many such blocks as the sampler ran tool calls, so no result is trained. (The model
+    may write result tags itself; those are its own tokens.) With hard attribution a row trains only the tokens it
+    generated itself, from its fork position on: the copied prefix is masked, and each call's result is counted
+    once, in the row that made the call."""
     after = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert any(not torch.equal(before[n], after[n]) for n in before), "no trainable weight changed"
-    logs = {k for entry in trainer.state.log_history for k in entry}
-    assert {"arpo/forks_per_group", "arpo/tool_calls_per_group", "arpo/tokens_generated_per_group"} <= logs
+    logged = {k for entry in trainer.state.log_history for k in entry}
+    assert {"arpo/forks_per_group", "arpo/tool_calls_per_group", "arpo/tokens_generated_per_group"} <= logged
+    logs = [entry for entry in trainer.state.log_history if "arpo/tool_calls_per_group" in entry]
+    assert len(logs) == len(trainer.recorded)  # one rollout per step, logged every step
     tool_calls = 0
-    for output in trainer.recorded:
-        ids, loss_mask = output["completion_ids"], output["completion_mask"] * output["tool_mask"]
-        real = output["completion_mask"]
-        for row, mask, keep in zip(ids.tolist(), output["tool_mask"].tolist(), real.tolist()):
-            spans, current = [], []
-            for token, bit, is_real in zip(row, mask, keep):
-                if bit == 0 and is_real:
-                    current.append(token)
-                elif current:
-                    spans, current = spans + [current], []
-            spans += [current] if current else []
-            if hard:  # shared tokens are masked in every row but their owner's: spans are not result blocks
-                tool_calls += tokenizer.decode([t for t, k in zip(row, keep) if k]).count("<result>")
-                continue
-            length = sum(keep)
+    for output, rows, log in zip(trainer.recorded, trainer.recorded_rows, logs):
+        loss_mask = output["completion_mask"] * output["tool_mask"]
+        blocks_in_batch = 0
+        for i, (ids, bits) in enumerate(zip(output["completion_ids"].tolist(), loss_mask.tolist())):
+            length = rows[i]["arpo_length"]
+            assert sum(output["completion_mask"][i].tolist()) == length
+            start = (rows[i]["arpo_fork_position"] or 0) if hard else 0
+            assert not any(bits[:start]), "a copied prefix is trained only in its owner's row"
+            ids, bits = ids[start:length], bits[start:length]
+            spans, blocks = masked_spans(ids, bits, 0), 0
             for k, span in enumerate(spans):  # every masked span is a result block (or the EOS after the call limit)
                 text = tokenizer.decode(span)
-                ends_row = k == len(spans) - 1 and row[length - len(span) : length] == span
-                if ends_row and not text.endswith(("</result>", "<|im_end|>")):  # cut by the token budget
+                blocks += text.startswith(" <result>\n")
+                if k == len(spans) - 1 and ids[len(ids) - len(span):] == span and not text.endswith(
+                        ("</result>", "<|im_end|>")):  # cut by the token budget
                     assert text.startswith(" <result>\n"), text
                     continue
                 assert re.fullmatch(r" <result>\n.*\n</result>(<\|im_end\|>)?|<\|im_end\|>", text, re.DOTALL), text
-                tool_calls += text.count("<result>")
+            if not hard:  # the row's every call (its own and those in a copied prefix) has its masked result
+                assert blocks == rows[i]["arpo_tool_calls"], (blocks, rows[i]["arpo_tool_calls"])
+            blocks_in_batch += blocks
+        if hard:  # each call the sampler ran has its masked result exactly once, in its owner's row
+            groups = len({row["arpo_group"] for row in rows})
+            assert blocks_in_batch == round(log["arpo/tool_calls_per_group"] * groups)
+        tool_calls += blocks_in_batch
         assert loss_mask.sum() > 0
     assert tool_calls > 0, "the tiny tool model should have called <python>"
     return tool_calls
+
+
+def check_loss_ignores_tool_tokens(trainer):
+    """TRL's loss on a recorded batch: moving the old log-probs of tool-result tokens (tool mask 0) changes neither
+    the loss nor any gradient; moving one model token's changes both."""
+    inputs = dict(trainer.recorded[-1])
+    env = (inputs["completion_mask"] * (1 - inputs["tool_mask"])).bool()
+    trained = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
+    assert env.any() and trained.any()
+    advantages = inputs["advantages"] if inputs["advantages"].dim() == 2 else inputs["advantages"][:, None]
+    row, col = (trained & (advantages.expand_as(trained) != 0)).nonzero()[0].tolist()
+    model = trainer.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        old = trainer._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].shape[1])[0]
+
+    def loss_and_grads(old_logps):
+        model.zero_grad()
+        loss = trainer.compute_loss(model, {**inputs, "old_per_token_logps": old_logps})
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in params]
+
+    loss, grads = loss_and_grads(old)
+    env_loss, env_grads = loss_and_grads(old + 3.0 * env)
+    assert torch.equal(loss, env_loss) and all(torch.equal(a, b) for a, b in zip(grads, env_grads))
+    bump = torch.zeros_like(old)
+    bump[row, col] = 0.5
+    model_loss, model_grads = loss_and_grads(old + bump)
+    assert not torch.equal(loss, model_loss) and any(not torch.equal(a, b) for a, b in zip(grads, model_grads))
+    model.zero_grad()
 
 
 def test_end_to_end_full_finetune_with_python_tool(tool_model_dir, tokenizer, addition_dataset, tmp_path):
@@ -81,6 +154,7 @@ def test_end_to_end_full_finetune_with_python_tool(tool_model_dir, tokenizer, ad
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     check_masks(trainer, tokenizer, before)
+    check_loss_ignores_tool_tokens(trainer)
     rewards = [e["rewards/arpo_math_reward/mean"] for e in trainer.state.log_history if "reward" in e]
     assert rewards and all(-1.0 <= r <= 1.1 for r in rewards)
     check_run_folder(tmp_path, trainer, steps=2)
@@ -101,7 +175,10 @@ def check_run_folder(run, trainer, steps):
                 assert arpo_part == pytest.approx(-1.0, abs=1e-6)
             else:
                 assert min(abs(arpo_part - v) for v in (0.0, 1.0)) < 1e-6
-            assert r["advantage"] is not None
+        for group in sorted({r["group"] for r in rows}):  # advantage = GRPO's, from the group's logged rewards
+            mine = [r for r in rows if r["group"] == group]
+            expected = group_advantages(torch.tensor([[r["reward"]] for r in mine], dtype=torch.float64), m)
+            assert [r["advantage"] for r in mine] == pytest.approx(expected.tolist(), abs=1e-4)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in metrics if "reward" in row] == list(range(1, steps + 1))
     pictures = {p.name for p in (run / "trees").iterdir()}
@@ -122,13 +199,36 @@ def test_end_to_end_lora_hard_attribution(tool_model_dir, tokenizer, addition_da
     assert before and all("lora" in n for n in before)
     trainer.train()
     check_masks(trainer, tokenizer, before, hard=True)
-    output = trainer.recorded[0]
-    assert output["advantages"].dim() == 2  # per-token advantages
+    check_hard_advantages(trainer)
+    check_loss_ignores_tool_tokens(trainer)
     forks = [e["arpo/forks_per_group"] for e in trainer.state.log_history if "arpo/forks_per_group" in e]
     assert sum(forks) > 0, "τ=1 forks at every tool result while the budget lasts"
     for entry in trainer.state.log_history:  # each generated token trained exactly once
         if "arpo/tokens_trained_per_group" in entry:
             assert entry["arpo/tokens_trained_per_group"] == entry["arpo/tokens_generated_per_group"]
+
+
+def check_hard_advantages(trainer):
+    """The (B, T) advantages TRL's loss got, rebuilt by hand from the recorded tree (node, parent, fork position)
+    and GRPO's group advantages of the recorded rewards: each token gets the mean advantage of the group's rows
+    that share it (hold the same owner at that position), 0 past a row's end."""
+    m = trainer.args.num_generations
+    shared = 0
+    for output, rows, rewards in zip(trainer.recorded, trainer.recorded_rows, trainer.recorded_rewards):
+        group_adv = group_advantages(rewards.double(), m)
+        ids = output["completion_ids"].tolist()
+        expected = torch.zeros(output["completion_ids"].shape, dtype=torch.float64)
+        for i, row in enumerate(rows):
+            if row["arpo_parent"] is not None:  # a branch copies its parent's first fork_position tokens
+                parent = next(j for j, r in enumerate(rows) if r["arpo_node"] == row["arpo_parent"])
+                assert ids[i][: row["arpo_fork_position"]] == ids[parent][: row["arpo_fork_position"]]
+            for t in range(row["arpo_length"]):
+                sharing = [j for j, other in enumerate(rows) if other["arpo_group"] == row["arpo_group"]
+                           and t < other["arpo_length"] and owner(rows, j, t) == owner(rows, i, t)]
+                expected[i, t] = group_adv[sharing].mean()
+                shared += len(sharing) > 1
+        torch.testing.assert_close(output["advantages"].double(), expected, atol=1e-5, rtol=1e-5)
+    assert shared > 0, "τ=1 branches share prefixes, so some tokens average several advantages"
 
 
 def test_trainer_rejects_bad_setup(tool_model_dir, tokenizer, addition_dataset, tmp_path):

@@ -157,13 +157,46 @@ def test_html_shows_every_node_and_escapes_text(records, tmp_path):
         trees.tree_html(records)
 
 
-def test_pngs_are_valid(records, tmp_path):
+def _pixels(path: Path, color: str, tolerance: int = 24) -> int:
+    """How many pixels of the PNG are within `tolerance` (0-255, per channel) of `color` ('#rrggbb')."""
+    import matplotlib.image
+    import numpy as np
+
+    image = matplotlib.image.imread(path)[..., :3] * 255
+    target = np.array([int(color[i : i + 2], 16) for i in (1, 3, 5)])
+    return int((np.abs(image - target) <= tolerance).all(-1).sum())
+
+
+def _height(path: Path) -> int:
+    import matplotlib.image
+
+    return matplotlib.image.imread(path).shape[0]
+
+
+def _without_results(records):
+    """The same records with every environment span turned into model text: no tool results left to draw."""
+    return [{**r, "segments": [{**seg, "kind": "model"} for seg in r["segments"]]} for r in records]
+
+
+RESULT_SHADE, CALL_MARK, CURVE = "#f9ce86", "#1a7f37", "#4a78c2"  # result bar (α .55 on white), call marker, curve
+
+
+def test_pngs_show_the_tree_and_the_curve(records, tmp_path):
+    """The pictures hold what they claim: a row per trajectory, shaded tool results and call markers (compared with
+    the same tree without results), and the entropy curve (absent when there is no tool result to centre on)."""
     for group in (0, 1):
-        png = trees.render_tree_png(trees.select(records, group=group), tmp_path / f"tree{group}.png")
-        data = png.read_bytes()
-        assert data[:8] == PNG_MAGIC and len(data) > 5000
+        mine = trees.select(records, group=group)
+        png = trees.render_tree_png(mine, tmp_path / f"tree{group}.png")
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        bare = trees.render_tree_png(_without_results(mine), tmp_path / f"bare{group}.png")
+        single = trees.render_tree_png(mine[:1], tmp_path / f"single{group}.png")
+        assert _height(png) > _height(single)  # a row per trajectory
+        assert _pixels(png, RESULT_SHADE) > _pixels(bare, RESULT_SHADE) + 100  # the legend's patch is in both
+        assert _pixels(png, CALL_MARK) > _pixels(bare, CALL_MARK)
     plot = trees.plot_entropy_around_tools(records, tmp_path / "entropy.png", window=8)
-    assert plot.read_bytes()[:8] == PNG_MAGIC and plot.stat().st_size > 5000
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+    flat = trees.plot_entropy_around_tools(_without_results(records), tmp_path / "flat.png", window=8)
+    assert _pixels(plot, CURVE) > 100 and _pixels(flat, CURVE) == 0
 
 
 def _record(step, node, parent, fork, segments, entropies):

@@ -323,13 +323,30 @@ def test_server_dies_during_training_fails_the_step_and_keeps_checkpoints_whole(
 
 
 def test_client_metrics_and_finish_reasons(vllm_server, tokenizer):
+    """Each finish reason as the engine maps vLLM's, and the server's own counters moving by exactly the requests and
+    tokens of these calls; the server log records them."""
     client = VLLMClient(vllm_server.base_url)
     engine = VLLMServerEngine(client, tokenizer)
-    (seg,) = engine.generate([_prompt(tokenizer, 1, 2)], [200], [])
+    prompt = _prompt(tokenizer, 1, 2)
+    before = client.metrics()
+    (seg,) = engine.generate([prompt], [200], [])
     assert seg.finish_reason == "eos" and seg.token_ids[-1] == tokenizer.eos_token_id
     assert all(math.isfinite(x) for x in seg.logprobs)
-    assert "vllm:prefix_cache_queries_total" in client.metrics()
-    assert vllm_server.log_path.exists()
+    (cut,) = engine.generate([prompt], [3], [])
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 3
+    (stopped,) = engine.generate([prompt], [200], ["</python>"])  # the tiny model writes a call first
+    assert stopped.finish_reason == "stop" and "</python>" in tokenizer.decode(stopped.token_ids)
+    deadline = time.monotonic() + 10  # the API server updates its counters as the engine reports them
+    while (after := client.metrics())["vllm:request_success_total"] < before["vllm:request_success_total"] + 3 \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    moved = {key: after[key] - before.get(key, 0.0) for key in after}
+    assert moved["vllm:request_success_total"] == 3
+    assert moved["vllm:prompt_tokens_total"] == 3 * len(prompt)
+    assert moved["vllm:generation_tokens_total"] == len(seg.token_ids) + 3 + len(stopped.token_ids)
+    assert moved["vllm:prefix_cache_queries_total"] == 3 * len(prompt)
+    log = vllm_server.log_path.read_text(errors="replace")
+    assert log.count("POST /v1/completions") >= 3, vllm_server.log_path
 
 
 def test_event_driven_rollout_on_server_is_complete_and_cancellable(vllm_server, tokenizer):

@@ -10,7 +10,8 @@ Isolation comes from the OS, not from filtering the code (the child side is `_sa
 * ``isolation="rlimits"`` (the fallback, e.g. macOS or containers that forbid namespaces): a scratch directory on
   disk, a scrubbed environment and the rlimits only. Weaker, and documented as such: the code can read what the
   trainer's user can read and open sockets, and a process that calls ``setsid`` can outlive the call.
-* ``isolation="auto"``: namespaces when a probe sandbox starts, otherwise the fallback with a warning.
+* ``isolation="auto"``: namespaces when a probe sandbox starts, otherwise the fallback, with a warning (and the
+  probe's failure) logged by every Sandbox that falls back: a broken namespace setup must not pass unnoticed.
 
 Both modes: its own session (killed as a group), CPU-time, address-space, file-size, process-count and open-file
 rlimits, a wall-clock timeout, an environment holding none of the trainer's variables, no inherited file
@@ -49,6 +50,7 @@ _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
 _SANDBOX_UID_BASE = 2_000_000_000  # far above real users; one uid per concurrent sandbox slot (root trainer only)
 _SLOTS = 256
 _namespaces_available: bool | None = None
+_namespaces_error: str | None = None  # why the probe failed, for the fallback warning and the tests
 _probe_lock = threading.Lock()
 
 
@@ -187,6 +189,12 @@ class Sandbox:
                 raise SandboxError("isolation='namespaces' needs Linux mount/PID/network namespaces (root, or "
                                    "unprivileged user namespaces enabled); they are not available here. Use "
                                    "isolation='rlimits' to accept the weaker fallback.")
+            logger.warning(
+                "Sandbox: isolation='auto' FELL BACK to the weaker 'rlimits' isolation: Linux namespaces do not work "
+                "here (%s). Model-written Python can now read every file this user can read, open network "
+                "connections and leave daemons behind. Fix namespaces (root, or unprivileged user namespaces), or "
+                "pass isolation='rlimits' (CLI: python_isolation) to accept the fallback explicitly.",
+                _namespaces_error)
             return "rlimits"
         return "namespaces"
 
@@ -364,27 +372,28 @@ def _processes_of(uid: int) -> int:
 
 
 def _probe_namespaces(python_executable: str) -> bool:
-    global _namespaces_available
+    """Whether a namespace sandbox starts here (probed once per process; the reason for a failure is kept)."""
+    global _namespaces_available, _namespaces_error
     with _probe_lock:
         if _namespaces_available is None:
-            _namespaces_available = _try_namespaces(python_executable)
-            if not _namespaces_available:
-                logger.warning("Sandbox: Linux namespaces are not available here; Python tool calls use the weaker "
-                               "'rlimits' isolation (see arpo_trl/tools/sandbox.py).")
+            _namespaces_error = _try_namespaces(python_executable)
+            _namespaces_available = _namespaces_error is None
         return _namespaces_available
 
 
-def _try_namespaces(python_executable: str) -> bool:
+def _try_namespaces(python_executable: str) -> str | None:
+    """None when a namespace sandbox runs `print('ok')`, else why not."""
     if not sys.platform.startswith("linux"):
-        return False
+        return f"not Linux (sys.platform={sys.platform!r})"
     probe = Sandbox.__new__(Sandbox)
     Sandbox.__init__(probe, timeout=20, pool_size=0, isolation="rlimits", python_executable=python_executable)
     probe.isolation = "namespaces"
     try:
         result = probe.run("print('ok')")
-        return result.output.strip() == "ok"
     except SandboxError as exc:
-        logger.info("Sandbox namespace probe failed: %s", exc)
-        return False
+        return f"the probe sandbox did not start: {exc}"
     finally:
         probe.close()
+    if result.output.strip() != "ok":
+        return f"the probe sandbox printed {result.output[-500:]!r} instead of 'ok'"
+    return None
