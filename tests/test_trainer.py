@@ -117,10 +117,14 @@ def check_masks(trainer, tokenizer, before, hard=False):
 def check_loss_ignores_tool_tokens(trainer):
     """TRL's loss on a recorded batch: moving the old log-probs of tool-result tokens (tool mask 0) changes neither
     the loss nor any gradient; moving one model token's changes both."""
-    inputs = dict(trainer.recorded[-1])
-    env = (inputs["completion_mask"] * (1 - inputs["tool_mask"])).bool()
-    trained = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
-    assert env.any() and trained.any()
+    def split(batch):  # (environment tokens, trained tokens) of a batch
+        return ((batch["completion_mask"] * (1 - batch["tool_mask"])).bool(),
+                (batch["completion_mask"] * batch["tool_mask"]).bool())
+
+    with_tools = [batch for batch in trainer.recorded if all(part.any() for part in split(batch))]
+    assert with_tools, "no recorded batch has both tool-result and model tokens"
+    inputs = dict(with_tools[-1])
+    env, trained = split(inputs)
     advantages = inputs["advantages"] if inputs["advantages"].dim() == 2 else inputs["advantages"][:, None]
     row, col = (trained & (advantages.expand_as(trained) != 0)).nonzero()[0].tolist()
     model = trainer.model

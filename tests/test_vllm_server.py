@@ -326,16 +326,20 @@ def test_client_metrics_and_finish_reasons(vllm_server, tokenizer):
     """Each finish reason as the engine maps vLLM's, and the server's own counters moving by exactly the requests and
     tokens of these calls; the server log records them."""
     client = VLLMClient(vllm_server.base_url)
-    engine = VLLMServerEngine(client, tokenizer)
+    engine = VLLMServerEngine(client, tokenizer, temperature=0.0)  # greedy: the three requests write the same text
     prompt = _prompt(tokenizer, 1, 2)
     before = client.metrics()
     (seg,) = engine.generate([prompt], [200], [])
     assert seg.finish_reason == "eos" and seg.token_ids[-1] == tokenizer.eos_token_id
     assert all(math.isfinite(x) for x in seg.logprobs)
     (cut,) = engine.generate([prompt], [3], [])
-    assert cut.finish_reason == "length" and len(cut.token_ids) == 3
-    (stopped,) = engine.generate([prompt], [200], ["</python>"])  # the tiny model writes a call first
-    assert stopped.finish_reason == "stop" and "</python>" in tokenizer.decode(stopped.token_ids)
+    assert cut.finish_reason == "length" and cut.token_ids == seg.token_ids[:3]
+    text = tokenizer.decode(seg.token_ids[:-1])
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a string the greedy text contains before its end
+    assert len(stop) == 3, text
+    (stopped,) = engine.generate([prompt], [200], [stop])
+    assert stopped.finish_reason == "stop" and stop in tokenizer.decode(stopped.token_ids)  # its last token holds it
+    assert len(stopped.token_ids) < len(seg.token_ids)
     deadline = time.monotonic() + 10  # the API server updates its counters as the engine reports them
     while (after := client.metrics())["vllm:request_success_total"] < before["vllm:request_success_total"] + 3 \
             and time.monotonic() < deadline:
@@ -365,15 +369,22 @@ def test_event_driven_rollout_on_server_is_complete_and_cancellable(vllm_server,
     long = VLLMServerEngine(client, tokenizer, generation_kwargs={"ignore_eos": True})
     sampler = BranchingSampler(long, tokenizer, [], num_generations=4, branch_policy="none",
                                max_completion_length=1000, seed=0)
-    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))  # 128 × 1000 tokens take far longer
-    start = time.monotonic()
+    def ctrl_c_once_the_server_generates() -> None:  # mid-rollout by the server's own count, not by a guessed delay
+        deadline = time.monotonic() + 30
+        while client.metrics().get("vllm:num_requests_running", 0) < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        interrupted.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    interrupted: list[float] = []
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C, whatever ran before
     try:
-        timer.start()
+        threading.Thread(target=ctrl_c_once_the_server_generates, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
-            sampler.sample([_prompt(tokenizer, a, a) for a in range(32)])
+            sampler.sample([_prompt(tokenizer, a, a) for a in range(32)])  # 128 × 1000 tokens take far longer
     finally:
-        timer.cancel()
-    assert time.monotonic() - start < 10
+        signal.signal(signal.SIGINT, previous)
+    assert time.monotonic() - interrupted[0] < 5
     running = float("inf")
     for _ in range(50):  # the server notices the closed connections within a moment
         running = client.metrics().get("vllm:num_requests_running", 0) + client.metrics().get(
