@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -31,11 +32,11 @@ QUESTIONS = [f"What is {a} * {b} + {c}?" for a, b, c in [(17, 23, 5), (48, 12, 9
                                                            (13, 77, 8), (250, 4, 19), (36, 29, 70), (81, 5, 44)]]
 
 
-def rollout(engine, tokenizer, prompts, args, policy: str, scheduler: str = "auto") -> dict:
+def rollout(engine, tokenizer, prompts, args, policy: str, scheduler: str = "auto", seed: int = 0) -> dict:
     n = args.num_generations if policy == "none" else args.initial_rollouts
     sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
                                initial_rollouts=n, max_completion_length=args.max_tokens, branch_policy=policy,
-                               seed=args.seed, scheduler=scheduler)
+                               seed=seed, scheduler=scheduler)
     client = getattr(engine, "client", None)
     before = client.metrics() if client else {}
     start = time.perf_counter()
@@ -53,6 +54,20 @@ def rollout(engine, tokenizer, prompts, args, policy: str, scheduler: str = "aut
         run["prefix_cache_hit_tokens"] = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
         run["server_generated_tokens"] = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     return run
+
+
+def paired(runs: dict, name: str, engine, tokenizer, prompts, args, policies, scheduler: str = "auto") -> None:
+    """`args.repeats` rollouts per policy, interleaved (ARPO, GRPO, ARPO, ...) so that load drifts hit both alike;
+    repeat r uses seed `args.seed + r` for every policy. Each run reports the means, and every wall time."""
+    rollout(engine, tokenizer, prompts[:1], args, policies[0], scheduler, seed=args.seed)  # warm-up, not reported
+    samples: dict[str, list[dict]] = {policy: [] for policy in policies}
+    for r in range(args.repeats):
+        for policy in policies:
+            samples[policy].append(rollout(engine, tokenizer, prompts, args, policy, scheduler, seed=args.seed + r))
+    for policy, measured in samples.items():
+        run = {key: round(statistics.mean(m[key] for m in measured), 3) for key in measured[0]}
+        run["wall_s_all"] = [m["wall_s"] for m in measured]
+        runs[f"{name}/{policy}"] = run
 
 
 def lora_sync(client, engine, model_dir, rank: int, versions: int, out_dir) -> dict:
@@ -81,6 +96,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="rollouts per policy and backend (paired seeds)")
     parser.add_argument("--policies", default="entropy,none",
                         help="branch policies to run: 'entropy' (ARPO, N of M global) and/or 'none' (all M at once)")
     parser.add_argument("--skip-transformers", action="store_true")
@@ -94,14 +110,13 @@ def main() -> None:
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     policies = args.policies.split(",")
     report = {"model": model_dir, "prompts": len(prompts), "M": args.num_generations, "N": args.initial_rollouts,
-              "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads(), "runs": {}}
+              "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads(), "repeats": args.repeats,
+              "load_avg_start": os.getloadavg(), "runs": {}}
     runs = report["runs"]
     if not args.skip_transformers:
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        for policy in policies:
-            runs[f"transformers/{policy}"] = rollout(TransformersEngine(model, tokenizer), tokenizer, prompts, args,
-                                                     policy)
+        paired(runs, "transformers", TransformersEngine(model, tokenizer), tokenizer, prompts, args, policies)
         del model
     server = None
     if args.base_url is None:
@@ -111,12 +126,10 @@ def main() -> None:
     try:
         client = VLLMClient(args.base_url or server.base_url)
         engine = VLLMServerEngine(client, tokenizer)
-        for policy in policies:
-            for scheduler in ("events", "waves"):
-                runs[f"vllm-{scheduler}/{policy}"] = rollout(engine, tokenizer, prompts, args, policy, scheduler)
+        for scheduler in ("events", "waves"):
+            paired(runs, f"vllm-{scheduler}", engine, tokenizer, prompts, args, policies, scheduler)
         report["lora_sync"] = lora_sync(client, engine, model_dir, args.lora_rank, 5, f"{args.out}/adapters")
-        for policy in policies:  # sampling through the synced adapter, as LoRA training does
-            runs[f"vllm_lora/{policy}"] = rollout(engine, tokenizer, prompts, args, policy)
+        paired(runs, "vllm_lora", engine, tokenizer, prompts, args, policies)  # through the synced adapter
         engine.close()
     finally:
         if server is not None:
@@ -130,6 +143,7 @@ def main() -> None:
                   for key in ("wall_s", "critical_path_tokens", "tokens_generated", "tool_calls_per_group")}
         for backend in {name.split("/")[0] for name in runs}
         if f"{backend}/entropy" in runs and f"{backend}/none" in runs}
+    report["load_avg_end"] = os.getloadavg()  # the machine's 1/5/15-minute load: others' work skews wall times
     print(json.dumps(report, indent=2))
     print_table(report)
 
