@@ -16,9 +16,13 @@ template) end with one `arpo-trl: error: ...` line and exit code 2.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
+import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +63,11 @@ class ARPOScriptArguments:
                   "text) and a ground-truth column (`ground_truth`, `answer` or `solution`)."},
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
+    task_config: dict | None = field(
+        default=None,
+        metadata={"help": "Options of a 'reasoning_gym:<task>' dataset, as the task's config takes them (YAML mapping "
+                  "or JSON on the command line), e.g. {max_terms: 3, max_digits: 2} for basic_arithmetic."},
+    )
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     system_prompt: str | None = field(
         default=None,
@@ -107,7 +116,21 @@ def one_line_parser(dataclass_types: tuple, prog: str):
         def error(self, message: str):
             raise UserInputError(message)
 
-    return Parser(dataclass_types, prog=prog)
+    # a `dict | None` field's annotation, before and after HfArgumentParser resolves it (in place) to `dict`
+    mappings = {f.name for cls in dataclass_types for f in dataclasses.fields(cls)
+                if f.type is dict or str(f.type).replace("typing.", "") in ("dict", "dict | None", "Optional[dict]")}
+    parser = Parser(dataclass_types, prog=prog)
+    for action in parser._actions:  # a mapping field: a YAML mapping in the recipe, a JSON object as a flag
+        if action.dest in mappings:
+            action.type = _json_object
+    return parser
+
+
+def _json_object(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def make_parser():
@@ -203,7 +226,10 @@ def load_train_dataset(script_args: ARPOScriptArguments, seed: int = 0):
     if not name:
         raise UserInputError("dataset_name: required ('reasoning_gym:<task>', a local .jsonl/.json/.parquet/.csv "
                              "file or a hub dataset id).")
-    data = named_dataset(name, seed)
+    if script_args.task_config and not name.startswith("reasoning_gym:"):
+        raise UserInputError(f"task_config: only 'reasoning_gym:<task>' datasets take options; dataset_name is "
+                             f"{name!r}.")
+    data = named_dataset(name, seed, task_config=script_args.task_config)
     if data is None:
         data = _load_file_or_hub(script_args)
     if len(data) == 0:
@@ -382,7 +408,8 @@ RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
 def quickstart(argv: Sequence[str]) -> None:
     """`recipes/quickstart_sft.yaml` (skipped when its model exists), then `recipes/quickstart.yaml`; extra flags
-    go to the ARPO run. Prints where the run folder, trees, pictures and reward curve are."""
+    go to the ARPO run. `--max_minutes` bounds the whole pipeline: the ARPO run gets what the model fetch and the
+    cold start left. Prints each stage's time, then where the run folder, trees, pictures and reward curve are."""
     sft_recipe, arpo_recipe = RECIPES_DIR / "quickstart_sft.yaml", RECIPES_DIR / "quickstart.yaml"
     if not arpo_recipe.is_file():
         _fail(FileNotFoundError(f"quickstart: {arpo_recipe} not found; run it from a clone of the repository "
@@ -390,15 +417,49 @@ def quickstart(argv: Sequence[str]) -> None:
     import yaml
 
     try:  # the ARPO run's flags are checked before the minutes of SFT
-        check_writable_dir(parse_train_args(["--config", str(arpo_recipe), *argv])[1].output_dir)
+        training_args = parse_train_args(["--config", str(arpo_recipe), *argv])[1]
+        check_writable_dir(training_args.output_dir)
     except ValueError as error:
         _fail(error)
-    sft_output = yaml.safe_load(sft_recipe.read_text())["output_dir"]
-    if (Path(sft_output) / "config.json").is_file():
-        print(f"Cold start: using {sft_output} (delete it to redo the SFT).")
-    else:
-        _sft(["--config", str(sft_recipe)])
-    train(["--config", str(arpo_recipe), *argv])
+    sft_args = yaml.safe_load(sft_recipe.read_text())
+    stages = StageClock()
+    with stages("model fetch + conversion"):
+        resolve_model(sft_args["model_name_or_path"])
+    with stages("cold-start SFT"):
+        if (Path(sft_args["output_dir"]) / "config.json").is_file():
+            print(f"Cold start: using {sft_args['output_dir']} (delete it to redo the SFT).")
+        else:
+            _sft(["--config", str(sft_recipe)])
+    if training_args.max_minutes is not None:
+        left = max(training_args.max_minutes - stages.total() / 60, 0.01)
+        print(f"Quickstart: {stages.total() / 60:.1f} of max_minutes={training_args.max_minutes:g} used before "
+              f"ARPO; the ARPO run gets {left:.1f} min.")
+        argv = [*argv, "--max_minutes", f"{left:.3f}"]  # the last occurrence of a flag wins
+    with stages("ARPO"):
+        train(["--config", str(arpo_recipe), *argv])
+    print(stages.report())
+
+
+class StageClock:
+    """Wall time of the quickstart's stages: `with clock("name"): ...`, then `clock.report()`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.monotonic() - start
+
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    def report(self) -> str:
+        parts = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in self.seconds.items())
+        return f"Quickstart stage times: {parts}; total {self.total() / 60:.1f} min."
 
 
 def _eval(argv: Sequence[str]) -> None:

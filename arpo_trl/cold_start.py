@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from datasets import Dataset
 
-from arpo_trl.data import PYTHON_SYSTEM_PROMPT, arpo_prompt, resolve_system_prompt
+from arpo_trl.data import PYTHON_SYSTEM_PROMPT, arpo_prompt, create_reasoning_gym_task, resolve_system_prompt
 from arpo_trl.tools.base import format_result
 from arpo_trl.tools.python import PythonTool
 
@@ -47,6 +47,10 @@ class ColdStartArguments:
         default="basic_arithmetic",
         metadata={"help": f"reasoning-gym task whose metadata holds an `expression` to compute: {ARITHMETIC_TASKS}."},
     )
+    task_config: dict | None = field(
+        default=None,
+        metadata={"help": "Options of the reasoning-gym task (e.g. {max_terms: 3}); use the RL recipe's task_config."},
+    )
     num_examples: int = field(default=256, metadata={"help": "Number of transcripts to build."})
     transcript_seed: int = field(
         default=1, metadata={"help": "Seed of the transcript questions (use a different one than the RL data's)."},
@@ -63,11 +67,9 @@ class ColdStartArguments:
 
 
 def tool_transcripts(task: str = "basic_arithmetic", size: int = 256, seed: int = 1,
-                     system_prompt: str = PYTHON_SYSTEM_PROMPT) -> Dataset:
+                     system_prompt: str = PYTHON_SYSTEM_PROMPT, task_config: dict | None = None) -> Dataset:
     """Prompt-completion conversations in ARPO's format, with results printed by the real Python tool."""
-    import reasoning_gym
-
-    source = reasoning_gym.create_dataset(task, size=size, seed=seed)
+    source = create_reasoning_gym_task(task, size, seed, task_config)
     rng, tool = random.Random(seed), PythonTool(timeout=10)
     codes, rows = [], []
     for entry in source:
@@ -123,7 +125,7 @@ def sft(argv: Sequence[str]) -> None:
         check_writable_dir(training_args.output_dir)
         model = resolve_model(model_args.model_name_or_path)
         dataset = tool_transcripts(script_args.task, script_args.num_examples, script_args.transcript_seed,
-                                   resolve_system_prompt(script_args.system_prompt))
+                                   resolve_system_prompt(script_args.system_prompt), script_args.task_config)
     except (ValueError, FileNotFoundError, ImportError) as error:
         _fail(error)
     trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset,

@@ -142,6 +142,14 @@ class ARPOConfig(GRPOConfig):
             "some discarded tokens. False: fill-ups start only once certain.",
         },
     )
+    max_minutes: float | None = field(
+        default=None,
+        metadata={
+            "help": "Wall-clock budget of the training run, in minutes. Every run prints its first step's time and the "
+            "expected total after step 1; with a budget it also says how many steps fit and stops after the last one "
+            "that fits (the model is saved and the pictures drawn as at `max_steps`). None: run all `max_steps`."
+        },
+    )
     seed_sampler: int | None = field(
         default=None,
         metadata={"help": "Seed of the fork-decision RNG; defaults to `seed`."},
@@ -235,6 +243,8 @@ class ARPOConfig(GRPOConfig):
             )
 
     def _validate_limits(self) -> None:
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"max_minutes must be > 0 (minutes) or None, got {self.max_minutes}.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
         for name in ("reward_timeout", "reward_batch_timeout"):

@@ -94,19 +94,35 @@ def _row(question: str, ground_truth: str, task: str, source: str, system_prompt
 
 
 def reasoning_gym_dataset(
-    task: str = "basic_arithmetic", size: int = 256, seed: int = 0, system_prompt: str = PYTHON_SYSTEM_PROMPT
+    task: str = "basic_arithmetic", size: int = 256, seed: int = 0, system_prompt: str = PYTHON_SYSTEM_PROMPT,
+    task_config: dict | None = None,
 ) -> Dataset:
-    """`size` seeded questions of a reasoning-gym task (e.g. 'basic_arithmetic', 'chain_sum', 'gsm_symbolic')."""
+    """`size` seeded questions of a reasoning-gym task (e.g. 'basic_arithmetic', 'chain_sum', 'gsm_symbolic');
+    `task_config` sets the task's own options (e.g. `{"max_terms": 3}` for basic_arithmetic)."""
+    source = create_reasoning_gym_task(task, size, seed, task_config)
+    return Dataset.from_list([_row(entry["question"], str(entry["answer"]), task, "reasoning-gym==0.1.25",
+                                   system_prompt) for entry in source])
+
+
+def create_reasoning_gym_task(task: str, size: int, seed: int, task_config: dict | None = None):
+    """reasoning-gym's seeded dataset, with its errors (unknown task, unknown or invalid option) as ValueErrors
+    that name the field."""
     try:
         import reasoning_gym
     except ImportError as error:
         raise ImportError("reasoning-gym datasets need `pip install reasoning-gym==0.1.25`.") from error
     try:
-        source = reasoning_gym.create_dataset(task, size=size, seed=seed)
-    except Exception as error:  # reasoning-gym raises its own errors for unknown names
-        raise ValueError(f"reasoning-gym has no task {task!r}: {error}") from error
-    return Dataset.from_list([_row(entry["question"], str(entry["answer"]), task, "reasoning-gym==0.1.25",
-                                   system_prompt) for entry in source])
+        from reasoning_gym.factory import DATASETS
+    except ImportError:  # a reasoning-gym without the registry: let create_dataset report unknown names
+        DATASETS = None
+    if DATASETS is not None and task not in DATASETS:
+        raise ValueError(f"reasoning-gym has no task {task!r} (see reasoning_gym.factory.DATASETS).")
+    options = dict(task_config or {})
+    try:
+        return reasoning_gym.create_dataset(task, size=size, seed=seed, **options)
+    except Exception as error:  # reasoning-gym raises TypeError/AssertionError for bad options
+        raise ValueError(f"task_config: reasoning-gym task {task!r} refused {options}: {type(error).__name__}: "
+                         f"{error}") from error
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -463,7 +479,7 @@ def _size(spec: str, text: str, expected: str) -> int | None:
     return int(text)
 
 
-def named_dataset(spec: str, seed: int = 0) -> Dataset | None:
+def named_dataset(spec: str, seed: int = 0, task_config: dict | None = None) -> Dataset | None:
     """A dataset addressed by name in recipes (`NAMED_SPECS`): ``reasoning_gym:<task>[:<size>]``, ``gsm8k100``,
     ``champ[:<size>]``, ``two_hop_qa[:<size>]``, ``paper:<benchmark>``, ``arpo:<file.parquet>``. None for anything
     else (a local file or a Hub id)."""
@@ -472,7 +488,8 @@ def named_dataset(spec: str, seed: int = 0) -> Dataset | None:
         task, _, size = rest.partition(":")
         if not task:
             raise ValueError(f"dataset_name: expected 'reasoning_gym:<task>[:<size>]', got {spec!r}.")
-        return reasoning_gym_dataset(task, _size(spec, size, "reasoning_gym:<task>[:<size>]") or 256, seed)
+        return reasoning_gym_dataset(task, _size(spec, size, "reasoning_gym:<task>[:<size>]") or 256, seed,
+                                     task_config=task_config)
     if source == "gsm8k100":
         if rest:
             raise ValueError(f"dataset_name: expected 'gsm8k100' (all 100 items, no size), got {spec!r}.")

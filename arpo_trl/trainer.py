@@ -33,6 +33,7 @@ from arpo_trl.distributed import run_on_main_process
 from arpo_trl.engines import GenerationEngine, TransformersEngine, VLLMServerEngine
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.scoring import configure_math_scoring
+from arpo_trl.time_budget import TimeBudget
 from arpo_trl.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.tools.base import Tool
 from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
@@ -130,6 +131,8 @@ class ARPOTrainer(GRPOTrainer):
         if args.log_trees:
             self.add_callback(TreePictures())
         self.add_callback(MetricsFile())
+        self.add_callback(TimeBudget(args.max_minutes, say=self.accelerator.print,
+                                     agree=lambda decide: run_on_main_process(self.accelerator, decide, "max_minutes")))
         self.vllm_client = None
         sync_mode = self._check_server_setup() if use_vllm and not trl_sync else None
         self.vllm_weight_sync_mode = "nccl" if trl_sync else sync_mode

@@ -117,6 +117,11 @@ def test_train_on_a_reasoning_gym_task(tool_model_dir, tmp_path):
     ({"resume_from_checkpoint": "runs/nope/checkpoint-3"}, [], "resume_from_checkpoint: no checkpoint folder"),
     ({"python_isolation": "docker"}, [], "python_\\*: Sandbox isolation must be one of"),
     ({"python_pool_size": -1}, [], "python_\\*: Sandbox pool_size must be an integer >= 0"),
+    ({"task_config": {"max_terms": 3}}, [], "task_config: only 'reasoning_gym:<task>' datasets take options"),
+    ({"dataset_name": "reasoning_gym:basic_arithmetic:4"}, ["--task_config", "{max_terms: 3}"],
+     "argument --task_config.*invalid _json_object value"),
+    ({"dataset_name": "reasoning_gym:basic_arithmetic:4"}, ["--task_config", '{"max_termz": 3}'],
+     "task_config: reasoning-gym task 'basic_arithmetic' refused"),
 ])
 def test_user_mistakes_get_one_line(tool_model_dir, tmp_path, capsys, overrides, extra, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -165,3 +170,28 @@ def test_train_under_accelerate_launch_two_processes(tool_model_dir, tmp_path):
     records = [json.loads(line) for line in (run / "trees.jsonl").read_text().splitlines()]
     assert len(records) == 8 and {r["step"] for r in records} == {0}  # the main process's 2 prompts × M=4
     assert done.stdout.count("| step | reward |") == 1  # the summary is printed once
+
+
+def test_quickstart_pipeline_end_to_end_within_max_minutes(tool_model_dir, tmp_path, capsys, monkeypatch):
+    """`arpo-trl quickstart` on the tiny model: the cold start, then ARPO on its output, each stage timed; a budget
+    the cold start has used up leaves ARPO exactly its first step (the measurement), and the run still finishes."""
+    import arpo_trl.cli as cli
+
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    sft_out = tmp_path / "sft"
+    (recipes / "quickstart_sft.yaml").write_text(yaml.safe_dump({
+        "model_name_or_path": str(tool_model_dir), "task": "basic_arithmetic", "num_examples": 8,
+        "system_prompt": "python_short", "max_steps": 1, "per_device_train_batch_size": 4, "use_cpu": True,
+        "bf16": False, "report_to": "none", "save_strategy": "no", "output_dir": str(sft_out)}))
+    shutil.copy(_recipe(tmp_path, sft_out, max_steps=3), recipes / "quickstart.yaml")
+    monkeypatch.setattr(cli, "RECIPES_DIR", recipes)
+    main(["quickstart", "--max_minutes", "0.0001"])
+    printed = capsys.readouterr().out
+    assert (sft_out / "model.safetensors").is_file()
+    assert re.search(r"ARPO: step 1 took \d+ s; 3 steps take about \d+ s; max_minutes=[\d.]+ fits 1 of them\.", printed)
+    assert "ARPO: stopping after step 1 of 3" in printed
+    assert re.search(r"Quickstart stage times: model fetch \+ conversion \d+ s, cold-start SFT \d+ s, ARPO \d+ s; "
+                     r"total [\d.]+ min\.", printed)
+    assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+    assert {json.loads(line)["step"] for line in (tmp_path / "run" / "trees.jsonl").read_text().splitlines()} == {0}

@@ -244,3 +244,17 @@ def test_dataset_metric():
     assert dataset_metric("paper:aime25") == "math" and dataset_metric("data/x.jsonl", default="f1") == "f1"
     with pytest.raises(ValueError, match="'data/x.jsonl' is not a named dataset"):
         dataset_metric("data/x.jsonl")
+
+
+def test_reasoning_gym_task_config_sets_the_task_options():
+    """`task_config` reaches reasoning-gym: at most 3 terms of at most 2 digits; a bad option names the field."""
+    data = named_dataset("reasoning_gym:basic_arithmetic:40", seed=4, task_config={"max_terms": 3, "max_digits": 2})
+    for row in data:
+        numbers = re.findall(r"\d+", row["prompt"][-1]["content"])
+        assert 2 <= len(numbers) <= 3 and all(len(n) <= 2 for n in numbers), row["prompt"][-1]["content"]
+    assert data["prompt"] != named_dataset("reasoning_gym:basic_arithmetic:40", seed=4)["prompt"]
+    with pytest.raises(ValueError, match=r"task_config: reasoning-gym task 'basic_arithmetic' refused "
+                                         r"\{'max_termz': 3\}: TypeError"):
+        named_dataset("reasoning_gym:basic_arithmetic:4", task_config={"max_termz": 3})
+    with pytest.raises(ValueError, match="task_config: .* refused \\{'max_terms': 1\\}: AssertionError"):
+        named_dataset("reasoning_gym:basic_arithmetic:4", task_config={"max_terms": 1})
