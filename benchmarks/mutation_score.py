@@ -147,10 +147,10 @@ def status_of(exit_code: int | None) -> str:
 
 def prepare_copy(target: Target, workdir: Path) -> None:
     """The package, the tests and pyproject.toml, with a `[tool.mutmut]` section for this target."""
-    for name in ("arpo_trl", "tests"):
-        shutil.copytree(ROOT / name, workdir / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("arpo_trl", "tests", "benchmarks"):  # some tests load a benchmark script
+        shutil.copytree(ROOT / name, workdir / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "results"))
     config = {
-        "source_paths": ["arpo_trl/"], "only_mutate": [target.path],
+        "source_paths": ["arpo_trl/"], "only_mutate": [target.path], "also_copy": ["benchmarks/"],
         "pytest_add_cli_args_test_selection": existing_tests(target.tests), "pytest_add_cli_args": PYTEST_ARGS,
     }
     lines = [f"{key} = {json.dumps(value)}" for key, value in config.items()]
@@ -170,8 +170,8 @@ def run_target(target: Target, workers: int, log_dir: Path | None) -> Outcome:
         if log_dir is not None:
             (log_dir / f"{target.name}.log").write_text(run.stdout + run.stderr, encoding="utf-8")
         meta = workdir / "mutants" / f"{target.path}.meta"
-        if not meta.exists():
-            raise RuntimeError(f"mutmut produced no results for {target.name} (exit {run.returncode}):\n"
+        if run.returncode != 0 or not meta.exists():
+            raise RuntimeError(f"mutmut failed on {target.name} (exit {run.returncode}):\n"
                                f"{(run.stdout + run.stderr)[-4000:]}")
         codes = json.loads(meta.read_text(encoding="utf-8"))["exit_code_by_key"]
         globs = target.mutant_globs()
@@ -201,17 +201,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument("--workers", type=int, default=1, help="mutmut worker processes (default 1)")
     parser.add_argument("--log-dir", type=Path, help="keep mutmut's output per target here")
+    parser.add_argument("--update", action="store_true",
+                        help="replace only the chosen targets' entries in an existing --output file")
     args = parser.parse_args(argv)
     chosen = [t for t in TARGETS if not args.targets or t.name in args.targets]
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    start, summaries = time.monotonic(), []
+    summaries = []
     for target in chosen:
         summaries.append(run_target(target, args.workers, args.log_dir).summary())
         print(f"{target.name}: {summaries[-1]['killed']}/{summaries[-1]['mutants']} killed "
               f"in {summaries[-1]['seconds']} s", file=sys.stderr, flush=True)
+    if args.update and args.output.exists():
+        fresh = {s["module"]: s for s in summaries}
+        kept = {s["module"]: s for s in json.loads(args.output.read_text(encoding="utf-8"))["modules"]}
+        summaries = [fresh.get(t.name) or kept[t.name] for t in TARGETS if t.name in fresh or t.name in kept]
     result = {"tool": "mutmut " + _mutmut_version(), "workers": args.workers,
-              "seconds": round(time.monotonic() - start, 1), "modules": summaries}
+              "seconds": round(sum(s["seconds"] for s in summaries), 1), "modules": summaries}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     brief = {**result, "modules": [{k: v for k, v in s.items() if k not in ("survivors", "tests")} for s in summaries]}
