@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "mutation_score.json"
+MUTMUT = Path(sys.executable).with_name("mutmut")  # the console script of this environment
 # Deterministic: the fuzz tests draw the same examples for every mutant.
 PYTEST_ARGS = ["-p", "no:cacheprovider", "--hypothesis-seed=0"]
 # mutmut's exit-code meanings (mutmut.stats.status_by_exit_code), folded into the table's columns.
@@ -161,7 +162,7 @@ def prepare_copy(target: Target, workdir: Path) -> None:
 def run_target(target: Target, workers: int, log_dir: Path | None) -> Outcome:
     outcome, start = Outcome(target), time.monotonic()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    mutmut = [str(Path(sys.executable).with_name("mutmut"))]  # the console script of this environment
+    mutmut = [str(MUTMUT)]
     with tempfile.TemporaryDirectory(prefix=f"mutation-{target.name}-") as tmp:
         workdir = Path(tmp)
         prepare_copy(target, workdir)
@@ -204,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--update", action="store_true",
                         help="replace only the chosen targets' entries in an existing --output file")
     args = parser.parse_args(argv)
+    if not MUTMUT.exists():
+        parser.error(f"mutmut is not installed next to {sys.executable}: pip install -e '.[dev]'")
     chosen = [t for t in TARGETS if not args.targets or t.name in args.targets]
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
