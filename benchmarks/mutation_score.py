@@ -7,7 +7,7 @@ that shape would reach a training run unnoticed. Score = killed / mutants (a mut
 mutmut's time limit counts as killed too, and is listed under `timeout`).
 
 Each target runs in a fresh temporary copy of the package and its tests, with one mutmut worker (`--workers`), so
-the checkout is left untouched. Not part of the pytest run (slow: minutes). Usage:
+the checkout is left untouched. Not part of the pytest run (about 10 minutes for all targets on 2 cores). Usage:
 
     nice -n 10 python benchmarks/mutation_score.py                      # every target
     nice -n 10 python benchmarks/mutation_score.py --targets tags budget --output /tmp/score.json
