@@ -60,3 +60,25 @@ def test_counted_once_hard_gradient_differs_from_soft():
     assert weights.sum(0).tolist() == [2.0, 2.0, 4.0]  # shared columns: the mean, once
     soft = adv[:, None].expand(2, 3)
     assert soft.sum(0).tolist() == [4.0, 4.0, 4.0] == hard.sum(0).tolist()  # Σ A: what counting once avoids
+
+
+def test_owners_are_exact_integer_path_ids():
+    # Path ids are compared with the trainer's trajectory ids; a float tensor would merge ids past 2**24.
+    big = 2**24 + 1
+    ids = [big, big + 2]
+    owners = token_owners(ids, [None, big], [None, 1], [2, 3], width=3)
+    assert owners.dtype == torch.long
+    assert owners.tolist() == [[big, big, -1], [big, big + 2, big + 2]]
+    assert owner_mask(owners, ids).tolist() == [[1, 1, 0], [0, 1, 1]]
+
+
+def test_hard_advantages_keep_the_advantages_dtype_and_device():
+    """The trainer's advantages live on its accelerator, in its dtype: the per-token advantages come back alike. The
+    'meta' device stands in for a GPU here (a tensor on another device than the advantages' would raise)."""
+    owners = token_owners([0, 1], [None, 0], [None, 1], [2, 2], width=2)
+    tiny = 2.0**-40  # lost next to 1.0 in float32
+    adv = torch.tensor([1.0, 1.0 + 2 * tiny], dtype=torch.float64)
+    expected = torch.tensor([[1.0 + tiny, 1.0], [1.0 + tiny, 1.0 + 2 * tiny]], dtype=torch.float64)
+    torch.testing.assert_close(hard_advantages(adv, owners, [0, 0]), expected, rtol=0, atol=0)
+    on_meta = hard_advantages(adv.to("meta"), owners, [0, 0])
+    assert on_meta.device.type == "meta" and on_meta.shape == (2, 2) and on_meta.dtype == torch.float64

@@ -1,0 +1,155 @@
+"""The fork rule of the branching sampler (paper §3.1 steps 3-4): how many copies a tool result starts, how many a
+decision keeps, which policy decides, what a decision counts, and when it lets the fill-ups start. Scripted engine
+(tests/test_rollout.py), waves: deterministic."""
+
+from __future__ import annotations
+
+import pytest
+from test_rollout import CALL, AsyncScriptedEngine, _prompts, _sampler, _waves_with_bare_prompts
+
+from arpo_trl.rollout import default_initial_rollouts
+
+ANSWER = "<answer>\\boxed{2}</answer>"
+
+
+def call_then_answer(calls: int = 1, entropy: float = 0.1):
+    """Each path calls the tool `calls` times, then answers."""
+    def script(text, rng):
+        return (CALL, entropy, "stop") if text.count("</result>") < calls else (ANSWER, entropy, "eos")
+    return script
+
+
+def kinds(result) -> list[list[str]]:
+    return [[path.kind for path in group] for group in result.groups]
+
+
+@pytest.mark.parametrize("m,policy,n", [
+    (16, "entropy", 8), (12, "random", 6), (3, "entropy", 1), (2, "entropy", 1), (1, "entropy", 1), (8, "none", 8),
+])
+def test_n_defaults_to_half_of_m_as_the_released_scripts(m, policy, n):
+    assert default_initial_rollouts(m, policy) == n
+
+
+@pytest.mark.parametrize("m,copies_started,expected_kinds", [
+    (3, 2, ["global", "global", "branch"]),  # one slot left: each result starts one copy (not Z-1 = 2)
+    (5, 4, ["global", "global", "branch", "branch", "branch"]),  # the first fork keeps 2, the second 1 of its 2
+])
+def test_forks_never_exceed_the_budget(tokenizer, m, copies_started, expected_kinds):
+    """N = 2 globals call a tool at once; every decision forks (τ = 1), Z = 3."""
+    sampler = _sampler(tokenizer, call_then_answer(), num_generations=m, initial_rollouts=2, branch_factor=3,
+                       branch_threshold=1.0, entropy_weight=0.0, entropy_window=2, max_tool_calls=1,
+                       speculative_fill_ups=False)
+    result = sampler.sample(_prompts(tokenizer, 1))
+    assert len(sampler.engine.calls[1]) == 2 + copies_started  # the two probes and the copies beside them
+    assert kinds(result) == [expected_kinds]
+    branches = [path for path in result.groups[0] if path.kind == "branch"]
+    assert result.stats.forks == len(branches)
+    assert result.stats.fork_deltas == [path.fork_delta for path in branches] and None not in result.stats.fork_deltas
+
+
+def test_a_rollouts_policy_override_decides_its_forks(tokenizer):
+    """τ = 1, β = 1 and an entropy that falls after the tool: the entropy rule never forks, the 'random' ablation
+    (probability τ) always does, also when a rollout asks for it."""
+    def script(text, rng):
+        return (CALL, 50.0, "stop") if "</result>" not in text else (ANSWER, 0.0, "eos")
+    sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=1.0,
+                       entropy_weight=1.0, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False)
+    assert kinds(sampler.sample(_prompts(tokenizer, 1))) == [["global", "fill"]]
+    assert kinds(sampler.sample(_prompts(tokenizer, 1), branch_policy="random")) == [["global", "branch"]]
+
+
+@pytest.mark.parametrize("m,n,z", [(2, 1, 1), (2, 2, 2)])
+def test_no_probe_where_no_fork_can_follow(tokenizer, m, n, z):
+    """With Z = 1, or once the prompt holds all M paths, a path goes on after a tool result with its whole budget:
+    no k-token probe, no copies."""
+    sampler = _sampler(tokenizer, call_then_answer(), num_generations=m, initial_rollouts=n, branch_factor=z,
+                       entropy_window=2, max_tool_calls=1, max_completion_length=200, speculative_fill_ups=False)
+    result = sampler.sample(_prompts(tokenizer, 1))
+    assert all(budget > 2 for wave in sampler.engine.budgets for budget in wave)
+    assert result.stats.forks == 0 and {path.kind for path in result.groups[0]} <= {"global", "fill"}
+
+
+def test_each_tool_result_settles_one_fork_decision(tokenizer):
+    """One global (M = 2) calls twice and never forks (τ = β = 0): the fill-up starts right after its second
+    decision, when no decision is left that could fill the slot; not after the first, not once the global ended."""
+    sampler = _sampler(tokenizer, call_then_answer(calls=2), num_generations=2, initial_rollouts=1,
+                       branch_threshold=0.0, entropy_weight=0.0, entropy_window=3, max_tool_calls=2,
+                       speculative_fill_ups=False)
+    prompts = _prompts(tokenizer, 1)
+    result = sampler.sample(prompts)
+    # waves: the global to its call; its probe beside the copy; on to its second call; probe and copy; the global's
+    # answer beside the fill-up's first call; the fill-up's second call; its answer
+    assert _waves_with_bare_prompts(sampler.engine, prompts) == [1, 0, 0, 0, 1, 0, 0]
+    assert kinds(result) == [["global", "fill"]] and result.stats.fill_ups == 1
+
+
+def entropy_per_request(entropies, calls: int = 1):
+    """As `call_then_answer`, with each request's entropy taken from `entropies` in turn (waves: path order), 1.0
+    past its end. β = 10 then makes a probe's fork probability 1 (entropy 5 after 1) or 0 (entropy 0 after 1)."""
+    values = iter(entropies)
+
+    def script(text, rng):
+        call = text.count("</result>") < calls
+        return (CALL, next(values, 1.0), "stop") if call else (ANSWER, next(values, 1.0), "eos")
+    return script
+
+
+def test_a_branch_inherits_its_parents_settled_decisions(tokenizer):
+    """M = 4, N = 1, two tool calls per path. The global forks at its first result; at their second results it
+    forks again and the branch does not. The branch's first decision was its parent's, so that was the last decision
+    that could fill the fourth slot: the fill-up starts right then, not before, not once the branch has answered."""
+    # requests: the global's call; its probe (forks) beside the branch's first request; the branch's re-scripted
+    # continuation (the engine's rest went to the global); the probes (fork, no fork) beside the new copies
+    script = entropy_per_request([1.0, 5.0, 1.0, 1.0, 5.0, 0.0], calls=2)
+    sampler = _sampler(tokenizer, script, num_generations=4, initial_rollouts=1, branch_threshold=0.5,
+                       entropy_weight=10.0, entropy_window=2, max_tool_calls=2, speculative_fill_ups=False)
+    prompts = _prompts(tokenizer, 1)
+    result = sampler.sample(prompts)
+    assert _waves_with_bare_prompts(sampler.engine, prompts) == [1, 0, 0, 0, 1, 0, 0]
+    assert [len(wave) for wave in sampler.engine.calls][:5] == [1, 2, 2, 4, 4]
+    assert kinds(result) == [["global", "branch", "branch", "fill"]]
+
+
+def test_decisions_at_a_full_prompt_do_not_count_in_the_fork_rate(tokenizer):
+    """M = 3, N = 2, τ = 1, β = 0.2: the first global's probe entropy rises (P = 1: it forks and fills the prompt),
+    the second's falls (P < 1) but its decision comes once the prompt is full. The fork-rate estimate the next
+    rollout's speculation starts from (`state_dict`) holds the decisions that could fork only."""
+    entropies = iter([1.0, 1.0, 5.0, 0.0])  # per request, in path order: the two calls, then the two probes
+
+    def script(text, rng):
+        return (CALL if "</result>" not in text else ANSWER), next(entropies, 1.0), \
+            "stop" if "</result>" not in text else "eos"
+    sampler = _sampler(tokenizer, script, num_generations=3, initial_rollouts=2, branch_threshold=1.0,
+                       entropy_weight=0.2, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False)
+    result = sampler.sample(_prompts(tokenizer, 1))
+    assert kinds(result) == [["global", "global", "branch"]] and result.groups[0][2].parent == result.groups[0][0].id
+    assert sampler.state_dict()["fork_rate"] == 1.0
+
+
+def test_a_fill_ups_chain_continues_the_decision_that_started_it(tokenizer):
+    """Event-driven, M = 2, N = 1, τ = 0: the global's probe decides not to fork, which makes the fill-up certain;
+    the rollout's critical path runs through the global's call and probe, then the whole fill-up."""
+    sampler = _sampler(tokenizer, call_then_answer(), num_generations=2, initial_rollouts=1, branch_threshold=0.0,
+                       entropy_weight=0.0, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False,
+                       scheduler="events", engine_class=AsyncScriptedEngine)
+    sampler.engine.token_seconds = 0.0
+    result = sampler.sample(_prompts(tokenizer, 1))
+    assert kinds(result) == [["global", "fill"]]
+    call = len(tokenizer.encode(CALL, add_special_tokens=False))
+    answer = len(tokenizer.encode(ANSWER, add_special_tokens=False)) + 1  # and the EOS
+    assert result.stats.critical_path_tokens == (call + 2) + (call + answer)
+
+
+def test_a_branchs_chain_continues_its_parents_at_the_fork(tokenizer):
+    """Event-driven, M = 2, N = 1, τ = 1: the branch starts at the global's tool result, so its chain counts the
+    global's call before its own tokens. Its first request matches the global's probe; the rest of that segment
+    goes to the global (the scripted engine continues a cut segment once), and the branch writes the answer anew."""
+    sampler = _sampler(tokenizer, call_then_answer(), num_generations=2, initial_rollouts=1, branch_threshold=1.0,
+                       entropy_weight=0.0, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False,
+                       scheduler="events", engine_class=AsyncScriptedEngine)
+    sampler.engine.token_seconds = 0.0
+    result = sampler.sample(_prompts(tokenizer, 1))
+    assert kinds(result) == [["global", "branch"]]
+    call = len(tokenizer.encode(CALL, add_special_tokens=False))
+    answer = len(tokenizer.encode(ANSWER, add_special_tokens=False)) + 1  # and the EOS
+    assert result.stats.critical_path_tokens == call + 2 + answer  # the branch's: the global's call, then its own
