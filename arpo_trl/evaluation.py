@@ -76,6 +76,11 @@ class EvalArguments:
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
     dataset_split: str = field(default="test", metadata={"help": "Split to evaluate (hub datasets)."})
+    task_config: dict | None = field(
+        default=None,
+        metadata={"help": "Options of a 'reasoning_gym:<task>' dataset (e.g. {max_terms: 3}); use the training "
+                  "recipe's."},
+    )
     system_prompt: str | None = field(
         default=None,
         metadata={"help": "Replace the prompts' system message: 'python', 'python_short', 'search' or the text itself "
@@ -307,7 +312,8 @@ def check_args(args: EvalArguments) -> None:
 def load_eval_dataset(args: EvalArguments):
     """The dataset through `arpo-trl train`'s loader (same formats and column checks), cut to `num_samples`."""
     script = ARPOScriptArguments(dataset_name=args.dataset_name, dataset_config=args.dataset_config,
-                                 dataset_train_split=args.dataset_split, system_prompt=args.system_prompt)
+                                 dataset_train_split=args.dataset_split, system_prompt=args.system_prompt,
+                                 task_config=args.task_config)
     try:
         data = load_train_dataset(script, args.dataset_seed)
     except UserInputError as error:
