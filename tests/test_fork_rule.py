@@ -126,30 +126,29 @@ def test_decisions_at_a_full_prompt_do_not_count_in_the_fork_rate(tokenizer):
     assert sampler.state_dict()["fork_rate"] == 1.0
 
 
-def test_a_fill_ups_chain_continues_the_decision_that_started_it(tokenizer):
-    """Event-driven, M = 2, N = 1, τ = 0: the global's probe decides not to fork, which makes the fill-up certain;
-    the rollout's critical path runs through the global's call and probe, then the whole fill-up."""
-    sampler = _sampler(tokenizer, call_then_answer(), num_generations=2, initial_rollouts=1, branch_threshold=0.0,
-                       entropy_weight=0.0, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False,
-                       scheduler="events", engine_class=AsyncScriptedEngine)
+def _one_call_event_rollout(tokenizer, branch_threshold: float):
+    """M = 2, N = 1, one tool call, event-driven, zero-cost tokens: (result, call tokens, answer tokens + EOS)."""
+    sampler = _sampler(tokenizer, call_then_answer(), num_generations=2, initial_rollouts=1,
+                       branch_threshold=branch_threshold, entropy_weight=0.0, entropy_window=2, max_tool_calls=1,
+                       speculative_fill_ups=False, scheduler="events", engine_class=AsyncScriptedEngine)
     sampler.engine.token_seconds = 0.0
     result = sampler.sample(_prompts(tokenizer, 1))
-    assert kinds(result) == [["global", "fill"]]
     call = len(tokenizer.encode(CALL, add_special_tokens=False))
-    answer = len(tokenizer.encode(ANSWER, add_special_tokens=False)) + 1  # and the EOS
+    return result, call, len(tokenizer.encode(ANSWER, add_special_tokens=False)) + 1
+
+
+def test_a_fill_ups_chain_continues_the_decision_that_started_it(tokenizer):
+    """τ = 0: the global's probe decides not to fork, which makes the fill-up certain; the rollout's critical path
+    runs through the global's call and probe, then the whole fill-up."""
+    result, call, answer = _one_call_event_rollout(tokenizer, branch_threshold=0.0)
+    assert kinds(result) == [["global", "fill"]]
     assert result.stats.critical_path_tokens == (call + 2) + (call + answer)
 
 
 def test_a_branchs_chain_continues_its_parents_at_the_fork(tokenizer):
-    """Event-driven, M = 2, N = 1, τ = 1: the branch starts at the global's tool result, so its chain counts the
-    global's call before its own tokens. Its first request matches the global's probe; the rest of that segment
-    goes to the global (the scripted engine continues a cut segment once), and the branch writes the answer anew."""
-    sampler = _sampler(tokenizer, call_then_answer(), num_generations=2, initial_rollouts=1, branch_threshold=1.0,
-                       entropy_weight=0.0, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False,
-                       scheduler="events", engine_class=AsyncScriptedEngine)
-    sampler.engine.token_seconds = 0.0
-    result = sampler.sample(_prompts(tokenizer, 1))
+    """τ = 1: the branch starts at the global's tool result, so its chain counts the global's call before its own
+    tokens. Its first request matches the global's probe; the rest of that segment goes to the global (the scripted
+    engine continues a cut segment once), and the branch writes the answer anew."""
+    result, call, answer = _one_call_event_rollout(tokenizer, branch_threshold=1.0)
     assert kinds(result) == [["global", "branch"]]
-    call = len(tokenizer.encode(CALL, add_special_tokens=False))
-    answer = len(tokenizer.encode(ANSWER, add_special_tokens=False)) + 1  # and the EOS
     assert result.stats.critical_path_tokens == call + 2 + answer  # the branch's: the global's call, then its own
