@@ -126,7 +126,9 @@ def one_line_parser(dataclass_types: tuple, prog: str):
     return parser
 
 
-def _json_object(text: str) -> dict:
+def _json_object(text: str) -> dict | None:
+    if text.lower() in ("none", "null"):
+        return None
     value = json.loads(text)
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object, got {text!r}")
@@ -228,7 +230,7 @@ def load_train_dataset(script_args: ARPOScriptArguments, seed: int = 0):
                              "file or a hub dataset id).")
     if script_args.task_config and not name.startswith("reasoning_gym:"):
         raise UserInputError(f"task_config: only 'reasoning_gym:<task>' datasets take options; dataset_name is "
-                             f"{name!r}.")
+                             f"{name!r} (remove task_config, or pass --task_config null).")
     data = named_dataset(name, seed, task_config=script_args.task_config)
     if data is None:
         data = _load_file_or_hub(script_args)

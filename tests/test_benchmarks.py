@@ -65,6 +65,7 @@ def _addition_questions(path: Path, pairs: list[tuple[int, int]]) -> str:
 def _recipe(name: str, path: Path, **overrides) -> str:
     recipe = yaml.safe_load((BENCHMARKS.parent / "recipes" / name).read_text())
     recipe.pop("system_prompt")  # the tiny model learnt the bare question
+    recipe.pop("task_config", None)  # the options of the recipe's reasoning-gym task, replaced by a file here
     recipe.update(overrides)
     path.write_text(yaml.safe_dump(recipe))
     return str(path)

@@ -122,6 +122,8 @@ def test_train_on_a_reasoning_gym_task(tool_model_dir, tmp_path):
      "argument --task_config.*invalid _json_object value"),
     ({"dataset_name": "reasoning_gym:basic_arithmetic:4"}, ["--task_config", '{"max_termz": 3}'],
      "task_config: reasoning-gym task 'basic_arithmetic' refused"),
+    ({"task_config": {"max_terms": 3}, "dataset_name": "missing.jsonl"}, ["--task_config", "null"],
+     "dataset_name: no such file"),  # `null` clears the recipe's options: the next check speaks
 ])
 def test_user_mistakes_get_one_line(tool_model_dir, tmp_path, capsys, overrides, extra, message):
     with pytest.raises(SystemExit) as exit_info:
