@@ -111,11 +111,9 @@ def create_reasoning_gym_task(task: str, size: int, seed: int, task_config: dict
         import reasoning_gym
     except ImportError as error:
         raise ImportError("reasoning-gym datasets need `pip install reasoning-gym==0.1.25`.") from error
-    try:
-        from reasoning_gym.factory import DATASETS
-    except ImportError:  # a reasoning-gym without the registry: let create_dataset report unknown names
-        DATASETS = None
-    if DATASETS is not None and task not in DATASETS:
+    from reasoning_gym.factory import DATASETS
+
+    if task not in DATASETS:
         raise ValueError(f"reasoning-gym has no task {task!r} (see reasoning_gym.factory.DATASETS).")
     options = dict(task_config or {})
     try:

@@ -53,20 +53,22 @@ def run_seed(seed: int, folder: Path, cache: Path, extra: list[str]) -> dict:
     if code != 0:
         raise RuntimeError(f"seed {seed}: arpo-trl quickstart exited with {code}; see {log}")
     rows = [json.loads(line) for line in (folder / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()]
-    rewards = [row["reward"] for row in rows if "reward" in row]
+    steps = [row for row in rows if "reward" in row]  # the training logs (not the final summary)
+    rewards = [row["reward"] for row in steps]
     first, last = thirds(rewards)
     stages = STAGES.search(log.read_text())
+
+    def mean_of(key: str) -> float:
+        return round(statistics.mean(row.get(key, 0.0) for row in steps), 3)
+
     return {
         "seed": seed, "wall_s": round(wall, 1), "load_avg_start": load_start, "load_avg_end": os.getloadavg()[0],
         "stage_seconds": stage_seconds(stages.group(1)) if stages else {},
         "steps": len(rewards), "rewards": [round(r, 3) for r in rewards],
         "first_third_mean": round(first, 3), "last_third_mean": round(last, 3), "rising": last > first,
-        "clipped_ratio_mean": round(statistics.mean(r.get("completions/clipped_ratio", 0.0) for r in rows
-                                                    if "reward" in r), 3),
-        "tool_calls_per_trajectory_mean": round(statistics.mean(
-            r.get("arpo/tool_calls_per_trajectory", 0.0) for r in rows if "reward" in r), 3),
-        "forks_per_group_mean": round(statistics.mean(r.get("arpo/forks_per_group", 0.0) for r in rows
-                                                      if "reward" in r), 3),
+        "clipped_ratio_mean": mean_of("completions/clipped_ratio"),
+        "tool_calls_per_trajectory_mean": mean_of("arpo/tool_calls_per_trajectory"),
+        "forks_per_group_mean": mean_of("arpo/forks_per_group"),
         "run_folder": str(folder / "runs" / "quickstart"),
     }
 
