@@ -5,9 +5,9 @@ from arpo_trl.config import ARPOConfig
 from arpo_trl.engines import GenerationEngine, Segment, TransformersEngine, VLLMServerEngine
 from arpo_trl.rewards import arpo_f1_reward, arpo_math_reward
 from arpo_trl.rollout import BranchingSampler, RolloutResult, Trajectory
+from arpo_trl.server.client import VLLMClient, VLLMServerError
 from arpo_trl.tools import BM25Backend, PythonTool, SearchBackend, SearchTool, Tool
 from arpo_trl.trainer import ARPOTrainer
-from arpo_trl.vllm_client import VLLMClient, VLLMServerError
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,7 @@
     arpo-trl eval --config recipes/eval_quickstart.yaml [--any_eval_field value ...]   # pass@k, see evaluation.py
     arpo-trl view RUN/trees.jsonl [--step N] [--group G] [--html OUT]   # rollout trees in the terminal
     arpo-trl plot RUN/trees.jsonl --out DIR                  # tree pictures + entropy around tool results
-    arpo-trl vllm-serve --model PATH --lora-rank 16          # = python -m arpo_trl.vllm_server serve
+    arpo-trl vllm-serve --model PATH --lora-rank 16          # = python -m arpo_trl.server serve
 
 A recipe is flat YAML over `ARPOScriptArguments` (dataset, rewards, tools), `ARPOConfig` and TRL's `ModelConfig`
 (model and `--use_peft --lora_r ...`); every field is also a `--flag`. Works under `accelerate launch`.
@@ -471,7 +471,7 @@ def _eval(argv: Sequence[str]) -> None:
 
 
 def _vllm_serve(argv: Sequence[str]) -> None:
-    from arpo_trl.vllm_server import main as serve_main
+    from arpo_trl.server.launcher import main as serve_main
 
     serve_main(["serve", *argv])
 

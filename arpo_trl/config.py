@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS, check_branching_args, default_initial_rollouts
+from arpo_trl.server.weight_sync import SYNC_MODES, check_sync_mode
 from arpo_trl.tool_calls import TOOL_CALL_FORMATS, check_call_format
-from arpo_trl.weight_sync import SYNC_MODES, check_sync_mode
 
 ATTRIBUTIONS = ("soft", "hard")
 
@@ -262,7 +262,7 @@ class ARPOConfig(GRPOConfig):
         if self.vllm_mode != "server":
             raise ValueError(
                 f"vllm_mode={self.vllm_mode!r}: ARPOTrainer generates through a vLLM server only; set "
-                "vllm_mode='server' and start one (python -m arpo_trl.vllm_server serve --model ...)."
+                "vllm_mode='server' and start one (python -m arpo_trl.server serve --model ...)."
             )
         if self.entropy_top_k is None:
             raise ValueError("entropy_top_k=None (exact entropy) needs logits, which a vLLM server does not return; "

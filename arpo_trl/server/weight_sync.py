@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from arpo_trl.distributed import run_on_main_process
-from arpo_trl.vllm_client import VLLMClient
+from arpo_trl.server.client import VLLMClient
 
 SYNC_MODES = ("auto", "nccl", "lora", "reload", "none")
 
