@@ -3,7 +3,27 @@ programs and the scheduler while it runs (`Rollout`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class ToolCallRecord:
+    """One tool call of a path, as the sampler saw it: every reader (trees, pictures, evaluation, rewards) takes the
+    calls from here instead of re-parsing the text, so that any call format (`tags`, `chat_template`) reads alike.
+    Token offsets index the completion."""
+
+    tool: str  # the tool's tag ("python", "search"); "" when the call names no tool we have
+    arguments: str = ""  # what the tool ran on: the tag's content, or the JSON call's arguments as the tool's input
+    call_chars: int = 0  # characters of the call as the model wrote it (open to close marker), before `result_start`
+    ran: bool = True  # False: the call was not run (past max_tool_calls, or an empty call); the path ended there
+    result_start: int | None = None  # the environment's reply is completion tokens [result_start, result_end)
+    result_end: int | None = None
+    failed: bool = False  # the reply is an error: the tool raised or timed out, or the call was malformed
+    seconds: float = 0.0  # the tool's running time
+
+    @property
+    def answered(self) -> bool:
+        return self.result_start is not None
 
 
 @dataclass
@@ -21,8 +41,7 @@ class Trajectory:
     mask: list[int] = field(default_factory=list)  # 1 = sampled by the model, 0 = written by the environment
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)  # per token, nats; NaN for environment tokens
-    tool_calls: int = 0
-    tool_failures: int = 0
+    calls: list[ToolCallRecord] = field(default_factory=list)
     initial_entropy: float | None = None
     segment_entropies: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # None while active
@@ -34,6 +53,15 @@ class Trajectory:
     def active(self) -> bool:
         return self.finish_reason is None
 
+    @property
+    def tool_calls(self) -> int:
+        """Calls run (or running) on this path, inherited ones included."""
+        return sum(call.ran for call in self.calls)
+
+    @property
+    def tool_failures(self) -> int:
+        return sum(call.failed for call in self.calls)
+
     def own_tokens(self) -> int:
         """Model-sampled tokens this path generated itself (not inherited from its parent)."""
         return sum(self.mask[self.fork_position or 0 :])
@@ -42,7 +70,10 @@ class Trajectory:
         return self.completion_ids[:length], self.mask[:length], self.logprobs[:length], self.entropies[:length]
 
     def cut(self, length: int) -> None:
+        """Keep the first `length` completion tokens; a tool result the cut runs through ends there."""
         self.completion_ids, self.mask, self.logprobs, self.entropies = self.snapshot(length)
+        self.calls = [call if call.result_end is None or call.result_end <= length
+                      else replace(call, result_end=max(length, call.result_start)) for call in self.calls]
 
 
 @dataclass

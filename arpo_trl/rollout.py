@@ -38,12 +38,13 @@ import math
 import random
 import time
 from collections.abc import Generator, Sequence
+from dataclasses import replace
 
 from transformers import PreTrainedTokenizerBase
 
 from arpo_trl.budget import FillUps
 from arpo_trl.engines import GenerationEngine, Segment, normalized_entropy
-from arpo_trl.paths import Rollout, RolloutResult, Trajectory, committed_count
+from arpo_trl.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory, committed_count
 from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
 from arpo_trl.tags import cut_at_stop
 from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall
@@ -234,7 +235,7 @@ class BranchingSampler:
         child.completion_ids, child.mask, child.logprobs, child.entropies = source.snapshot(len(source.completion_ids))
         child.parent, child.fork_position, child.segment_start = source.id, source.segment_start, source.segment_start
         child.fork_decisions, child.committed = source.fork_decisions + 1, False
-        child.tool_calls, child.tool_failures = source.tool_calls, source.tool_failures
+        child.calls = list(source.calls)
         child.initial_entropy, child.segment_entropies = source.initial_entropy, list(source.segment_entropies)
         return child
 
@@ -288,16 +289,23 @@ class BranchingSampler:
         rollout.segments_calling += 1
         path.cut(start + len(kept))  # what the engine generated past the tag is dropped
         self._append(path, rewritten, 0)
-        call = self.call_format.parse(self._decode(kept + rewritten), stop)
-        if path.tool_calls >= self.max_tool_calls:
+        text = self._decode(path.completion_ids[start:])
+        call = self.call_format.parse(text, stop)
+        ends = self._not_run_because(path, call)
+        path.calls.append(ToolCallRecord(
+            call.tool.tag if call and call.tool else "", call.content if call else "",
+            len(text) - call.start if call else 0, ran=ends is None))
+        if ends == "call_limit":
             self._append(path, [self.eos_token_id], 0)  # reference: EOS after the call limit (VRT L350)
-            return self._finish(path, "call_limit")
+        return call if ends is None else self._finish(path, ends)
+
+    def _not_run_because(self, path: Trajectory, call: ToolCall | None) -> str | None:
+        """Why a call just written ends its path instead of running (its finish reason), or None."""
+        if path.tool_calls >= self.max_tool_calls:
+            return "call_limit"
         if call is None:
-            return self._finish(path, "empty_call")  # reference: an empty call silently ends the path
-        if len(path.completion_ids) >= self.max_completion_length:
-            return self._finish(path, "length")
-        path.tool_calls += 1
-        return call
+            return "empty_call"  # reference: an empty call silently ends the path
+        return "length" if len(path.completion_ids) >= self.max_completion_length else None
 
     def _finish(self, path: Trajectory, reason: str) -> None:
         path.finish_reason = reason
@@ -319,10 +327,12 @@ class BranchingSampler:
         rollout.stats.tool_failures += failed
         calls, failures = rollout.executed.get(path.id, (0, 0))
         rollout.executed[path.id] = calls + 1, failures + failed
-        path.tool_failures += failed
         room = self.max_completion_length - len(path.completion_ids)
         text = text[: (room + 16) * self._longest_token()]  # a huge output: encode no more than can fit
+        start = len(path.completion_ids)
         self._append(path, self._encode(self.call_format.render_result(text, call)), 0)
+        path.calls[-1] = replace(path.calls[-1], result_start=start, result_end=len(path.completion_ids),
+                                 failed=failed, seconds=outcome.seconds if outcome else 0.0)
         path.segment_start = len(path.completion_ids)
         self._truncate(path)
 

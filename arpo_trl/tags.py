@@ -53,14 +53,17 @@ def cut_at_stop(
     return list(token_ids[:j]), [], tag
 
 
-def extract_call(segment_text: str, close_tag: str) -> str:
-    """Content between the last opening tag before `close_tag` and `close_tag` (the reference uses
-    `rindex`, so `<python><python>x</python>` calls `x`). Empty when the segment has no opening tag."""
-    open_tag = "<" + close_tag[2:]
+def call_start(segment_text: str, close_tag: str) -> int:
+    """Where the call that `close_tag` closes begins: its last opening tag before the first `close_tag` (the
+    reference uses `rindex`, so `<python><python>x</python>` calls `x`); -1 when there is none."""
     end = segment_text.find(close_tag)
-    if end < 0:
-        return ""
-    start = segment_text.rfind(open_tag, 0, end)
+    return -1 if end < 0 else segment_text.rfind("<" + close_tag[2:], 0, end)
+
+
+def extract_call(segment_text: str, close_tag: str) -> str:
+    """Content between the call's opening tag (`call_start`) and `close_tag`; empty when the segment has no
+    opening tag."""
+    start = call_start(segment_text, close_tag)
     if start < 0:
         return ""
-    return segment_text[start + len(open_tag) : end].strip()
+    return segment_text[start + len(close_tag) - 1 : segment_text.find(close_tag)].strip()

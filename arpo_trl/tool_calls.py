@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from arpo_trl.tags import extract_call
+from arpo_trl.tags import call_start, extract_call
 from arpo_trl.tools.base import Tool, format_result
 
 TOOL_CALL_FORMATS = ("tags", "chat_template")
@@ -36,6 +36,7 @@ class ToolCall:
     tool: Tool | None
     content: str = ""
     error: str | None = None
+    start: int = 0  # where the call (its open marker) begins in the segment's text
 
 
 class CallFormat(Protocol):
@@ -58,7 +59,7 @@ class TagFormat:
 
     def parse(self, text: str, stop: str) -> ToolCall | None:
         content = extract_call(text, stop)
-        return ToolCall(self.tools[stop], content) if content else None
+        return ToolCall(self.tools[stop], content, start=call_start(text, stop)) if content else None
 
     def render_result(self, text: str, call: ToolCall) -> str:
         return format_result(text)
@@ -103,8 +104,9 @@ class ChatTemplateFormat:
         if end < 0 or start < 0:
             return None
         body = text[start + len(self.open_marker) : end].strip()
-        if not body:
-            return None
+        return replace(self._parse_json(body), start=start) if body else None
+
+    def _parse_json(self, body: str) -> ToolCall:
         try:
             call = json.loads(body)
         except _JSON_ERRORS as exc:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from arpo_trl.budget import FillUps
-from arpo_trl.paths import Rollout
+from arpo_trl.paths import Rollout, ToolCallRecord
 
 PROMPT = [5, 6, 7]
 
@@ -58,7 +58,7 @@ def test_paths_that_cannot_fork_reserve_nothing():
 def test_expected_paths_from_the_priors(tool_calls, decisions, expected):
     fills, r = FillUps(max_tool_calls=2, branch_factor=2, branch_threshold=0.5), rollout(m=16, n=1)
     path = r.groups[0][0]
-    path.tool_calls, path.fork_decisions = tool_calls, decisions
+    path.calls, path.fork_decisions = [ToolCallRecord("python")] * tool_calls, decisions
     assert fills.expected(r, path) == pytest.approx(expected, abs=1e-12)
 
 

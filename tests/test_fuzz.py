@@ -228,7 +228,8 @@ def test_extract_call_is_the_text_between_the_last_opening_and_the_first_closing
     assert extract_call(text, close) == content.strip()
     fmt = TagFormat([Tool(t, str) for t in TAGS])
     call = fmt.parse(text, close)
-    assert (call is None) if not content.strip() else call == ToolCall(fmt.tools[close], content.strip())
+    start = len(before) + len(open_tag) * (opens - 1)  # the call begins at its last opening tag
+    assert (call is None) if not content.strip() else call == ToolCall(fmt.tools[close], content.strip(), start=start)
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +293,7 @@ def test_chat_template_parse_well_formed_calls(hermes_format, before, name, args
     else:
         value = json.loads(json.dumps(value))  # as the model's JSON reads (escaped surrogate halves pair up)
         expected = value if isinstance(value, str) else json.dumps(value)
-        assert call == ToolCall(fmt.tools[name], expected)
+        assert call == ToolCall(fmt.tools[name], expected, start=len(before))
 
 
 @FAST

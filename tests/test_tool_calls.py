@@ -212,7 +212,7 @@ def test_tag_format_is_the_old_behaviour():
     tool = Tool("python", str)
     fmt = TagFormat([tool, Tool("search", str)])
     assert fmt.stop_strings == ["</python>", "</search>"]
-    assert fmt.parse("x <python> 1+1 </python>", "</python>") == ToolCall(tool, "1+1")
+    assert fmt.parse("x <python> 1+1 </python>", "</python>") == ToolCall(tool, "1+1", start=2)
     assert fmt.parse("<python>  </python>", "</python>") is None
     assert fmt.render_result("2", ToolCall(tool, "1+1")) == format_result("2") == " <result>\n2\n</result>"
 

@@ -27,6 +27,7 @@ class CallOutcome:
     value: object = None
     error: BaseException | None = None
     timed_out: bool = True
+    seconds: float = 0.0  # from the call's start to its return (its deadline, when it timed out)
 
 
 class ToolRunner:
@@ -92,11 +93,12 @@ class ToolRunner:
                 lost = [False]
                 heapq.heappush(self._deadlines, (time.monotonic() + self.timeout, next(self._order), future, lost))
                 self._changed.notify_all()  # the watchdog may have to wake up earlier
-            outcome = CallOutcome(timed_out=False)
+            outcome, began = CallOutcome(timed_out=False), time.monotonic()
             try:
                 outcome.value = call()
             except BaseException as exc:  # reported to the caller, never raised in the thread (SystemExit too)
                 outcome.error = exc
+            outcome.seconds = time.monotonic() - began
             with self._changed:
                 if lost[0]:  # timed out meanwhile: the watchdog settled the call and replaced this worker
                     return
@@ -110,7 +112,7 @@ class ToolRunner:
                     _, _, future, lost = heapq.heappop(self._deadlines)
                     if not future.done():
                         lost[0] = True
-                        future.set_result(CallOutcome())
+                        future.set_result(CallOutcome(seconds=self.timeout))
                         self._workers -= 1  # written off; a queued call gets a new worker
                         self._add_workers()
                 self._changed.wait(self._deadlines[0][0] - now if self._deadlines else None)
