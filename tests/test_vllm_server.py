@@ -128,7 +128,7 @@ def test_trainer_server_mode_lora_sync(vllm_server, tool_model_dir, tokenizer, a
 
 
 def test_lora_sync_long_prompt_after_update_matches_trainer(vllm_server, tool_model_dir, tokenizer, tmp_path):
-    """vLLM-CPU trap (vllm_cpu.md §6): an adapter reloaded in place reuses stale prefix-cache blocks for long
+    """vLLM-CPU trap (docs/server_mode.md#traps): an adapter reloaded in place reuses stale prefix-cache blocks for long
     prompts. Our sync writes every version to a new folder and name, so a 300-token prompt scored after two
     updates matches the trainer's weights exactly."""
     from arpo_trl.server.weight_sync import LoRAAdapterSync
@@ -154,9 +154,9 @@ def test_lora_sync_long_prompt_after_update_matches_trainer(vllm_server, tool_mo
 
 
 def test_zero_adapter_stands_in_for_base_when_batched_with_lora(vllm_server, tool_model_dir, tokenizer, tmp_path):
-    """vLLM-CPU trap (vllm_cpu.md §6): bare base-model requests batched with LoRA requests get an adapter applied.
-    LoRA sync never samples the bare base: the first version is PEFT's zero-initialised adapter. Mixed concurrent
-    requests through a zero and a random adapter both match transformers."""
+    """vLLM-CPU trap (docs/server_mode.md#traps): bare base-model requests batched with LoRA requests get an adapter
+    applied. LoRA sync never samples the bare base: the first version is PEFT's zero-initialised adapter. Mixed
+    concurrent requests through a zero and a random adapter both match transformers."""
     client = VLLMClient(vllm_server.base_url)
     base = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
     config = LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")

