@@ -398,7 +398,7 @@ def _sft(argv: Sequence[str]) -> None:
 
 def _trees(command: str) -> Callable[[Sequence[str]], None]:
     def run(argv: Sequence[str]) -> None:
-        from arpo_trl.trees import main as trees_main
+        from arpo_trl.commands.trees import main as trees_main
 
         sys.exit(trees_main([command, *argv], prog=f"arpo-trl {command}"))
 

