@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from arpo_trl.cli import (
     load_train_dataset,
     resolve_model,
 )
+from arpo_trl.paths import ToolCallRecord
 from arpo_trl.preflight import check_writable_dir
 from arpo_trl.rewards import (
     GROUND_TRUTH_COLUMNS,
@@ -195,16 +195,17 @@ def score_answer(answer: str | None, ground_truth, metric: str) -> dict[str, flo
     return {"score": f1 if metric == "f1" else em, "correct": em, "f1": f1, "em": em}
 
 
-def score_completion(text: str, ground_truth, metric: str, require_answer_tag: bool = True) -> dict[str, Any]:
+def score_completion(text: str, ground_truth, metric: str, require_answer_tag: bool = True,
+                     calls: Sequence[dict] | None = None) -> dict[str, Any]:
     """Score one completion: extracted answer, metric values and the reference's format check."""
     answer = extract_answer(text) if require_answer_tag else last_boxed(text)
-    format_error = validate_format(text)
+    format_error = validate_format(text, calls=calls)
     return {"answer": answer, **score_answer(answer, ground_truth, metric), "format_error": format_error}
 
 
-def tool_call_counts(text: str, tags: Sequence[str]) -> dict[str, int]:
-    """Executed calls per tool: a closing tag followed by the result block the sampler appended."""
-    return {tag: len(re.findall(rf"</{re.escape(tag)}> <result>\n", text)) for tag in tags}
+def tool_call_counts(calls: Sequence[ToolCallRecord], tags: Sequence[str]) -> dict[str, int]:
+    """Calls run per tool, as the sampler recorded them (any call format)."""
+    return {tag: sum(call.ran and call.tool == tag for call in calls) for tag in tags}
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------------
@@ -482,11 +483,12 @@ def _record(args: EvalArguments, setup: EvalSetup, tags: list[str], seed: int, i
     completions = []
     for path in group:
         text = setup.tokenizer.decode(path.completion_ids, skip_special_tokens=True)
-        scored = score_completion(text, truth, setup.metric, args.require_answer_tag)
+        calls = [asdict(call) for call in path.calls]
+        scored = score_completion(text, truth, setup.metric, args.require_answer_tag, calls)
         completions.append({
             **({"text": text} if args.save_completions else {}), **scored,
             "tool_calls": path.tool_calls, "tool_failures": path.tool_failures,
-            "calls_by_tool": tool_call_counts(text, tags), "finish_reason": path.finish_reason,
+            "calls_by_tool": tool_call_counts(path.calls, tags), "finish_reason": path.finish_reason,
             "tokens": path.own_tokens(),
         })
     num_correct = int(sum(c["correct"] for c in completions))

@@ -11,6 +11,12 @@ calls `3\\sqrt{3}-6` and `3\\sqrt{3} - 6` different).
 
 The ground truth comes from the dataset column `ground_truth` (`answer` and `solution` are accepted).
 
+Tool calls: under `ARPOTrainer` the rewards are told each completion's calls as the sampler recorded them (the
+`arpo_calls` keyword argument: `ToolCallRecord`s as dicts), so the format check and the multi-tool bonus work for
+every call format (`tags`, `chat_template`): a call is well-formed when the environment answered it. Without
+`arpo_calls` (text-only callers, e.g. TRL's own `GRPOTrainer`), the reference's text check over `<tag>` and `<result>`
+tags applies.
+
 Completions are hostile input (docs/rewards.md): the text checks here are linear in the completion's length, and
 math equivalence runs through `arpo_trl.scoring.MathScorer` — length and nesting caps before parsing, a time limit
 per answer and per call, from any thread, printing nothing. Under `GRPOTrainer`, the math rewards log how many
@@ -27,6 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from arpo_trl.scoring import ScoreReport, default_scorer
+from arpo_trl.tags import answered_tag_call, unanswered_tag_call
 
 GROUND_TRUTH_COLUMNS = ("ground_truth", "answer", "solution")
 MULTI_TOOL_BONUS = 0.1
@@ -48,22 +55,27 @@ def _content(message: dict) -> str:
     return content if isinstance(content, str) else str(content)
 
 
-def validate_format(text: str, tags: Sequence[str] = ("search", "python"), require_think: bool = True) -> str | None:
-    """`None` if `text` has the reference's format, else the reason it does not."""
+Calls = Sequence[dict] | None  # a completion's `ToolCallRecord`s as dicts, or None: read the text
+
+
+def validate_format(text: str, tags: Sequence[str] = ("search", "python"), require_think: bool = True,
+                    calls: Calls = None) -> str | None:
+    """`None` if `text` has the reference's format, else the reason it does not. With the sampler's `calls`, every
+    call must have been answered; without, every `<tag>` call in the text must be followed by its result."""
+    if calls is not None:
+        unanswered = [c for c in calls if c.get("result_start") is None]
+        if unanswered:
+            return f"a {unanswered[0].get('tool') or 'tool'} call was not answered (past the call limit, or empty)"
+        tags = ()
     if require_think:
         opened, closed = text.count("<think>"), text.count("</think>")
         if opened != closed or opened < 1:
             return f"<think> tags unbalanced or missing ({opened} open, {closed} closed)"
     if text.count("<answer>") != 1 or text.count("</answer>") != 1:
         return "expected exactly one <answer>…</answer>"
-    for tag in tags:  # every call is closed and followed by its result, in order
-        pattern = re.compile(rf"<{tag}>|</{tag}>|<result>|</result>")
-        expected = [f"<{tag}>", f"</{tag}>", "<result>", "</result>"]
-        sequence = [m.group() for m in pattern.finditer(text) if m.group() in expected]
-        calls = [i for i, token in enumerate(sequence) if token == f"<{tag}>"]
-        for i in calls:
-            if sequence[i : i + 4] != expected:
-                return f"<{tag}> call not followed by </{tag}><result></result>"
+    error = unanswered_tag_call(text, tags)
+    if error is not None:
+        return error
     start, end = text.index("<answer>"), text.index("</answer>")
     answer = text[start:end] if start < end else ""
     if "\\boxed{" not in answer or "}" not in answer:
@@ -131,23 +143,31 @@ def math_scores(predictions: Sequence[str], ground_truths: Sequence) -> ScoreRep
     return default_scorer().score(list(predictions), [_truth_list(t) for t in ground_truths])
 
 
-def formatted_answer(text: str, require_think: bool = True) -> str | None:
+def formatted_answer(text: str, require_think: bool = True, calls: Calls = None) -> str | None:
     """The boxed answer of a completion in the reference's format, or None (the -1 of the reward)."""
-    return None if validate_format(text, require_think=require_think) is not None else extract_answer(text)
+    valid = validate_format(text, require_think=require_think, calls=calls) is None
+    return extract_answer(text) if valid else None
 
 
-def tiered(text: str, value: float) -> float:
+def tools_used(text: str, calls: Calls = None) -> set[str]:
+    """The tools a completion called: from the sampler's `calls` (answered ones), else the reference's closing tags."""
+    if calls is not None:
+        return {c.get("tool") for c in calls if c.get("result_start") is not None}
+    return {tag for tag in ("search", "python") if f"</{tag}>" in text}
+
+
+def tiered(text: str, value: float, calls: Calls = None) -> float:
     """The reward of a well-formatted completion whose answer scored `value`."""
     if value <= 0:
         return 0.0
-    return value + (MULTI_TOOL_BONUS if "</search>" in text and "</python>" in text else 0.0)
+    return value + (MULTI_TOOL_BONUS if {"search", "python"} <= tools_used(text, calls) else 0.0)
 
 
 def hierarchical_reward(
-    text: str, ground_truth, score: Callable[[str, object], float], require_think: bool = True
+    text: str, ground_truth, score: Callable[[str, object], float], require_think: bool = True, calls: Calls = None
 ) -> float:
-    answer = formatted_answer(text, require_think)
-    return -1.0 if answer is None else tiered(text, score(answer, ground_truth))
+    answer = formatted_answer(text, require_think, calls)
+    return -1.0 if answer is None else tiered(text, score(answer, ground_truth), calls)
 
 
 def _log_bounds(name: str, report: ScoreReport, kwargs: dict) -> None:
@@ -177,20 +197,31 @@ def _ground_truths(kwargs: dict, n: int) -> list:
     )
 
 
+def _calls(kwargs: dict, n: int) -> list[Calls]:
+    """Each completion's recorded calls (`arpo_calls`, from ARPOTrainer), or None for each: read the text."""
+    calls = kwargs.get("arpo_calls")
+    if calls is None:
+        return [None] * n
+    if len(calls) != n:
+        raise ValueError(f"Reward argument 'arpo_calls' has {len(calls)} entries for {n} completions.")
+    return list(calls)
+
+
 def arpo_f1_reward(completions: list, **kwargs) -> list[float]:
     """The reference reward: format check, token-F1 of the boxed answer, +0.1 for using both tools."""
-    truths = _ground_truths(kwargs, len(completions))
-    return [hierarchical_reward(completion_text(c), t, f1_score) for c, t in zip(completions, truths)]
+    truths, calls = _ground_truths(kwargs, len(completions)), _calls(kwargs, len(completions))
+    texts = [completion_text(c) for c in completions]
+    return [hierarchical_reward(text, t, f1_score, calls=k) for text, t, k in zip(texts, truths, calls)]
 
 
 def arpo_math_reward(completions: list, **kwargs) -> list[float]:
     """As `arpo_f1_reward`, but the answer is scored by math equivalence (`math-verify`, bounded: see
     `arpo_trl.scoring`)."""
-    truths = _ground_truths(kwargs, len(completions))
+    truths, calls = _ground_truths(kwargs, len(completions)), _calls(kwargs, len(completions))
     texts = [completion_text(c) for c in completions]
-    answers = [formatted_answer(text) for text in texts]
+    answers = [formatted_answer(text, calls=k) for text, k in zip(texts, calls)]
     values = _score_answers("arpo_math_reward", answers, truths, kwargs)
-    return [-1.0 if a is None else tiered(text, v) for text, a, v in zip(texts, answers, values)]
+    return [-1.0 if a is None else tiered(text, v, k) for text, a, v, k in zip(texts, answers, values, calls)]
 
 
 def answer_accuracy(completions: list, **kwargs) -> list[float]:
@@ -215,14 +246,15 @@ def _score_answers(name: str, answers: list[str | None], truths: list, kwargs: d
 FORMAT_CREDITS = (("think", 0.1), ("tool_call", 0.2), ("answer", 0.2), ("boxed", 0.2))
 
 
-def format_credit(text: str) -> float:
+def format_credit(text: str, calls: Calls = None) -> float:
     """Graded credit for the pieces of ARPO's format, up to 0.7: balanced <think>, a tool call that got its
     result, one <answer>…</answer>, a \\boxed{} inside it."""
     has_answer = text.count("<answer>") == 1 and text.count("</answer>") == 1
     answer = text[text.find("<answer>") : text.find("</answer>")] if has_answer else ""
     checks = {
         "think": text.count("<think>") == text.count("</think>") >= 1,
-        "tool_call": re.search(r"</(python|search)> <result>", text) is not None,
+        "tool_call": any(c.get("result_start") is not None for c in calls) if calls is not None
+        else answered_tag_call(text, ("python", "search")),
         "answer": has_answer,
         "boxed": "\\boxed{" in answer,
     }
@@ -232,4 +264,4 @@ def format_credit(text: str) -> float:
 def format_credit_reward(completions: list, **kwargs) -> list[float]:
     """Shaping for small models (the quickstart): ARPO's reward is -1 for nearly every completion of an untuned
     135M model, so a group's advantages would all be zero; graded format credit gives them a gradient."""
-    return [format_credit(completion_text(c)) for c in completions]
+    return [format_credit(completion_text(c), k) for c, k in zip(completions, _calls(kwargs, len(completions)))]

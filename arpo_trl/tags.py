@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
 Decode = Callable[[Sequence[int]], str]
@@ -67,3 +68,23 @@ def extract_call(segment_text: str, close_tag: str) -> str:
     if start < 0:
         return ""
     return segment_text[start + len(close_tag) - 1 : segment_text.find(close_tag)].strip()
+
+
+# ---- the reference's text checks, for callers that have only the text (no sampler records) --------------------
+def unanswered_tag_call(text: str, tags: Sequence[str]) -> str | None:
+    """The reference reward's check: every `<tag>` call is closed and followed by its result, in order. `None` when
+    it holds, else the reason."""
+    for tag in tags:
+        pattern = re.compile(rf"<{tag}>|</{tag}>|<result>|</result>")
+        expected = [f"<{tag}>", f"</{tag}>", "<result>", "</result>"]
+        sequence = [m.group() for m in pattern.finditer(text) if m.group() in expected]
+        calls = [i for i, token in enumerate(sequence) if token == f"<{tag}>"]
+        for i in calls:
+            if sequence[i : i + 4] != expected:
+                return f"<{tag}> call not followed by </{tag}><result></result>"
+    return None
+
+
+def answered_tag_call(text: str, tags: Sequence[str]) -> bool:
+    """Whether the text holds a `</tag>` directly followed by the ` <result>` the environment appends."""
+    return any(f"</{tag}> <result>" in text for tag in tags)

@@ -20,6 +20,7 @@ import textwrap
 import uuid
 import warnings
 from collections.abc import Sequence
+from dataclasses import asdict
 
 import torch
 from accelerate.utils import gather_object
@@ -289,7 +290,7 @@ class ARPOTrainer(GRPOTrainer):
         return {
             "node": t.id, "group": t.group, "parent": t.parent, "fork_position": t.fork_position,
             "length": len(t.completion_ids), "tool_calls": t.tool_calls, "tool_failures": t.tool_failures,
-            "finish_reason": t.finish_reason,
+            "finish_reason": t.finish_reason, "calls": [asdict(call) for call in t.calls],
         }
 
     @staticmethod

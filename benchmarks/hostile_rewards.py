@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from arpo_trl.evaluation import score_completion, tool_call_counts
+from arpo_trl.evaluation import score_completion
 from arpo_trl.rewards import (
     answer_accuracy,
     arpo_f1_reward,
@@ -37,7 +37,7 @@ from arpo_trl.rewards import (
     last_boxed,
     validate_format,
 )
-from arpo_trl.tags import extract_call
+from arpo_trl.tags import answered_tag_call, extract_call
 from arpo_trl.tool_calls import TagFormat
 from arpo_trl.tools.base import Tool
 
@@ -78,7 +78,7 @@ def _parsers(text: str) -> None:
     validate_format(text)
     extract_answer(text)
     last_boxed(text)
-    tool_call_counts(text, ["python", "search"])
+    answered_tag_call(text, ["python", "search"])
     for stop in ("</python>", "</search>"):
         extract_call(text, stop)
         TAGS.parse(text, stop)

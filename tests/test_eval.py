@@ -28,6 +28,7 @@ from arpo_trl.evaluation import (
     score_completion,
     tool_call_counts,
 )
+from arpo_trl.paths import ToolCallRecord
 from arpo_trl.tools.base import Tool
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "eval_quickstart.yaml"
@@ -92,8 +93,12 @@ def test_score_completion_extracts_the_answer_and_checks_the_format():
     assert score_completion(loose, "5", "math")["answer"] is None
     assert score_completion(loose, "5", "math", require_answer_tag=False)["correct"] == 1.0
     assert "think" in score_completion(loose, "5", "math")["format_error"]
-    text = "<python>a</python> <result>\nx\n</result><search>q</search> <result>\nd\n</result><python>b</python>"
-    assert tool_call_counts(text, ["python", "search"]) == {"python": 1, "search": 1}  # the last call got no result
+    calls = [ToolCallRecord("python", "a", result_start=3, result_end=5), ToolCallRecord("search", "q", result_start=8,
+             result_end=9, failed=True), ToolCallRecord("python", "b", ran=False)]
+    assert tool_call_counts(calls, ["python", "search"]) == {"python": 1, "search": 1}  # the last one did not run
+    unanswered = [{"tool": "python", "result_start": None}]
+    assert "python call was not answered" in score_completion(good, "5", "math", calls=unanswered)["format_error"]
+    assert score_completion(good, "5", "math", calls=[])["format_error"] is None
 
 
 # ---- exact metrics from a scripted engine --------------------------------------------------------------------------
