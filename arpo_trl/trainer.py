@@ -314,12 +314,12 @@ class ARPOTrainer(GRPOTrainer):
         self.vllm_client.wait_until_ready()
         args = self.args
         engine = VLLMServerEngine(
-            self.vllm_client, self._tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            self.vllm_client, self._trl.tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             min_p=args.min_p, repetition_penalty=args.repetition_penalty, entropy_top_k=args.entropy_top_k,
-            eos_token_ids=self.eos_token_ids, generation_kwargs=args.generation_kwargs,
+            eos_token_ids=self._trl.eos_token_ids, generation_kwargs=args.generation_kwargs,
             max_concurrency=args.vllm_max_concurrent_requests,
         )
-        check_server_tokenizer(self.vllm_client, self._tokenizer, engine.model_name)
+        check_server_tokenizer(self.vllm_client, self._trl.tokenizer, engine.model_name)
         mode = self.vllm_client.logprobs_mode()
         if mode not in (None, "processed_logprobs"):
             logger.warning(
@@ -341,9 +341,9 @@ class ARPOTrainer(GRPOTrainer):
     def _transformers_engine(self) -> TransformersEngine:
         args = self.args
         return TransformersEngine(
-            None, self._tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            None, self._trl.tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             min_p=args.min_p, repetition_penalty=args.repetition_penalty, entropy_top_k=args.entropy_top_k,
-            eos_token_ids=self.eos_token_ids, generation_kwargs=args.generation_kwargs,
+            eos_token_ids=self._trl.eos_token_ids, generation_kwargs=args.generation_kwargs,
             model_context=lambda: unwrap_model_for_generation(
                 self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation,
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
