@@ -6,10 +6,12 @@ Only two hooks change (plus, with `use_vllm=True`, the weight-sync object TRL ca
     which TRL turns into `tool_mask` and removes from the loss;
   * `_generate_and_score_completions` replaces the (B,) advantages by (B,T) ones for hard attribution,
     which TRL's `_compute_loss` accepts.
+Every use of TRL's undocumented state goes through `_TRLState` (tests/test_trl_touch_points.py checks it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -19,7 +21,7 @@ import statistics
 import textwrap
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 
 import torch
@@ -49,6 +51,7 @@ from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
 from arpo_trl.trees import node_table, select, tree_html, tree_records, write_jsonl
 
 SAMPLER_STATE_FILE = "arpo_sampler_rng_{rank}.json"
+TRL_CHECKED = "1.16.0"  # the TRL release every touch point of `_TRLState` was read against
 logger = logging.getLogger(__name__)
 
 
@@ -70,6 +73,121 @@ def _resolve_sync_mode(requested: str, *, is_peft: bool, tied: bool) -> str:
                              vllm_importable=importlib.util.find_spec("vllm") is not None, tied=tied)
 
 
+class _TRLState:
+    """The one place ARPOTrainer reads or writes TRL's undocumented state: private attributes of `GRPOTrainer`
+    (and of transformers' `Trainer` below it) and public ones TRL's docs do not describe. Each line names the TRL
+    release it was read against (`TRL_CHECKED`); tests/test_trl_touch_points.py fails, naming the touch point, when a
+    TRL upgrade moves one. That test also checks what ARPOTrainer uses outside this class: the private hooks it
+    overrides (`GRPOTrainer._generate_and_score_completions`, `Trainer._save_rng_state`, `Trainer._load_rng_state`),
+    the model-card class attributes and `trl.models.utils.unwrap_model_for_generation`'s keywords."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        self._trainer = trainer
+
+    @staticmethod
+    @contextlib.contextmanager
+    def constructing(args: ARPOConfig, trl_builds_vllm: bool) -> Iterator[None]:
+        """Around `GRPOTrainer.__init__`: TRL builds its own vLLM backend only when TRL syncs the weights (NCCL)."""
+        # TRL 1.16: GRPOTrainer.__init__ warns about rollout_func unless os.environ["TRL_EXPERIMENTAL_SILENCE"] == "1"
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        # TRL 1.16: GRPOTrainer.__init__ builds vllm_generation (a VLLMClient: needs `vllm`, NCCL) iff args.use_vllm
+        use_vllm, args.use_vllm = args.use_vllm, trl_builds_vllm
+        try:
+            yield
+        finally:
+            args.use_vllm = use_vllm
+
+    @property
+    def use_vllm(self) -> bool:
+        # TRL 1.16: GRPOTrainer.use_vllm (args.use_vllm at __init__) gates the sync hook and importance sampling
+        return self._trainer.use_vllm
+
+    @use_vllm.setter
+    def use_vllm(self, value: bool) -> None:
+        self._trainer.use_vllm = value
+
+    def install_weight_sync(self, sync) -> None:
+        # TRL 1.16: GRPOTrainer._generate calls vllm_generation.sync_weights() before rollout_func when use_vllm and
+        # state.global_step != _last_loaded_step, then stores global_step there (-1: sync before step 0 too)
+        self._trainer.vllm_generation = sync
+        self._trainer._last_loaded_step = -1
+
+    @property
+    def weight_sync(self):
+        # TRL 1.16: GRPOTrainer.vllm_generation exists only when TRL built it or install_weight_sync set it
+        return getattr(self._trainer, "vllm_generation", None)
+
+    def check_vespo_sampling_mode(self) -> None:
+        """TRL's own check, which its __init__ skipped because it saw use_vllm=False."""
+        trainer = self._trainer
+        # TRL 1.16: GRPOTrainer.loss_type, vllm_importance_sampling_correction and _mode are args' values
+        if trainer.loss_type == "vespo" and trainer.vllm_importance_sampling_correction and \
+                trainer.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"):
+            raise ValueError("VESPO loss requires vllm_importance_sampling_mode 'token_truncate' or 'token_mask'.")
+
+    def is_sharded(self) -> bool:
+        # transformers' Trainer under TRL 1.16: is_deepspeed_enabled / is_fsdp_enabled, set in Trainer.__init__
+        return self._trainer.is_deepspeed_enabled or self._trainer.is_fsdp_enabled
+
+    @property
+    def tokenizer(self):
+        # TRL 1.16: GRPOTrainer._tokenizer is processing_class, or processing_class.tokenizer for a processor
+        return self._trainer._tokenizer
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        # TRL 1.16: GRPOTrainer.eos_token_ids: the tokenizer's EOS plus every EOS id of the model's generation_config
+        return self._trainer.eos_token_ids
+
+    def group_size(self, training: bool) -> int:
+        # TRL 1.16: GRPOTrainer.num_generations, and num_generations_eval (args' value, else num_generations)
+        return self._trainer.num_generations if training else self._trainer.num_generations_eval
+
+    @staticmethod
+    def distinct_prompts(prompts: list, group_size: int) -> list:
+        # TRL 1.16: rollout_func(prompts, trainer) gets each prompt group_size times in a row (RepeatSampler), although
+        # its docstring says "no duplication"
+        return prompts[::group_size]
+
+    def tokenize_prompts(self, prompts: list) -> list[list[int]]:
+        # TRL 1.16: GRPOTrainer._tokenize_prompts(prompts) -> (prompt_ids, images, multimodal_fields), chat template on
+        prompt_ids, _, _ = self._trainer._tokenize_prompts(prompts)
+        return prompt_ids
+
+    @staticmethod
+    def completion_shape(output: dict) -> tuple[int, int]:
+        # TRL 1.16: _generate_and_score_completions' output["completion_ids"] is this rank's (B, T) padded tensor
+        rows, width = output["completion_ids"].shape
+        return rows, width
+
+    @staticmethod
+    def advantages(output: dict) -> torch.Tensor:
+        # TRL 1.16: _generate_and_score_completions' output["advantages"] is this rank's (B,) group advantages
+        return output["advantages"]
+
+    @staticmethod
+    def set_token_advantages(output: dict, advantages: torch.Tensor) -> None:
+        # TRL 1.16: GRPOTrainer._compute_loss unsqueezes 1-D advantages only, so (B, T) ones are used as they are
+        output["advantages"] = advantages
+
+    def logged_advantages(self, last: int) -> list[float]:
+        # TRL 1.16: GRPOTrainer._logs["advantages"] is a deque of per-sample advantages, every rank's, in rank order
+        return list(self._trainer._logs["advantages"])[-last:]
+
+    def logged_rewards(self, last: int) -> list[float]:
+        """Each of the last `last` samples' weighted reward, as TRL's `reward` metric sums it (unscored: left out)."""
+        trainer = self._trainer
+        # TRL 1.16: GRPOTrainer._logs["rewards"][name] is a deque of per-sample rewards (NaN: unscored), every rank's in
+        # rank order, for each name of reward_func_names, whose order is reward_weights' (a tensor)
+        per_func = [list(trainer._logs["rewards"][name])[-last:] for name in trainer.reward_func_names]
+        weights = trainer.reward_weights.tolist()
+        return [sum(w * v for w, v in zip(weights, row) if not math.isnan(v)) for row in zip(*per_func)]
+
+    def log_metric(self, mode: str, key: str, value: float) -> None:
+        # TRL 1.16: GRPOTrainer._metrics[mode][key] (mode "train"/"eval") is a list TRL averages into its next log()
+        self._trainer._metrics[mode][key].append(float(value))
+
+
 class ARPOTrainer(GRPOTrainer):
     """Train a tool-using policy with ARPO.
 
@@ -81,6 +199,7 @@ class ARPOTrainer(GRPOTrainer):
         Everything else is `GRPOTrainer`'s.
     """
 
+    # TRL 1.16: GRPOTrainer's model card and hub tags read the class attributes _tag_names, _name and _paper
     _tag_names = ["trl", "arpo"]
     _name = "ARPO"
     _paper = {  # TRL's model card names the method and cites it
@@ -117,22 +236,19 @@ class ARPOTrainer(GRPOTrainer):
             raise ValueError("ARPOTrainer provides its own rollout_func; pass tools= and engine= instead.")
         if not all(isinstance(tool, Tool) for tool in tools):
             raise TypeError("ARPOTrainer tools must be arpo_trl.Tool instances (tag + callable), e.g. PythonTool().")
-        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL-experimental
         silence_checkpointing_aliases()
         use_vllm = args.use_vllm
         trl_sync = use_vllm and self._wants_trl_nccl_sync(args, model, peft_config)
         # TRL would build its own VLLMClient (needs `vllm` importable, syncs over NCCL only); our engine and
         # file-based sync replace it, so TRL sees use_vllm=False while it is constructed.
-        args.use_vllm = trl_sync
-        try:
+        with _TRLState.constructing(args, trl_builds_vllm=trl_sync):
             super().__init__(
                 model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                 eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
                 rollout_func=self._arpo_rollout, **kwargs,
             )
-        finally:
-            args.use_vllm = use_vllm
-        self.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
+        self._trl = _TRLState(self)
+        self._trl.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
         configure_math_scoring(timeout=args.reward_timeout, batch_timeout=args.reward_batch_timeout)
         if args.log_trees:
@@ -148,10 +264,10 @@ class ARPOTrainer(GRPOTrainer):
                                           pool_size=args.vllm_max_concurrent_requests)
         self.engine = engine or (self._server_engine() if use_vllm else self._transformers_engine())
         if sync_mode is not None:
-            self.vllm_generation = self._file_weight_sync(sync_mode)  # TRL's _generate calls its sync_weights()
-            self._last_loaded_step = -1
+            self._trl.install_weight_sync(self._file_weight_sync(sync_mode))
+        tokenizer = self._trl.tokenizer
         self.sampler = BranchingSampler(
-            self.engine, self._tokenizer, self.arpo_tools,
+            self.engine, tokenizer, self.arpo_tools,
             num_generations=args.num_generations, initial_rollouts=args.initial_rollouts,
             branch_factor=args.branch_factor, branch_threshold=args.branch_threshold,
             entropy_weight=args.entropy_weight, entropy_window=args.entropy_window,
@@ -159,7 +275,7 @@ class ARPOTrainer(GRPOTrainer):
             max_completion_length=args.max_completion_length, tool_timeout=args.tool_timeout,
             max_tool_workers=args.max_tool_workers,
             seed=args.seed_sampler if args.seed_sampler is not None else args.seed + self.accelerator.process_index,
-            call_format=make_call_format(args.tool_call_format, self._tokenizer, self.arpo_tools, args.tool_call_open,
+            call_format=make_call_format(args.tool_call_format, tokenizer, self.arpo_tools, args.tool_call_open,
                                          args.tool_call_close, args.chat_template_kwargs),
             scheduler=args.rollout_scheduler if self.engine is not None else "waves",
             speculative_fill_ups=args.speculative_fill_ups,
@@ -179,16 +295,13 @@ class ARPOTrainer(GRPOTrainer):
     def _check_server_setup(self) -> str:
         """Resolve the weight-sync mode and reject setups it cannot serve, before waiting for any server."""
         args, model = self.args, self.accelerator.unwrap_model(self.model)
-        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        if sharded and not is_peft_model(model) and args.vllm_weight_sync != "none":
+        if self._trl.is_sharded() and not is_peft_model(model) and args.vllm_weight_sync != "none":
             raise NotImplementedError(
                 "vLLM server mode under DeepSpeed/FSDP syncs LoRA adapters only (gathered from the shards each step): "
                 "train with peft_config=LoraConfig(...), use DDP for full fine-tuning, or vllm_weight_sync='nccl' on "
                 "CUDA."
             )
-        if self.loss_type == "vespo" and self.vllm_importance_sampling_correction and \
-                self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"):
-            raise ValueError("VESPO loss requires vllm_importance_sampling_mode 'token_truncate' or 'token_mask'.")
+        self._trl.check_vespo_sampling_mode()
         mode = _resolve_sync_mode(args.vllm_weight_sync, is_peft=is_peft_model(model), tied=has_tied_embeddings(model))
         if args.vllm_weight_sync == "auto":
             logger.warning("ARPO: vllm_weight_sync='auto' chose %r.", mode)
@@ -202,12 +315,12 @@ class ARPOTrainer(GRPOTrainer):
         self.vllm_client.wait_until_ready()
         args = self.args
         engine = VLLMServerEngine(
-            self.vllm_client, self._tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            self.vllm_client, self._trl.tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             min_p=args.min_p, repetition_penalty=args.repetition_penalty, entropy_top_k=args.entropy_top_k,
-            eos_token_ids=self.eos_token_ids, generation_kwargs=args.generation_kwargs,
+            eos_token_ids=self._trl.eos_token_ids, generation_kwargs=args.generation_kwargs,
             max_concurrency=args.vllm_max_concurrent_requests,
         )
-        check_server_tokenizer(self.vllm_client, self._tokenizer, engine.model_name)
+        check_server_tokenizer(self.vllm_client, self._trl.tokenizer, engine.model_name)
         mode = self.vllm_client.logprobs_mode()
         if mode not in (None, "processed_logprobs"):
             logger.warning(
@@ -229,9 +342,9 @@ class ARPOTrainer(GRPOTrainer):
     def _transformers_engine(self) -> TransformersEngine:
         args = self.args
         return TransformersEngine(
-            None, self._tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            None, self._trl.tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             min_p=args.min_p, repetition_penalty=args.repetition_penalty, entropy_top_k=args.entropy_top_k,
-            eos_token_ids=self.eos_token_ids, generation_kwargs=args.generation_kwargs,
+            eos_token_ids=self._trl.eos_token_ids, generation_kwargs=args.generation_kwargs,
             model_context=lambda: unwrap_model_for_generation(
                 self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation,
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
@@ -241,15 +354,16 @@ class ARPOTrainer(GRPOTrainer):
     def _arpo_rollout(self, prompts: list, trainer=None) -> dict:
         """TRL's `rollout_func`: `prompts` holds each prompt M times in a row; return M trajectories each."""
         training = self.model.training
-        m = self.num_generations if training else self.num_generations_eval
+        m = self._trl.group_size(training)
+        distinct = self._trl.distinct_prompts(prompts, m)
         if isinstance(self.sampler.call_format, ChatTemplateFormat):
             # TRL renders only its own `tools=` (unset: ARPO runs its tools itself), so the schemas are rendered here.
-            prompt_ids = self.sampler.call_format.prompt_ids(prompts[::m])
+            prompt_ids = self.sampler.call_format.prompt_ids(distinct)
         else:
-            prompt_ids, _, _ = self._tokenize_prompts(prompts[::m])
+            prompt_ids = self._trl.tokenize_prompts(distinct)
         # Evaluation samples whole trajectories, as the reference's validation does (no branching).
         policy = None if training else "none"
-        if self.use_vllm and self.accelerator.num_processes > 1:
+        if self._trl.use_vllm and self.accelerator.num_processes > 1:
             result, trajectories = self._sample_on_main_process(prompt_ids, m, policy)
         else:
             result = self.sampler.sample(prompt_ids, num_generations=m, branch_policy=policy)
@@ -300,7 +414,7 @@ class ARPOTrainer(GRPOTrainer):
             [f["length"] for f in fields], width,
         )
 
-    def _save_rng_state(self, output_dir: str) -> None:
+    def _save_rng_state(self, output_dir: str) -> None:  # transformers' Trainer hook (under TRL 1.16)
         # Trainer saves the global RNGs (torch: the transformers backend's sampling); the fork decisions use
         # the sampler's own RNG, which must be saved too for a resumed run to grow the same trees.
         super()._save_rng_state(output_dir)
@@ -308,7 +422,7 @@ class ARPOTrainer(GRPOTrainer):
         with open(path, "w") as f:
             json.dump(self.sampler.state_dict(), f)
 
-    def _load_rng_state(self, checkpoint: str | None) -> None:
+    def _load_rng_state(self, checkpoint: str | None) -> None:  # transformers' Trainer hook (under TRL 1.16)
         super()._load_rng_state(checkpoint)
         path = os.path.join(checkpoint or "", SAMPLER_STATE_FILE.format(rank=self.args.process_index))
         if checkpoint is None or not os.path.isfile(path):
@@ -319,16 +433,18 @@ class ARPOTrainer(GRPOTrainer):
         with open(path) as f:
             self.sampler.load_state_dict(json.load(f))
 
-    def _generate_and_score_completions(self, inputs):
+    def _generate_and_score_completions(self, inputs):  # TRL 1.16: GRPOTrainer's hook, (inputs) -> dict
         # Hard attribution needs the group advantages TRL computes, then spreads them per token.
         output = super()._generate_and_score_completions(inputs)
+        rows, width = self._trl.completion_shape(output)
         if self.args.log_trees and getattr(self, "_last_rollout", None) is not None:
-            self._log_trees(self._last_rollout, len(output["completion_ids"]))
+            self._log_trees(self._last_rollout, rows)
             self._last_rollout = None
         if self.args.advantage_attribution == "hard" and "arpo_node" in inputs[0]:
             fields = [{k[len("arpo_"):]: row[k] for k in row if k.startswith("arpo_")} for row in inputs]
-            owners = self._owners(fields, output["completion_ids"].shape[1])
-            output["advantages"] = hard_advantages(output["advantages"], owners, [f["group"] for f in fields])
+            owners = self._owners(fields, width)
+            advantages = hard_advantages(self._trl.advantages(output), owners, [f["group"] for f in fields])
+            self._trl.set_token_advantages(output, advantages)
         return output
 
     def _log_trees(self, result: RolloutResult, local_rows: int) -> None:
@@ -337,11 +453,8 @@ class ARPOTrainer(GRPOTrainer):
             return
         n = len(result.trajectories)  # server mode: every rank's groups; otherwise the main process's own
         total = local_rows * self.accelerator.num_processes  # TRL logs all ranks' rows, gathered in rank order
-        advantages = list(self._logs["advantages"])[-total:][:n]
-        per_func = [list(self._logs["rewards"][name])[-total:][:n] for name in self.reward_func_names]
-        weights = self.reward_weights.tolist()
-        rewards = [sum(w * v for w, v in zip(weights, row) if not math.isnan(v)) for row in zip(*per_func)]
-        records = tree_records(result, self._tokenizer, self.state.global_step, rewards, advantages)
+        advantages, rewards = self._trl.logged_advantages(total)[:n], self._trl.logged_rewards(total)[:n]
+        records = tree_records(result, self._trl.tokenizer, self.state.global_step, rewards, advantages)
         write_jsonl(records, os.path.join(self.args.output_dir, TREES_FILE))
         if "wandb" in (self.args.report_to or []) and importlib.util.find_spec("wandb"):
             import wandb
@@ -370,10 +483,10 @@ class ARPOTrainer(GRPOTrainer):
             "arpo/tool_seconds": stats.tool_seconds,
             "arpo/sampler_overhead_seconds": stats.overhead_seconds,
         }
-        sync = getattr(self, "vllm_generation", None)
+        sync = self._trl.weight_sync
         if getattr(sync, "last_seconds", None) is not None:  # set by a sync before this rollout only
             metrics["arpo/weight_sync_seconds"], sync.last_seconds = sync.last_seconds, None
         if stats.fork_deltas:
             metrics["arpo/fork_delta_entropy_mean"] = statistics.fmean(stats.fork_deltas)
         for key, value in metrics.items():
-            self._metrics[mode][key].append(float(value))
+            self._trl.log_metric(mode, key, value)
