@@ -6,22 +6,21 @@ Only two hooks change (plus, with `use_vllm=True`, the weight-sync object TRL ca
     which TRL turns into `tool_mask` and removes from the loss;
   * `_generate_and_score_completions` replaces the (B,) advantages by (B,T) ones for hard attribution,
     which TRL's `_compute_loss` accepts.
-Every use of TRL's undocumented state goes through `_TRLState` (tests/test_trl_touch_points.py checks it).
+Every use of TRL's undocumented state goes through `TRLState` (arpo_trl/trl_state.py; tests/test_trl_touch_points.py
+checks it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import logging
-import math
 import os
 import statistics
 import textwrap
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 
 import torch
@@ -49,9 +48,9 @@ from arpo_trl.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.tools.base import Tool
 from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
 from arpo_trl.trees import node_table, select, tree_html, tree_records, write_jsonl
+from arpo_trl.trl_state import TRLState
 
 SAMPLER_STATE_FILE = "arpo_sampler_rng_{rank}.json"
-TRL_CHECKED = "1.16.0"  # the TRL release every touch point of `_TRLState` was read against
 logger = logging.getLogger(__name__)
 
 
@@ -71,121 +70,6 @@ def _resolve_sync_mode(requested: str, *, is_peft: bool, tied: bool) -> str:
     """`resolve_sync_mode` for this machine: is there CUDA, and is `vllm` importable here."""
     return resolve_sync_mode(requested, is_peft=is_peft, cuda=torch.cuda.is_available(),
                              vllm_importable=importlib.util.find_spec("vllm") is not None, tied=tied)
-
-
-class _TRLState:
-    """The one place ARPOTrainer reads or writes TRL's undocumented state: private attributes of `GRPOTrainer`
-    (and of transformers' `Trainer` below it) and public ones TRL's docs do not describe. Each line names the TRL
-    release it was read against (`TRL_CHECKED`); tests/test_trl_touch_points.py fails, naming the touch point, when a
-    TRL upgrade moves one. That test also checks what ARPOTrainer uses outside this class: the private hooks it
-    overrides (`GRPOTrainer._generate_and_score_completions`, `Trainer._save_rng_state`, `Trainer._load_rng_state`),
-    the model-card class attributes and `trl.models.utils.unwrap_model_for_generation`'s keywords."""
-
-    def __init__(self, trainer: GRPOTrainer):
-        self._trainer = trainer
-
-    @staticmethod
-    @contextlib.contextmanager
-    def constructing(args: ARPOConfig, trl_builds_vllm: bool) -> Iterator[None]:
-        """Around `GRPOTrainer.__init__`: TRL builds its own vLLM backend only when TRL syncs the weights (NCCL)."""
-        # TRL 1.16: GRPOTrainer.__init__ warns about rollout_func unless os.environ["TRL_EXPERIMENTAL_SILENCE"] == "1"
-        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-        # TRL 1.16: GRPOTrainer.__init__ builds vllm_generation (a VLLMClient: needs `vllm`, NCCL) iff args.use_vllm
-        use_vllm, args.use_vllm = args.use_vllm, trl_builds_vllm
-        try:
-            yield
-        finally:
-            args.use_vllm = use_vllm
-
-    @property
-    def use_vllm(self) -> bool:
-        # TRL 1.16: GRPOTrainer.use_vllm (args.use_vllm at __init__) gates the sync hook and importance sampling
-        return self._trainer.use_vllm
-
-    @use_vllm.setter
-    def use_vllm(self, value: bool) -> None:
-        self._trainer.use_vllm = value
-
-    def install_weight_sync(self, sync) -> None:
-        # TRL 1.16: GRPOTrainer._generate calls vllm_generation.sync_weights() before rollout_func when use_vllm and
-        # state.global_step != _last_loaded_step, then stores global_step there (-1: sync before step 0 too)
-        self._trainer.vllm_generation = sync
-        self._trainer._last_loaded_step = -1
-
-    @property
-    def weight_sync(self):
-        # TRL 1.16: GRPOTrainer.vllm_generation exists only when TRL built it or install_weight_sync set it
-        return getattr(self._trainer, "vllm_generation", None)
-
-    def check_vespo_sampling_mode(self) -> None:
-        """TRL's own check, which its __init__ skipped because it saw use_vllm=False."""
-        trainer = self._trainer
-        # TRL 1.16: GRPOTrainer.loss_type, vllm_importance_sampling_correction and _mode are args' values
-        if trainer.loss_type == "vespo" and trainer.vllm_importance_sampling_correction and \
-                trainer.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"):
-            raise ValueError("VESPO loss requires vllm_importance_sampling_mode 'token_truncate' or 'token_mask'.")
-
-    def is_sharded(self) -> bool:
-        # transformers' Trainer under TRL 1.16: is_deepspeed_enabled / is_fsdp_enabled, set in Trainer.__init__
-        return self._trainer.is_deepspeed_enabled or self._trainer.is_fsdp_enabled
-
-    @property
-    def tokenizer(self):
-        # TRL 1.16: GRPOTrainer._tokenizer is processing_class, or processing_class.tokenizer for a processor
-        return self._trainer._tokenizer
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        # TRL 1.16: GRPOTrainer.eos_token_ids: the tokenizer's EOS plus every EOS id of the model's generation_config
-        return self._trainer.eos_token_ids
-
-    def group_size(self, training: bool) -> int:
-        # TRL 1.16: GRPOTrainer.num_generations, and num_generations_eval (args' value, else num_generations)
-        return self._trainer.num_generations if training else self._trainer.num_generations_eval
-
-    @staticmethod
-    def distinct_prompts(prompts: list, group_size: int) -> list:
-        # TRL 1.16: rollout_func(prompts, trainer) gets each prompt group_size times in a row (RepeatSampler), although
-        # its docstring says "no duplication"
-        return prompts[::group_size]
-
-    def tokenize_prompts(self, prompts: list) -> list[list[int]]:
-        # TRL 1.16: GRPOTrainer._tokenize_prompts(prompts) -> (prompt_ids, images, multimodal_fields), chat template on
-        prompt_ids, _, _ = self._trainer._tokenize_prompts(prompts)
-        return prompt_ids
-
-    @staticmethod
-    def completion_shape(output: dict) -> tuple[int, int]:
-        # TRL 1.16: _generate_and_score_completions' output["completion_ids"] is this rank's (B, T) padded tensor
-        rows, width = output["completion_ids"].shape
-        return rows, width
-
-    @staticmethod
-    def advantages(output: dict) -> torch.Tensor:
-        # TRL 1.16: _generate_and_score_completions' output["advantages"] is this rank's (B,) group advantages
-        return output["advantages"]
-
-    @staticmethod
-    def set_token_advantages(output: dict, advantages: torch.Tensor) -> None:
-        # TRL 1.16: GRPOTrainer._compute_loss unsqueezes 1-D advantages only, so (B, T) ones are used as they are
-        output["advantages"] = advantages
-
-    def logged_advantages(self, last: int) -> list[float]:
-        # TRL 1.16: GRPOTrainer._logs["advantages"] is a deque of per-sample advantages, every rank's, in rank order
-        return list(self._trainer._logs["advantages"])[-last:]
-
-    def logged_rewards(self, last: int) -> list[float]:
-        """Each of the last `last` samples' weighted reward, as TRL's `reward` metric sums it (unscored: left out)."""
-        trainer = self._trainer
-        # TRL 1.16: GRPOTrainer._logs["rewards"][name] is a deque of per-sample rewards (NaN: unscored), every rank's in
-        # rank order, for each name of reward_func_names, whose order is reward_weights' (a tensor)
-        per_func = [list(trainer._logs["rewards"][name])[-last:] for name in trainer.reward_func_names]
-        weights = trainer.reward_weights.tolist()
-        return [sum(w * v for w, v in zip(weights, row) if not math.isnan(v)) for row in zip(*per_func)]
-
-    def log_metric(self, mode: str, key: str, value: float) -> None:
-        # TRL 1.16: GRPOTrainer._metrics[mode][key] (mode "train"/"eval") is a list TRL averages into its next log()
-        self._trainer._metrics[mode][key].append(float(value))
 
 
 class ARPOTrainer(GRPOTrainer):
@@ -241,13 +125,13 @@ class ARPOTrainer(GRPOTrainer):
         trl_sync = use_vllm and self._wants_trl_nccl_sync(args, model, peft_config)
         # TRL would build its own VLLMClient (needs `vllm` importable, syncs over NCCL only); our engine and
         # file-based sync replace it, so TRL sees use_vllm=False while it is constructed.
-        with _TRLState.constructing(args, trl_builds_vllm=trl_sync):
+        with TRLState.constructing(args, trl_builds_vllm=trl_sync):
             super().__init__(
                 model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                 eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
                 rollout_func=self._arpo_rollout, **kwargs,
             )
-        self._trl = _TRLState(self)
+        self._trl = TRLState(self)
         self._trl.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
         configure_math_scoring(timeout=args.reward_timeout, batch_timeout=args.reward_batch_timeout)

@@ -1,5 +1,5 @@
 """Every TRL touch point of `arpo_trl.trainer` is where the TRL release `TRL_CHECKED` had it: the undocumented
-`GRPOTrainer` state that `_TRLState` reads and writes, and the private hooks `ARPOTrainer` overrides. A TRL upgrade
+`GRPOTrainer` state that `TRLState` reads and writes, and the private hooks `ARPOTrainer` overrides. A TRL upgrade
 that moves one fails here, naming it, instead of silently breaking training (trees logged with another batch's
 rewards, a vLLM server never synced, tool results trained on)."""
 
@@ -18,7 +18,7 @@ from trl.models.utils import unwrap_model_for_generation
 
 from arpo_trl import ARPOConfig, ARPOTrainer
 from arpo_trl.rewards import completion_text
-from arpo_trl.trainer import TRL_CHECKED, _TRLState
+from arpo_trl.trl_state import TRL_CHECKED, TRLState
 
 M = 4  # num_generations
 ROWS = 8  # completions per step: 2 prompts × M
@@ -26,7 +26,7 @@ ROWS = 8  # completions per step: 2 prompts × M
 
 def moved(touch_point: str, detail: str) -> str:
     return (f"TRL touch point `{touch_point}` moved (checked against TRL {TRL_CHECKED}, installed TRL "
-            f"{trl.__version__}): {detail}. Update arpo_trl.trainer._TRLState and this test.")
+            f"{trl.__version__}): {detail}. Update arpo_trl.trl_state.TRLState and this test.")
 
 
 def check(ok: bool, touch_point: str, detail: str) -> None:
@@ -63,7 +63,7 @@ def test_model_card_class_attributes():
 
 
 def test_vllm_backend_is_built_from_args_use_vllm():
-    """`_TRLState.constructing` hides args.use_vllm from TRL's __init__; that only works while TRL builds its
+    """`TRLState.constructing` hides args.use_vllm from TRL's __init__; that only works while TRL builds its
     backend from args.use_vllm (building it needs `vllm`, not installed here, so the source is read)."""
     source = inspect.getsource(GRPOTrainer.__init__)
     check("self.use_vllm = args.use_vllm" in source, "GRPOTrainer.use_vllm", "no longer copied from args.use_vllm")
@@ -82,7 +82,7 @@ class SyncRecorder:
         self.last_seconds = 0.25
 
 
-class RecordingState(_TRLState):
+class RecordingState(TRLState):
     """Keeps the (B,) group advantages TRL computed, before hard attribution spreads them over the tokens."""
 
     def advantages(self, output):
@@ -181,7 +181,7 @@ def test_scored_batch_and_logs(trained):
     trainer, _, _ = trained
     output = trainer.outputs[-1]
     rows, width = trainer._trl.completion_shape(output)
-    advantages = _TRLState.advantages(output)  # after hard attribution (RecordingState keeps the ones before)
+    advantages = TRLState.advantages(output)  # after hard attribution (RecordingState keeps the ones before)
     check(rows == ROWS and advantages.shape == (ROWS, width), "_generate_and_score_completions output",
           f"completion_ids {tuple(output['completion_ids'].shape)}, advantages {tuple(advantages.shape)}")
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
