@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Literal, Protocol
 
 import torch
@@ -47,11 +47,37 @@ class GenerationEngine(Protocol):
         """One segment per prefix; `max_new_tokens[i] >= 1` bounds segment `i`."""
 
 
-def _eos_ids(tokenizer, eos_token_ids: Sequence[int] | None, engine: str) -> list[int]:
-    eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
-    if any(e is None for e in eos):
-        raise ValueError(f"{engine} needs eos_token_ids: the tokenizer has no eos_token_id.")
-    return eos
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How both engines sample, carried from a config (`ARPOConfig`, the eval arguments) by `from_config`."""
+
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    entropy_top_k: int | None = 10  # entropy over the top-k probabilities (the reference's estimator); None: exact
+    eos_token_ids: Sequence[int] | None = None  # None: the tokenizer's EOS
+    generation_kwargs: dict | None = field(default=None, hash=False)  # passed on to generate() / the request
+
+    @classmethod
+    def from_config(cls, config, **overrides) -> SamplingSettings:
+        """The settings `config` has under these names (others keep their defaults), then `overrides`."""
+        values = {f.name: getattr(config, f.name) for f in fields(cls) if hasattr(config, f.name)}
+        return cls(**{**values, **overrides})
+
+    def eos_ids(self, tokenizer, engine: str) -> list[int]:
+        eos = list(self.eos_token_ids) if self.eos_token_ids else [tokenizer.eos_token_id]
+        if any(e is None for e in eos):
+            raise ValueError(f"{engine} needs eos_token_ids: the tokenizer has no eos_token_id.")
+        return eos
+
+
+def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """The tokenizer's EOS plus the model's generation-config EOS ids (as TRL's `GRPOTrainer.eos_token_ids`)."""
+    extra = getattr(generation_config, "eos_token_id", None)
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+    return list(dict.fromkeys([tokenizer.eos_token_id, *extra]))
 
 
 def _check_budgets(prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> None:
@@ -131,29 +157,22 @@ class TransformersEngine:
         model,
         tokenizer,
         *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        entropy_top_k: int | None = 10,
-        eos_token_ids: Sequence[int] | None = None,
-        generation_kwargs: dict | None = None,
+        sampling: SamplingSettings = SamplingSettings(),
         model_context: Callable[[], AbstractContextManager] | None = None,
         max_batch_size: int | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
-        self.entropy_top_k = entropy_top_k
-        self.temperature = temperature
-        self.eos_token_ids = eos = _eos_ids(tokenizer, eos_token_ids, "TransformersEngine")
+        self.entropy_top_k = sampling.entropy_top_k
+        self.temperature = t = sampling.temperature
+        self.eos_token_ids = eos = sampling.eos_ids(tokenizer, "TransformersEngine")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
         self.pad_token_id = pad
         self.sampling = dict(
-            do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=top_p,
-            top_k=top_k or None, min_p=min_p, repetition_penalty=repetition_penalty, eos_token_id=eos,
-            pad_token_id=pad, **(generation_kwargs or {}),
+            do_sample=t > 0, temperature=t if t > 0 else None, top_p=sampling.top_p, top_k=sampling.top_k or None,
+            min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty, eos_token_id=eos, pad_token_id=pad,
+            **(sampling.generation_kwargs or {}),
         )
         self.model_context = model_context
         self.max_batch_size = max_batch_size
@@ -236,16 +255,10 @@ class VLLMServerEngine:
         tokenizer,
         *,
         model_name: str | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        entropy_top_k: int | None = 10,
-        eos_token_ids: Sequence[int] | None = None,
-        generation_kwargs: dict | None = None,
+        sampling: SamplingSettings = SamplingSettings(),
         max_concurrency: int = 64,
     ):
+        entropy_top_k, extra = sampling.entropy_top_k, sampling.generation_kwargs or {}
         if entropy_top_k is None or entropy_top_k < 1:
             raise ValueError(
                 "entropy_top_k: the vLLM server returns top-k logprobs, not logits, so exact entropy "
@@ -256,17 +269,17 @@ class VLLMServerEngine:
         self.vocab_size = len(tokenizer)
         self.entropy_top_k = entropy_top_k
         self.model_name = model_name or client.base_model()
-        self.eos_token_ids = eos = _eos_ids(tokenizer, eos_token_ids, "VLLMServerEngine")
+        self.eos_token_ids = eos = sampling.eos_ids(tokenizer, "VLLMServerEngine")
         reserved = {"model", "prompt", "max_tokens", "n", "logprobs", "stop", "stop_token_ids", "return_token_ids",
                     "return_tokens_as_token_ids", "include_stop_str_in_output", "skip_special_tokens"}
-        if clash := reserved & set(generation_kwargs or {}):
+        if clash := reserved & set(extra):
             raise ValueError(f"generation_kwargs: {sorted(clash)} are set by the ARPO sampler for vLLM requests and "
                              "cannot be overridden.")
         self.sampling = {
-            "temperature": temperature, "top_p": top_p, "top_k": top_k or -1, "min_p": min_p or 0.0,
-            "repetition_penalty": repetition_penalty, "stop_token_ids": eos, "logprobs": entropy_top_k,
-            "include_stop_str_in_output": True, "skip_special_tokens": False, "return_token_ids": True,
-            "return_tokens_as_token_ids": True, **(generation_kwargs or {}),
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
+            "min_p": sampling.min_p or 0.0, "repetition_penalty": sampling.repetition_penalty, "stop_token_ids": eos,
+            "logprobs": entropy_top_k, "include_stop_str_in_output": True, "skip_special_tokens": False,
+            "return_token_ids": True, "return_tokens_as_token_ids": True, **extra,
         }
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm-request")
 

@@ -32,7 +32,7 @@ from trl.models.utils import unwrap_model_for_generation
 from arpo_trl.advantages import hard_advantages, owner_mask, token_owners
 from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import run_on_main_process
-from arpo_trl.engines import GenerationEngine, TransformersEngine, VLLMServerEngine
+from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine, VLLMServerEngine
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.scoring import configure_math_scoring
 from arpo_trl.server.client import VLLMClient, check_server_tokenizer
@@ -199,9 +199,7 @@ class ARPOTrainer(GRPOTrainer):
         self.vllm_client.wait_until_ready()
         args = self.args
         engine = VLLMServerEngine(
-            self.vllm_client, self._trl.tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            min_p=args.min_p, repetition_penalty=args.repetition_penalty, entropy_top_k=args.entropy_top_k,
-            eos_token_ids=self._trl.eos_token_ids, generation_kwargs=args.generation_kwargs,
+            self.vllm_client, self._trl.tokenizer, sampling=self._sampling(),
             max_concurrency=args.vllm_max_concurrent_requests,
         )
         check_server_tokenizer(self.vllm_client, self._trl.tokenizer, engine.model_name)
@@ -223,12 +221,13 @@ class ARPOTrainer(GRPOTrainer):
         run_name = f"arpo-{uuid.uuid4().hex[:8]}"  # adapter names must be new on a server shared across runs
         return sync_class(self.vllm_client, self.engine, self.accelerator, lambda: self.model, sync_dir, run_name)
 
+    def _sampling(self) -> SamplingSettings:
+        return SamplingSettings.from_config(self.args, eos_token_ids=self._trl.eos_token_ids)
+
     def _transformers_engine(self) -> TransformersEngine:
         args = self.args
         return TransformersEngine(
-            None, self._trl.tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            min_p=args.min_p, repetition_penalty=args.repetition_penalty, entropy_top_k=args.entropy_top_k,
-            eos_token_ids=self._trl.eos_token_ids, generation_kwargs=args.generation_kwargs,
+            None, self._trl.tokenizer, sampling=self._sampling(),
             model_context=lambda: unwrap_model_for_generation(
                 self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation,
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,

@@ -173,8 +173,8 @@ def vllm_rollouts(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     from arpo_trl import BranchingSampler, PythonTool, VLLMClient, VLLMServerEngine
+    from arpo_trl.commands.evaluate import prompt_ids
     from arpo_trl.data import reasoning_gym_dataset, resolve_system_prompt
-    from arpo_trl.evaluation import prompt_ids
     from arpo_trl.server.launcher import VLLMServer
 
     model = str(ROOT / args.model)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from arpo_trl.evaluation import score_completion
+from arpo_trl.eval_metrics import score_completion
 from arpo_trl.rewards import (
     answer_accuracy,
     arpo_f1_reward,

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from arpo_trl.cli import main, parse_train_args
+from arpo_trl.cli import main
+from arpo_trl.commands.train import parse_train_args
 from arpo_trl.preflight import accelerator_available
 
 

@@ -5,7 +5,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from arpo_trl.cli import main
-from arpo_trl.cold_start import tool_transcripts
+from arpo_trl.commands.sft import tool_transcripts
 from arpo_trl.data import SHORT_PYTHON_SYSTEM_PROMPT
 from arpo_trl.rewards import arpo_math_reward, validate_format
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from arpo_trl.engines import TransformersEngine, normalized_entropy, token_entropy
+from arpo_trl.engines import SamplingSettings, TransformersEngine, normalized_entropy, token_entropy
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def _prompt(tokenizer, text):
 
 
 def test_per_prefix_budgets_are_respected(random_model, tokenizer):
-    engine = TransformersEngine(random_model, tokenizer, entropy_top_k=None)
+    engine = TransformersEngine(random_model, tokenizer, sampling=SamplingSettings(entropy_top_k=None))
     torch.manual_seed(0)
     prefixes = [_prompt(tokenizer, "What is 1+2?"), _prompt(tokenizer, "hello")[:5], [5, 6, 7]]
     budgets = [3, 9, 1]
@@ -41,7 +41,7 @@ def test_per_prefix_budgets_are_respected(random_model, tokenizer):
 
 
 def test_logprobs_and_exact_entropy_match_a_forward_pass(random_model, tokenizer):
-    engine = TransformersEngine(random_model, tokenizer, entropy_top_k=None, temperature=0.7)
+    engine = TransformersEngine(random_model, tokenizer, sampling=SamplingSettings(entropy_top_k=None, temperature=0.7))
     torch.manual_seed(1)
     prefixes = [_prompt(tokenizer, "What is 3+4?"), _prompt(tokenizer, "hi")]
     segments = engine.generate(prefixes, [12, 12], stop=[])

@@ -15,19 +15,9 @@ import yaml
 from datasets import Dataset
 
 from arpo_trl.cli import main
+from arpo_trl.commands.evaluate import RESULTS_FILE, EvalArguments, EvalSetup, check_args, evaluate, make_eval_parser
 from arpo_trl.engines import Segment
-from arpo_trl.evaluation import (
-    RESULTS_FILE,
-    EvalArguments,
-    EvalSetup,
-    check_args,
-    evaluate,
-    make_eval_parser,
-    pass_at_k,
-    score_answer,
-    score_completion,
-    tool_call_counts,
-)
+from arpo_trl.eval_metrics import pass_at_k, score_answer, score_completion, tool_call_counts
 from arpo_trl.paths import ToolCallRecord
 from arpo_trl.tools.base import Tool
 
@@ -157,7 +147,7 @@ def _python(code: str) -> str:
 
 
 def test_scripted_engine_gives_exact_pass_at_k_and_tool_statistics(tokenizer, tmp_path):
-    from arpo_trl.evaluation import prompt_ids
+    from arpo_trl.commands.evaluate import prompt_ids
 
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {q}?"}], "ground_truth": gt}
                               for q, gt in (("2+3", "5"), ("3+4", "7"))])
@@ -291,7 +281,7 @@ def test_dataset_without_ground_truth_column(tiny_model_dir, tmp_path, capsys):
 def test_auto_metric_asks_the_dataset():
     """metric='auto' asks `arpo_trl.data.dataset_metric` (the real one) about named datasets, even against the rows'
     own `metric` column; for anything else it reads a single-valued `metric` column, else scores by math."""
-    from arpo_trl.evaluation import resolve_metric
+    from arpo_trl.commands.evaluate import resolve_metric
 
     says_f1 = Dataset.from_list([{"prompt": "q", "ground_truth": "a", "metric": "f1"}])
     says_math = Dataset.from_list([{"prompt": "q", "ground_truth": "a", "metric": "math"}])

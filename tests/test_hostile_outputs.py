@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from arpo_trl.evaluation import score_completion
+from arpo_trl.eval_metrics import score_completion
 from arpo_trl.rewards import answer_accuracy, arpo_math_reward, completion_text, math_scores
 from arpo_trl.scoring import MathScorer, default_scorer
 from arpo_trl.tool_calls import ChatTemplateFormat

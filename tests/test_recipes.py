@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from arpo_trl.cli import REWARDS, TOOLS, make_parser
-from arpo_trl.cold_start import make_parser as make_sft_parser
-from arpo_trl.evaluation import make_eval_parser
+from arpo_trl.commands.builders import REWARDS, TOOLS
+from arpo_trl.commands.evaluate import make_eval_parser
+from arpo_trl.commands.sft import make_parser as make_sft_parser
+from arpo_trl.commands.train import make_parser
 
 ALL_RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 EVAL_RECIPES = [p for p in ALL_RECIPES if p.name.startswith("eval_")]

@@ -24,7 +24,7 @@ from tiny import build_tokenizer, question
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from arpo_trl import ARPOTrainer, PythonTool, Tool
-from arpo_trl.engines import VLLMServerEngine, token_entropy
+from arpo_trl.engines import SamplingSettings, VLLMServerEngine, token_entropy
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.server.client import VLLMClient, VLLMServerError, check_server_tokenizer
 from arpo_trl.server.launcher import VLLMServer, free_port
@@ -50,8 +50,8 @@ def test_engine_logprobs_and_entropy_match_transformers(vllm_server, tool_model_
     client = VLLMClient(vllm_server.base_url)
     model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
     prompts = [_prompt(tokenizer, a, b) for a, b in [(3, 4), (12, 30), (55, 21)]]
-    estimators = {10: VLLMServerEngine(client, tokenizer, entropy_top_k=10),
-                  len(tokenizer): VLLMServerEngine(client, tokenizer, entropy_top_k=len(tokenizer))}
+    estimators = {k: VLLMServerEngine(client, tokenizer, sampling=SamplingSettings(entropy_top_k=k))
+                  for k in (10, len(tokenizer))}
     for top_k, engine in estimators.items():
         segments = engine.generate(prompts, [40, 40, 5], ["</python>"])
         assert len(segments[2].token_ids) <= 5 and segments[2].finish_reason in ("length", "stop", "eos")
@@ -134,7 +134,7 @@ def test_lora_sync_long_prompt_after_update_matches_trainer(vllm_server, tool_mo
     from arpo_trl.server.weight_sync import LoRAAdapterSync
 
     client = VLLMClient(vllm_server.base_url)
-    engine = VLLMServerEngine(client, tokenizer, entropy_top_k=1)
+    engine = VLLMServerEngine(client, tokenizer, sampling=SamplingSettings(entropy_top_k=1))
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tool_model_dir),
                            LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     sync = LoRAAdapterSync(client, engine, Accelerator(cpu=True), model, tmp_path, name="trap")
@@ -171,7 +171,8 @@ def test_zero_adapter_stands_in_for_base_when_batched_with_lora(vllm_server, too
     client.load_lora_adapter("zero-test", str(tmp_path / "zero"))
     client.load_lora_adapter("tuned-test", str(tmp_path / "tuned"))
     try:
-        engines = {name: VLLMServerEngine(client, tokenizer, model_name=name, entropy_top_k=1)
+        top1 = SamplingSettings(entropy_top_k=1)
+        engines = {name: VLLMServerEngine(client, tokenizer, model_name=name, sampling=top1)
                    for name in ("zero-test", "tuned-test")}
         prompts = [_prompt(tokenizer, a, 3 * a) for a in range(6)]
         with ThreadPoolExecutor(2) as pool:  # both adapters' requests in flight together, batched by the server
@@ -190,7 +191,7 @@ def test_zero_adapter_stands_in_for_base_when_batched_with_lora(vllm_server, too
 def test_reload_weights_sync_full_finetune(vllm_server, tool_model_dir, tokenizer, tmp_path):
     """Full fine-tuning without CUDA: save + /collective_rpc reload_weights; restored afterwards."""
     client = VLLMClient(vllm_server.base_url)
-    engine = VLLMServerEngine(client, tokenizer, entropy_top_k=1)
+    engine = VLLMServerEngine(client, tokenizer, sampling=SamplingSettings(entropy_top_k=1))
     model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
     with torch.no_grad():
         for param in model.parameters():
@@ -222,9 +223,10 @@ def test_bad_server_mode_input_is_refused_clearly(tokenizer, tmp_path):
         resolve_sync_mode("reload", is_peft=True, cuda=False, vllm_importable=False, tied=False)
     client = VLLMClient("http://127.0.0.1:9")  # never contacted
     with pytest.raises(ValueError, match=r"generation_kwargs: \['logprobs', 'stop'\]"):
-        VLLMServerEngine(client, tokenizer, model_name="m", generation_kwargs={"stop": ["x"], "logprobs": 3})
+        VLLMServerEngine(client, tokenizer, model_name="m", sampling=SamplingSettings(
+            generation_kwargs={"stop": ["x"], "logprobs": 3}))
     with pytest.raises(ValueError, match="entropy_top_k"):
-        VLLMServerEngine(client, tokenizer, model_name="m", entropy_top_k=None)
+        VLLMServerEngine(client, tokenizer, model_name="m", sampling=SamplingSettings(entropy_top_k=None))
     args = VLLMServer("m", lora_rank=4).args  # vLLM only accepts some ranks: rounded up
     assert args[args.index("--max-lora-rank") + 1] == "8"
     with pytest.raises(ValueError, match="lora_rank must be between 1 and 512"):
@@ -261,7 +263,7 @@ def test_server_killed_mid_rollout_raises_without_hanging(tool_model_dir, tokeni
     server = VLLMServer(tool_model_dir, max_model_len=1024, log_path=tmp_path / "server.log").start()
     try:
         engine = VLLMServerEngine(VLLMClient(server.base_url, request_timeout=60), tokenizer,
-                                  generation_kwargs={"ignore_eos": True})
+                                  sampling=SamplingSettings(generation_kwargs={"ignore_eos": True}))
         prompts = [_prompt(tokenizer, a, a) for a in range(64)]
         errors = []
 
@@ -326,7 +328,8 @@ def test_client_metrics_and_finish_reasons(vllm_server, tokenizer):
     """Each finish reason as the engine maps vLLM's, and the server's own counters moving by exactly the requests and
     tokens of these calls; the server log records them."""
     client = VLLMClient(vllm_server.base_url)
-    engine = VLLMServerEngine(client, tokenizer, temperature=0.0)  # greedy: the three requests write the same text
+    # greedy: the three requests write the same text
+    engine = VLLMServerEngine(client, tokenizer, sampling=SamplingSettings(temperature=0.0))
     prompt = _prompt(tokenizer, 1, 2)
     before = client.metrics()
     (seg,) = engine.generate([prompt], [200], [])
@@ -366,7 +369,7 @@ def test_event_driven_rollout_on_server_is_complete_and_cancellable(vllm_server,
     assert [len(g) for g in result.groups] == [4] * 6 and result.stats.requests > 6
     assert result.stats.critical_path_tokens > 0 and result.stats.waves >= 1
 
-    long = VLLMServerEngine(client, tokenizer, generation_kwargs={"ignore_eos": True})
+    long = VLLMServerEngine(client, tokenizer, sampling=SamplingSettings(generation_kwargs={"ignore_eos": True}))
     sampler = BranchingSampler(long, tokenizer, [], num_generations=4, branch_policy="none",
                                max_completion_length=1000, seed=0)
     def ctrl_c_once_the_server_generates() -> None:  # mid-rollout by the server's own count, not by a guessed delay
@@ -401,7 +404,7 @@ def test_server_killed_during_an_event_driven_rollout_fails_fast(tool_model_dir,
     server = VLLMServer(tool_model_dir, max_model_len=1024, log_path=tmp_path / "server.log").start()
     try:
         engine = VLLMServerEngine(VLLMClient(server.base_url, request_timeout=60), tokenizer,
-                                  generation_kwargs={"ignore_eos": True})
+                                  sampling=SamplingSettings(generation_kwargs={"ignore_eos": True}))
         sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda code: "1")], num_generations=4,
                                    initial_rollouts=2, max_completion_length=900, seed=0)
         threading.Timer(3.0, os.killpg, (server.process.pid, signal.SIGKILL)).start()

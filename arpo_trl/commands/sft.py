@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 
 from datasets import Dataset
 
+from arpo_trl.commands.builders import fail, one_line_parser, parse_recipe, resolve_model
 from arpo_trl.data import PYTHON_SYSTEM_PROMPT, arpo_prompt, create_reasoning_gym_task, resolve_system_prompt
+from arpo_trl.preflight import check_writable_dir
 from arpo_trl.tools.base import format_result
 from arpo_trl.tools.python import PythonTool
 
@@ -105,8 +107,6 @@ def _run_prints(tool: PythonTool, expressions: list[str]) -> list[str]:
 def make_parser():
     from trl import ModelConfig, SFTConfig
 
-    from arpo_trl.cli import one_line_parser
-
     return one_line_parser((ColdStartArguments, SFTConfig, ModelConfig), "arpo-trl sft")
 
 
@@ -114,20 +114,14 @@ def sft(argv: Sequence[str]) -> None:
     """`arpo-trl sft --config recipe.yaml`: TRL's SFTTrainer on tool transcripts; saves a full model."""
     from trl import SFTTrainer, get_peft_config
 
-    from arpo_trl.cli import _fail, resolve_model
-    from arpo_trl.preflight import check_writable_dir, cpu_defaults, explain_precision_error
-
     try:
-        try:
-            script_args, training_args, model_args = make_parser().parse_args_and_config(cpu_defaults(argv, "sft"))
-        except ValueError as error:
-            raise explain_precision_error(error) from error
+        script_args, training_args, model_args = parse_recipe(make_parser(), argv, "sft")
         check_writable_dir(training_args.output_dir)
         model = resolve_model(model_args.model_name_or_path)
         dataset = tool_transcripts(script_args.task, script_args.num_examples, script_args.transcript_seed,
                                    resolve_system_prompt(script_args.system_prompt), script_args.task_config)
     except (ValueError, FileNotFoundError, ImportError) as error:
-        _fail(error)
+        fail(error)
     trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset,
                          peft_config=get_peft_config(model_args))
     trainer.train()

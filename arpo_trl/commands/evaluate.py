@@ -9,17 +9,13 @@ correctness), pass@k (the unbiased estimator of Chen et al. 2021, `1 - C(n-c, k)
 format-valid rate, tool-call statistics, finish reasons, tokens generated and wall time. Writes
 `<output_dir>/eval_results.json` (config, summary, per-seed metrics, per-question records with completions) and
 `eval_results.md`, and prints the markdown table.
-
-A trajectory is *correct* when its score is 1: math-verify equivalence, or an exact match for 'f1'/'em' (the
-'f1' metric additionally reports the mean token-F1, which is what the paper reports for knowledge QA).
+Scoring and metrics: `arpo_trl.eval_metrics`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,34 +23,38 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arpo_trl.cli import (
-    TOOLS,
-    ARPOScriptArguments,
+from arpo_trl.commands.builders import (
+    DatasetArguments,
+    ToolArguments,
     UserInputError,
     build_tools,
-    load_train_dataset,
+    check_chat_template,
+    fail,
+    load_dataset,
+    one_line_parser,
     resolve_model,
 )
-from arpo_trl.paths import ToolCallRecord
-from arpo_trl.preflight import check_writable_dir
-from arpo_trl.rewards import (
-    GROUND_TRUTH_COLUMNS,
-    extract_answer,
-    f1_score,
-    last_boxed,
-    math_score,
-    normalize_answer,
-    validate_format,
+from arpo_trl.engines import SamplingSettings, eos_token_ids
+from arpo_trl.eval_metrics import (
+    METRICS,
+    ground_truth,
+    pass_at_k,
+    question_text,
+    score_completion,
+    seed_metrics,
+    seed_table,
+    summarize,
+    tool_call_counts,
 )
+from arpo_trl.preflight import check_writable_dir
 from arpo_trl.scoring import configure_math_scoring
 
-METRICS = ("auto", "math", "f1", "em")
 BACKENDS = ("transformers", "vllm_server")
 RESULTS_FILE = "eval_results.json"
 
 
 @dataclass
-class EvalArguments:
+class EvalArguments(ToolArguments, DatasetArguments):
     """Everything `arpo-trl eval` reads; a flat YAML recipe or `--flags`. Sampling defaults are the reference's
     evaluation settings (T=0.6, top_p 0.95, top_k 20, repetition penalty 1.1)."""
 
@@ -68,24 +68,7 @@ class EvalArguments:
         metadata={"help": "Optional PEFT adapter folder (e.g. a LoRA training run's output_dir), applied to the model "
                   "(merged for the transformers backend, loaded as a LoRA module on the vLLM server)."},
     )
-    dataset_name: str | None = field(
-        default=None,
-        metadata={"help": "'reasoning_gym:<task>[:<size>]' (generated offline with `dataset_seed`), a local "
-                  ".json/.jsonl/.parquet/.csv file or a datasets hub id, with a `prompt` column and a ground-truth "
-                  f"column (one of {list(GROUND_TRUTH_COLUMNS)})."},
-    )
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
     dataset_split: str = field(default="test", metadata={"help": "Split to evaluate (hub datasets)."})
-    task_config: dict | None = field(
-        default=None,
-        metadata={"help": "Options of a 'reasoning_gym:<task>' dataset (e.g. {max_terms: 3}); use the training "
-                  "recipe's."},
-    )
-    system_prompt: str | None = field(
-        default=None,
-        metadata={"help": "Replace the prompts' system message: 'python', 'python_short', 'search' or the text itself "
-                  "(use the one the model was trained with)."},
-    )
     dataset_seed: int = field(
         default=1234,
         metadata={"help": "Seed of generated datasets (reasoning_gym). Training generates with its `seed` (42 in the "
@@ -112,19 +95,10 @@ class EvalArguments:
         metadata={"help": "Score the last \\boxed{} inside <answer>…</answer> (as the reward); false: the last "
                   "\\boxed{} anywhere in the completion."},
     )
-    tools: list[str] = field(
-        default_factory=lambda: ["python"],
-        metadata={"help": f"Tools the model may call, by tag: {list(TOOLS)}. 'search' needs `search_corpus`."},
-    )
     tool_call_format: str = field(
         default="tags",
         metadata={"help": "'tags' (<python>…</python>) or 'chat_template' (the tokenizer's own function calling; "
                   "see ARPOConfig.tool_call_format)."},
-    )
-    python_timeout: float = field(default=10.0, metadata={"help": "Seconds one Python tool call may run."})
-    search_corpus: str | None = field(
-        default=None, metadata={"help": "Text file for the BM25 search tool: one document per line (or a .jsonl "
-                                "with a `text` field)."},
     )
     scoring_timeout: float = field(
         default=2.0,
@@ -164,109 +138,6 @@ class EvalArguments:
     save_completions: bool = field(
         default=True, metadata={"help": "Store every completion's text in the per-question records."}
     )
-
-
-# ---- scoring ----------------------------------------------------------------------------------------------------
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): the chance that k of n samples, c of them correct, hold a correct one."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}.")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def exact_match(prediction: str, ground_truths: str | Sequence[str]) -> float:
-    """SQuAD exact match (after `normalize_answer`), max over the ground truths."""
-    truths = [ground_truths] if isinstance(ground_truths, str) else list(ground_truths)
-    return float(any(normalize_answer(prediction) == normalize_answer(str(t)) for t in truths))
-
-
-def score_answer(answer: str | None, ground_truth, metric: str) -> dict[str, float]:
-    """`score` (the metric's value), `correct` (1.0 or 0.0) and, for 'f1'/'em', both `f1` and `em`."""
-    if metric not in METRICS[1:]:
-        raise ValueError(f"metric: unknown metric {metric!r}; expected one of {list(METRICS[1:])}.")
-    truth = ground_truth if isinstance(ground_truth, (list, tuple)) else str(ground_truth)
-    if metric == "math":
-        value = 0.0 if answer is None else math_score(answer, truth)
-        return {"score": value, "correct": float(value >= 1.0)}
-    f1 = 0.0 if answer is None else f1_score(answer, truth)
-    em = 0.0 if answer is None else exact_match(answer, truth)
-    return {"score": f1 if metric == "f1" else em, "correct": em, "f1": f1, "em": em}
-
-
-def score_completion(text: str, ground_truth, metric: str, require_answer_tag: bool = True,
-                     calls: Sequence[dict] | None = None) -> dict[str, Any]:
-    """Score one completion: extracted answer, metric values and the reference's format check."""
-    answer = extract_answer(text) if require_answer_tag else last_boxed(text)
-    format_error = validate_format(text, calls=calls)
-    return {"answer": answer, **score_answer(answer, ground_truth, metric), "format_error": format_error}
-
-
-def tool_call_counts(calls: Sequence[ToolCallRecord], tags: Sequence[str]) -> dict[str, int]:
-    """Calls run per tool, as the sampler recorded them (any call format)."""
-    return {tag: sum(call.ran and call.tool == tag for call in calls) for tag in tags}
-
-
-# ---- metrics ----------------------------------------------------------------------------------------------------
-def seed_metrics(records: list[dict], ks: Sequence[int], metric: str, tags: Sequence[str],
-                 wall_time: float) -> dict[str, float]:
-    """Flat metrics of one seed's per-question records."""
-    completions = [c for r in records for c in r["completions"]]
-    total = max(len(completions), 1)
-    out: dict[str, float] = {"questions": len(records), "trajectories": len(completions)}
-    for k in ks:
-        out[f"pass@{k}"] = _mean(pass_at_k(len(r["completions"]), r["num_correct"], k) for r in records)
-    out["mean_score"] = _mean(c["score"] for c in completions)
-    if metric in ("f1", "em"):
-        out["mean_f1"] = _mean(c["f1"] for c in completions)
-        out["mean_em"] = _mean(c["em"] for c in completions)
-    out["answered_rate"] = sum(c["answer"] is not None for c in completions) / total
-    out["format_valid_rate"] = sum(c["format_error"] is None for c in completions) / total
-    calls = sum(c["tool_calls"] for c in completions)
-    failures = sum(c["tool_failures"] for c in completions)
-    out["tool_calls_per_trajectory"] = calls / total
-    out["tool_failures_per_trajectory"] = failures / total
-    out["tool_failure_rate"] = failures / calls if calls else 0.0
-    for tag in tags:
-        out[f"tool_use_rate/{tag}"] = sum(c["calls_by_tool"][tag] > 0 for c in completions) / total
-    for reason in sorted({c["finish_reason"] for c in completions}):
-        out[f"finish_reason/{reason}"] = sum(c["finish_reason"] == reason for c in completions) / total
-    tokens = sum(c["tokens"] for c in completions)
-    out["tokens_generated"] = tokens
-    out["tokens_per_trajectory"] = tokens / total
-    out["wall_time_s"] = wall_time
-    return out
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return statistics.fmean(values) if values else 0.0
-
-
-def summarize(per_seed: list[dict[str, float]]) -> dict[str, dict[str, float]]:
-    """Mean and sample std (0 for one seed) of every metric over seeds; a finish reason a seed never saw counts 0."""
-    keys = list(dict.fromkeys(key for metrics in per_seed for key in metrics if key != "seed"))
-    summary = {}
-    for key in keys:
-        values = [float(metrics.get(key, 0.0)) for metrics in per_seed]
-        summary[key] = {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
-    return summary
-
-
-def markdown_table(per_seed: list[dict[str, float]], summary: dict[str, dict[str, float]]) -> str:
-    seeds = [f"seed {int(m['seed'])}" for m in per_seed]
-    lines = ["| metric | " + " | ".join(seeds) + " | mean ± std |", "|---" * (len(seeds) + 2) + "|"]
-    for key, stats in summary.items():
-        cells = [_fmt(key, m.get(key, 0.0)) for m in per_seed]
-        lines.append(f"| {key} | " + " | ".join(cells) + f" | {_fmt(key, stats['mean'])} ± {_fmt(key, stats['std'])} |")
-    return "\n".join(lines)
-
-
-def _fmt(key: str, value: float) -> str:
-    if key in ("questions", "trajectories", "tokens_generated"):
-        return f"{value:.0f}" if float(value).is_integer() else f"{value:.1f}"
-    return f"{value:.2f}" if key == "wall_time_s" or key.endswith("per_trajectory") else f"{value:.3f}"
 
 
 # ---- setup ------------------------------------------------------------------------------------------------------
@@ -311,14 +182,8 @@ def check_args(args: EvalArguments) -> None:
 
 
 def load_eval_dataset(args: EvalArguments):
-    """The dataset through `arpo-trl train`'s loader (same formats and column checks), cut to `num_samples`."""
-    script = ARPOScriptArguments(dataset_name=args.dataset_name, dataset_config=args.dataset_config,
-                                 dataset_train_split=args.dataset_split, system_prompt=args.system_prompt,
-                                 task_config=args.task_config)
-    try:
-        data = load_train_dataset(script, args.dataset_seed)
-    except UserInputError as error:
-        raise UserInputError(str(error).replace("dataset_train_split", "dataset_split")) from error
+    """The dataset through the loader `arpo-trl train` uses (same formats and column checks), cut to `num_samples`."""
+    data = load_dataset(args, args.dataset_split, "dataset_split", args.dataset_seed)
     if args.num_samples is not None:
         data = data.select(range(min(args.num_samples, len(data))))
     if len(data) == 0:
@@ -364,13 +229,6 @@ def load_tokenizer(args: EvalArguments, model: str):
                              f"{str(error).splitlines()[0]}") from error
 
 
-def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
-    """The tokenizer's EOS plus the model's generation-config EOS ids (as TRL)."""
-    extra = getattr(generation_config, "eos_token_id", None)
-    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
-    return list(dict.fromkeys([tokenizer.eos_token_id, *extra]))
-
-
 def transformers_engine(args: EvalArguments, model_path: str, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
@@ -390,11 +248,9 @@ def transformers_engine(args: EvalArguments, model_path: str, tokenizer):
         model.to(device).eval()
     except (RuntimeError, AssertionError) as error:  # 'cuda' without a GPU, a misspelt device
         raise UserInputError(f"device: cannot use {args.device!r}: {str(error).splitlines()[0]}") from error
-    return TransformersEngine(
-        model, tokenizer, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        repetition_penalty=args.repetition_penalty, entropy_top_k=1,
-        eos_token_ids=eos_token_ids(tokenizer, model.generation_config),
-    )
+    sampling = SamplingSettings.from_config(args, entropy_top_k=1,
+                                            eos_token_ids=eos_token_ids(tokenizer, model.generation_config))
+    return TransformersEngine(model, tokenizer, sampling=sampling)
 
 
 def server_engine(args: EvalArguments, tokenizer):
@@ -408,10 +264,8 @@ def server_engine(args: EvalArguments, tokenizer):
     if args.adapter:
         model_name = model_name or f"eval-{Path(args.adapter).resolve().name}"
         client.load_lora_adapter(model_name, str(Path(args.adapter).resolve()))
-    engine = VLLMServerEngine(
-        client, tokenizer, model_name=model_name, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        repetition_penalty=args.repetition_penalty, entropy_top_k=1, eos_token_ids=eos_token_ids(tokenizer),
-    )
+    sampling = SamplingSettings.from_config(args, entropy_top_k=1, eos_token_ids=eos_token_ids(tokenizer))
+    engine = VLLMServerEngine(client, tokenizer, model_name=model_name, sampling=sampling)
     check_server_tokenizer(client, tokenizer, engine.model_name)
     return engine
 
@@ -421,16 +275,12 @@ def prepare(args: EvalArguments) -> EvalSetup:
     (or a ValueError/VLLMServerError naming the field or URL)."""
     check_args(args)
     check_writable_dir(args.output_dir)
-    script = ARPOScriptArguments(tools=list(args.tools), python_timeout=args.python_timeout,
-                                 search_corpus=args.search_corpus)
-    tools = build_tools(script)
+    tools = build_tools(args)
     dataset = load_eval_dataset(args)
     metric = resolve_metric(args, dataset)
     model = base_model(args)
     tokenizer = load_tokenizer(args, model)
-    if isinstance(dataset[0]["prompt"], list) and tokenizer.chat_template is None:
-        raise UserInputError(f"model {model!r} has no chat template, but the dataset's prompts are conversations; "
-                             "use an instruct model or plain-text prompts.")
+    check_chat_template(tokenizer, model, dataset)
     if args.backend == "vllm_server":
         engine = server_engine(args, tokenizer)
         return EvalSetup(engine, tokenizer, tools, dataset, metric, model, close=engine.close)
@@ -443,17 +293,6 @@ def prompt_ids(tokenizer, prompt) -> list[int]:
         return list(tokenizer(prompt)["input_ids"])
     encoded = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
     return list(encoded["input_ids"])
-
-
-def question_text(prompt) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    users = [m.get("content") or "" for m in prompt if m.get("role") == "user"]
-    return str(users[-1] if users else prompt[-1].get("content"))
-
-
-def ground_truth(row: dict):
-    return next((row[c] for c in GROUND_TRUTH_COLUMNS if c in row and row[c] is not None), "")
 
 
 def run_seed(args: EvalArguments, setup: EvalSetup, sampler, seed: int) -> tuple[dict[str, float], list[dict]]:
@@ -524,7 +363,7 @@ def evaluate(args: EvalArguments, setup: EvalSetup | None = None) -> dict:
         setup.close()
     summary = summarize(per_seed)
     results = {"config": asdict(args), "model": setup.model, "metric": setup.metric, "summary": summary,
-               "per_seed": per_seed, "records": records, "table": markdown_table(per_seed, summary)}
+               "per_seed": per_seed, "records": records, "table": seed_table(per_seed, summary)}
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     (output / RESULTS_FILE).write_text(json.dumps(results, indent=1, ensure_ascii=False, default=str))
@@ -534,14 +373,11 @@ def evaluate(args: EvalArguments, setup: EvalSetup | None = None) -> dict:
 
 # ---- the command ------------------------------------------------------------------------------------------------
 def make_eval_parser():
-    from arpo_trl.cli import one_line_parser
-
     return one_line_parser((EvalArguments,), "arpo-trl eval")
 
 
 def eval_command(argv: Sequence[str]) -> None:
     """`arpo-trl eval --config recipe.yaml [--flags]`: user mistakes end with one line and exit code 2."""
-    from arpo_trl.cli import _fail
     from arpo_trl.server.client import VLLMServerError
     from arpo_trl.tool_calls import make_call_format
 
@@ -551,7 +387,7 @@ def eval_command(argv: Sequence[str]) -> None:
         setup = prepare(args)
         make_call_format(args.tool_call_format, setup.tokenizer, setup.tools)  # a template without tools: one line
     except (ValueError, FileNotFoundError, ImportError, VLLMServerError) as error:
-        _fail(error)
+        fail(error)
     results = evaluate(args, setup)
     print(results["table"])
     print(f"Results written to {Path(args.output_dir) / RESULTS_FILE}.")

