@@ -19,8 +19,8 @@ from test_tool_calls import HERMES
 from tiny import build_tokenizer
 
 from arpo_trl import ARPOTrainer, arpo_math_reward
+from arpo_trl.commands.evaluate import EvalArguments, EvalSetup, evaluate
 from arpo_trl.engines import Segment
-from arpo_trl.evaluation import EvalArguments, EvalSetup, evaluate
 from arpo_trl.rewards import format_credit_reward
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tool_calls import make_call_format
