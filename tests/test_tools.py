@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from arpo_trl.tools import BM25Backend, PythonTool, SearchTool, Tool
+from arpo_trl.tools import BM25Backend, BM25Index, PythonTool, SearchTool, Tool
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,15 @@ def test_search_tool_over_bm25():
     assert tool("the of") == "No search results found."
     with pytest.raises(ValueError, match="corpus item 1"):
         BM25Backend(["ok", 3])
+
+
+def test_bm25_index_scores_and_top():
+    index = BM25Index(["The cat sat.", "A dog barked.", "Cat and cat again.", "The cat sat."])
+    scores = index.scores("cat")
+    assert scores[1] == 0.0 and scores[2] > scores[0] == scores[3] > 0  # the rarer word counts, repeats count
+    assert index.top("cat", 3) == [2, 0, 3] and index.top("cat", 1) == [2]  # ties in text order
+    assert index.scores("the of") == [0.0] * 4 and index.top("the of", 5) == [] and index.top("", 5) == []
+    assert BM25Index(["the of", "a"]).scores("cat") == [0.0, 0.0]  # nothing but stopwords to index
 
 
 def test_tool_tags_are_validated():
