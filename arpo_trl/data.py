@@ -26,7 +26,6 @@ from pathlib import Path
 from datasets import Dataset
 
 from arpo_trl.corpora import PAPER_BENCHMARKS, Country, benchmark, champ_problems, countries, gsm8k_items, wiki_pages
-from arpo_trl.corpora import wiki_corpus as wiki_corpus  # re-exported: arpo_trl.cli reads it from here
 
 PYTHON_SYSTEM_PROMPT = (
     "You are a helpful assistant that solves the question step by step with the help of a Python interpreter. "

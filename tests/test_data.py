@@ -8,7 +8,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from arpo_trl import data as data_module
 from arpo_trl.assets import package_file
 from arpo_trl.corpora import COUNTRYINFO, wiki_corpus, wiki_pages
 from arpo_trl.data import (
@@ -82,7 +81,6 @@ def test_wiki_pages_and_corpus():
     assert "Paris" in pages["France"] and all(isinstance(t, str) and text for t, text in pages.items())
     corpus = wiki_corpus()
     assert len(corpus) == len(pages) and corpus[0] == {"title": next(iter(pages)), "text": pages[next(iter(pages))]}
-    assert data_module.wiki_corpus is wiki_corpus  # still importable from arpo_trl.data (arpo_trl.cli reads it there)
 
 
 def _raw_countries():

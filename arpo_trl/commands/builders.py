@@ -205,7 +205,7 @@ def read_corpus(path: str) -> list:
     import json
 
     if path == "wiki":
-        from arpo_trl.data import wiki_corpus
+        from arpo_trl.corpora import wiki_corpus
 
         return wiki_corpus()
     file = Path(path)

@@ -127,6 +127,15 @@ def render_tree_html(records: Sequence[dict], path: str | os.PathLike) -> Path:
 
 
 # ---- PNG -----------------------------------------------------------------------------------------------
+def _save(plt, fig, path: str | os.PathLike) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def _pyplot():
     import matplotlib
 
@@ -160,12 +169,7 @@ def render_tree_png(records: Sequence[dict], path: str | os.PathLike) -> Path:
     ax.legend(handles=[Patch(color="#f5a623", alpha=0.55, label="tool result"),
                        plt.Line2D([], [], color="#1a7f37", marker="v", ls="", label="tool call")],
               loc="lower right", fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _draw_row(ax, r: dict, y: int, row_of: dict[int, int]):
@@ -249,12 +253,7 @@ def plot_entropy_around_tools(records_or_stats: Sequence[dict] | dict, path: str
     ax.set_ylabel("mean token entropy (nats)")
     ax.set_title(f"Token entropy around tool results ({stats['occurrences']} results)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_run(file: str | os.PathLike, out: str | os.PathLike, step: int | None = None, group: int | None = None,

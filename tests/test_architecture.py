@@ -1,0 +1,205 @@
+"""The package's shape, read from its source (docs/architecture.md): imports flow one way, from the commands down
+to the records, with no circles; no command module imports another; modules stay small; tool results are found
+through the sampler's records, never by a regex over `<result>`; no block of code is copied inside the package."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "arpo_trl"
+MAX_LINES = 400
+MIN_COPIED_LINES = 6
+
+# Layers, lowest first: a module may import its own layer or lower ones. `arpo_trl` itself (the public API) and
+# `arpo_trl.cli` (the dispatcher, above every command) sit on top.
+LAYERS: dict[str, list[str]] = {
+    "records": ["paths", "tags", "trees.records", "scoring", "_math_worker", "markdown", "assets", "models",
+                "preflight", "distributed", "corpora"],
+    "engines/tools": ["engines", "tool_calls", "tools", "tools.*", "server", "server.client"],
+    "sampler": ["budget", "scheduling", "rollout", "advantages", "rewards", "data", "eval_metrics", "trees",
+                "trees.analysis", "trees.render"],
+    "trainer": ["config", "trainer", "trl_state", "tracking", "time_budget", "server.weight_sync", "server.launcher",
+                "server.__main__"],
+    "commands": ["commands", "commands.*"],
+    "top": ["__init__", "cli"],
+}
+# Where a regex or a search for the tag format's result text may stand: the tag format itself.
+TAG_FORMAT_MODULES = {"tags", "tools.base"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> int:
+    for rank, names in enumerate(LAYERS.values()):
+        for name in names:
+            if module == name or (name.endswith(".*") and module.startswith(name[:-1])):
+                return rank
+    raise AssertionError(f"arpo_trl.{module} is in no layer of tests/test_architecture.py; add it to LAYERS")
+
+
+def _resolve(name: str) -> str | None:
+    """The arpo_trl module an imported name refers to (a module, or a package's attribute), or None."""
+    if name != "arpo_trl" and not name.startswith("arpo_trl."):
+        return None
+    name = name[len("arpo_trl."):] if name != "arpo_trl" else "__init__"
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str) -> set[str]:
+    """Every arpo_trl module `module` imports, at module level, inside functions or under TYPE_CHECKING alike."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {target for target in map(_resolve, names) if target and target != module}
+    return found
+
+
+GRAPH = {module: _imports(module) for module in MODULES}
+
+
+def _is_within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_every_module_has_a_layer_and_imports_only_its_layer_or_lower():
+    upward = [f"arpo_trl.{a} ({list(LAYERS)[_layer(a)]}) imports arpo_trl.{b} ({list(LAYERS)[_layer(b)]})"
+              for a, targets in GRAPH.items() for b in sorted(targets)
+              if _layer(b) > _layer(a) and not _is_within(a, b)]  # a package's __init__ re-exports its modules
+    assert not upward, "imports that go up a layer:\n" + "\n".join(upward)
+
+
+def test_no_import_circles():
+    """Strongly connected components of the import graph (Tarjan), a package's own __init__ edges excepted."""
+    graph = {a: {b for b in targets if not _is_within(a, b) and not _is_within(b, a)} for a, targets in GRAPH.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_no_command_imports_another():
+    commands = [m for m in MODULES if m.startswith("commands.") and m != "commands.builders"]
+    crossing = [f"arpo_trl.{a} imports arpo_trl.{b}" for a in commands for b in GRAPH[a] if b in commands]
+    assert not crossing, crossing
+
+
+def test_tools_do_not_import_the_dataset_layer():
+    tools = [m for m in MODULES if _is_within(m, "tools")]
+    assert not [(a, b) for a in tools for b in GRAPH[a] if b in ("data", "commands") or b.startswith("commands.")]
+
+
+def test_modules_stay_small():
+    sizes = {m: len(p.read_text(encoding="utf-8").splitlines()) for m, p in MODULES.items()}
+    large = {m: n for m, n in sizes.items() if n > MAX_LINES}
+    assert not large, f"modules over {MAX_LINES} lines: {large}"
+
+
+def test_tool_results_are_never_found_in_the_text():
+    """Outside the tag format, no module searches text for `<result>` (`in`, `find`, `count`, a regex, …): the
+    sampler's `ToolCallRecord`s say where every call and result is, in any call format. Prompts and help texts that
+    show the format are not searches."""
+    offenders = [f"arpo_trl.{m}:{line}" for m, p in MODULES.items() if m not in TAG_FORMAT_MODULES
+                 for line in _result_searches(p)]
+    assert not offenders, f"`<result>` searched outside the tag format: {offenders}"
+
+
+_SEARCHES = {"find", "rfind", "index", "rindex", "count", "split", "partition", "startswith", "endswith", "search",
+             "match", "fullmatch", "findall", "finditer", "compile", "sub", "replace"}
+
+
+def _result_searches(path: Path) -> list[int]:
+    """Lines where a string holding `<result>` is compared (`in`, `==`) or passed to a search method or regex."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _SEARCHES:
+            operands = [*node.args, node.func.value]
+        else:
+            continue
+        if any("<result>" in _text(operand) for operand in operands):
+            lines.append(node.lineno)
+    return lines
+
+
+def _text(node: ast.AST) -> str:
+    """The literal text of a string constant or f-string (empty for anything else)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(_text(value) for value in node.values)
+    return ""
+
+
+_SKIP = re.compile(r"^(#|from |import |@|\)|\]|\}|else:|try:|finally:|return$|pass$|\"\"\"|'''|$)")
+
+
+def _code_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, text with white space folded) of the lines that carry code."""
+    lines = []
+    for n, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        text = " ".join(raw.split())
+        if not _SKIP.match(text):
+            lines.append((n, text))
+    return lines
+
+
+def test_no_copied_blocks():
+    """No run of MIN_COPIED_LINES code lines appears twice in the package (lines compared with white space
+    folded; blank lines, comments, imports and lone brackets skipped)."""
+    seen: dict[tuple[str, ...], tuple[str, int, int]] = {}  # window -> (module, its index, its line)
+    copies = defaultdict(set)
+    for module, path in MODULES.items():
+        lines = _code_lines(path)
+        for i in range(len(lines) - MIN_COPIED_LINES + 1):
+            window = tuple(text for _, text in lines[i : i + MIN_COPIED_LINES])
+            first = seen.setdefault(window, (module, i, lines[i][0]))
+            if first[0] != module or i - first[1] >= MIN_COPIED_LINES:  # elsewhere, or not overlapping itself
+                copies[f"arpo_trl.{first[0]}:{first[2]}"].add(f"arpo_trl.{module}:{lines[i][0]}")
+    assert not copies, f"blocks of {MIN_COPIED_LINES}+ lines copied: {dict(copies)}"
