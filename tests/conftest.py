@@ -13,12 +13,18 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import pytest
-from tiny import build_tokenizer, question, save_random_model, train_tool_model
+from tiny import build_tokenizer, hermes_tokenizer, question, save_random_model, train_tool_model
 
 
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def hermes():
+    """A tokenizer whose chat template calls tools (`tiny.HERMES`)."""
+    return hermes_tokenizer()
 
 
 @pytest.fixture(scope="session")

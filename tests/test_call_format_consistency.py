@@ -15,8 +15,6 @@ from collections import defaultdict
 
 import pytest
 from datasets import Dataset
-from test_tool_calls import HERMES
-from tiny import build_tokenizer
 
 from arpo_trl import ARPOTrainer, arpo_math_reward
 from arpo_trl.commands.evaluate import EvalArguments, EvalSetup, evaluate
@@ -92,14 +90,6 @@ class FlakyBM25(BM25Backend):
         if "offline" in query:
             raise ConnectionError("the archive is offline")
         return super().search(query, top_k)
-
-
-@pytest.fixture(scope="module")
-def hermes():
-    tokenizer = build_tokenizer()
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])  # as Qwen's
-    tokenizer.chat_template = HERMES
-    return tokenizer
 
 
 @pytest.fixture(scope="module")

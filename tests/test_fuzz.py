@@ -22,8 +22,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from test_rollout import CALL, ScriptedEngine, _prompts, _sampler
-from test_tool_calls import HERMES
-from tiny import SPECIALS, build_tokenizer, tool_transcript
+from tiny import SPECIALS, tool_transcript
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -230,14 +229,6 @@ def test_extract_call_is_the_text_between_the_last_opening_and_the_first_closing
     call = fmt.parse(text, close)
     start = len(before) + len(open_tag) * (opens - 1)  # the call begins at its last opening tag
     assert (call is None) if not content.strip() else call == ToolCall(fmt.tools[close], content.strip(), start=start)
-
-
-@pytest.fixture(scope="module")
-def hermes():
-    tokenizer = build_tokenizer()
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
-    tokenizer.chat_template = HERMES
-    return tokenizer
 
 
 @pytest.fixture(scope="module")

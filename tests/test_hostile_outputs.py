@@ -161,17 +161,6 @@ def test_evaluation_scores_are_bounded():
     assert time.perf_counter() - start < 5
 
 
-@pytest.fixture(scope="module")
-def hermes():
-    from test_tool_calls import HERMES
-    from tiny import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
-    tokenizer.chat_template = HERMES
-    return tokenizer
-
-
 HOSTILE_CALLS = {
     "deep_json": "[" * 100_000 + "]" * 100_000,
     "huge_int": '{"name": "python", "arguments": {"input": ' + "9" * 100_000 + "}}",

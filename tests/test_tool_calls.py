@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from tiny import build_tokenizer, tiny_model
+from tiny import HERMES, build_tokenizer, tiny_model
 
 from arpo_trl import ARPOConfig, ARPOTrainer, arpo_math_reward
 from arpo_trl.engines import Segment
@@ -16,18 +16,6 @@ from arpo_trl.tools import BrowseTool, PageStore, PythonTool, SearchTool, Tool
 from arpo_trl.tools.base import format_result
 
 # Hermes-style: the schemas in a system turn, calls as <tool_call>{json}</tool_call>, results in a user turn.
-HERMES = (
-    "{%- if tools %}<|im_start|>system\nYou may call these functions; write a call as <tool_call>{\"name\": <name>, "
-    "\"arguments\": <object>}</tool_call>.\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
-    "</tools><|im_end|>\n{% endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
-    "<|im_end|>\n"
-    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}"
-    "{%- for call in message.tool_calls or [] %}<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
-    "{{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n{% endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 PY_CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
 CALC_CALL = '<tool_call>{"name": "python", "arguments": {"input": "6*7"}}</tool_call>'  # a plain Tool's schema
 ANSWER = "<answer>\\boxed{42}</answer>"
@@ -36,14 +24,6 @@ ANSWER = "<answer>\\boxed{42}</answer>"
 def response(text: str) -> str:
     """What the environment appends after a call: the end of the assistant turn, the tool turn, the next header."""
     return f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.fixture(scope="module")
-def hermes():
-    tokenizer = build_tokenizer()
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])  # as Qwen's
-    tokenizer.chat_template = HERMES
-    return tokenizer
 
 
 class ScriptedEngine:

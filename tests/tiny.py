@@ -98,3 +98,26 @@ def train_tool_model(tokenizer, path):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# A Hermes-style chat template with tool calling (as Qwen2.5/Qwen3 write it), small enough for the tiny tokenizer.
+HERMES = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions; write a call as <tool_call>{\"name\": <name>, "
+    "\"arguments\": <object>}</tool_call>.\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- for call in message.tool_calls or [] %}<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def hermes_tokenizer():
+    """The tiny tokenizer with `HERMES` as its chat template and the markers as tokens of their own (as Qwen's)."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    tokenizer.chat_template = HERMES
+    return tokenizer
