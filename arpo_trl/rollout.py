@@ -283,8 +283,10 @@ class BranchingSampler:
             return _OPEN
         rollout.segments += 1
         if cut is None:
-            path.finish_reason = "eos" if seg.finish_reason == "eos" else "length"
-            return self._finish(path, path.finish_reason)
+            unclosed = self.call_format.unclosed_call(self._decode(path.completion_ids[start:]))
+            if unclosed is not None:  # a call the environment never saw: a format error, as in the reference
+                path.calls.append(ToolCallRecord(unclosed, ran=False))
+            return self._finish(path, "eos" if seg.finish_reason == "eos" else "length")
         kept, rewritten, stop = cut
         rollout.segments_calling += 1
         path.cut(start + len(kept))  # what the engine generated past the tag is dropped

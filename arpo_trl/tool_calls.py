@@ -49,6 +49,10 @@ class CallFormat(Protocol):
     def render_result(self, text: str, call: ToolCall) -> str:
         """What the environment appends after `call` returned `text`."""
 
+    def unclosed_call(self, text: str) -> str | None:
+        """For a path's last segment (it ended without a stop string): the tool of a call it opened and never
+        closed ("" when the call names no tool yet), or None."""
+
 
 class TagFormat:
     """`<tag>content</tag>` → ` <result>\\n…\\n</result>`."""
@@ -63,6 +67,10 @@ class TagFormat:
 
     def render_result(self, text: str, call: ToolCall) -> str:
         return format_result(text)
+
+    def unclosed_call(self, text: str) -> str | None:
+        return next((tool.tag for close, tool in self.tools.items()
+                     if text.rfind("<" + close[2:]) > text.rfind(close)), None)
 
 
 class ChatTemplateFormat:
@@ -131,6 +139,9 @@ class ChatTemplateFormat:
             return ToolCall(tool, tool.arguments_to_content(arguments))
         except ValueError as exc:
             return ToolCall(tool, error=f"Error: Tool({tool.tag}) call is invalid: {exc}")
+
+    def unclosed_call(self, text: str) -> str | None:
+        return "" if text.rfind(self.open_marker) > text.rfind(self.close_marker) else None
 
     def render_result(self, text: str, call: ToolCall) -> str:
         """The rendering of `[…, assistant call, {"role": "tool", "content": text}]` + generation prompt, from the

@@ -236,3 +236,29 @@ def test_trainer_step_with_chat_template_calls(hermes, addition_dataset, tmp_pat
             responses += 1
     assert responses > 0
     assert any("arpo/tool_calls_per_group" in entry for entry in trainer.state.log_history)
+
+
+def test_an_unclosed_call_is_recorded_and_is_a_format_error(tokenizer, hermes):
+    """A path that ends (EOS) inside a call the environment never saw: the format reports the call's tool, the sampler
+    records it as not run, and the call-aware reward gives -1 as the reference's text check does (tags) — now in the
+    chat-template format too."""
+    from test_rollout import ScriptedEngine, _prompts
+
+    tags = TagFormat([Tool("python", str), Tool("search", str)])
+    assert tags.unclosed_call("<think>a</think><python>print(1)") == "python"
+    assert tags.unclosed_call("<search>q</search> <result>\nx\n</result> <python>") == "python"
+    assert tags.unclosed_call("<python>1</python> <result>\n1\n</result> done") is None
+    chat = ChatTemplateFormat(hermes, [Tool("python", str)])
+    assert chat.unclosed_call('<tool_call>{"name": "pyth') == ""
+    assert chat.unclosed_call(PY_CALL + " done") is None
+    answer = "<think>a</think><answer>\\boxed{2}</answer>"
+    for tok, fmt, opening in ((tokenizer, tags, "<python>print(1)"), (hermes, chat, '<tool_call>{"name": "py')):
+        engine = ScriptedEngine(tok, lambda text, rng, opening=opening: (answer + opening, 0.5, "eos"))
+        sampler = BranchingSampler(engine, tok, [Tool("python", str)], num_generations=1, call_format=fmt, seed=0)
+        (path,) = sampler.sample(_prompts(tok, 1), branch_policy="none").trajectories
+        assert path.finish_reason == "eos" and path.tool_calls == 0 and len(path.calls) == 1
+        assert not path.calls[0].ran and not path.calls[0].answered
+        text = tok.decode(path.completion_ids, skip_special_tokens=True)
+        calls = [[{"tool": c.tool, "result_start": c.result_start} for c in path.calls]]
+        assert arpo_math_reward([text], ground_truth=["2"], arpo_calls=calls) == [-1.0]
+        assert arpo_math_reward([answer], ground_truth=["2"], arpo_calls=[[]]) == [1.0]
