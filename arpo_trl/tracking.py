@@ -19,6 +19,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from arpo_trl.markdown import markdown_table
 from arpo_trl.trees import plot_run
 
 logger = logging.getLogger(__name__)
@@ -101,9 +102,8 @@ def run_summary(output_dir: str | os.PathLike) -> str:
     if names:
         steps = sorted({step for name in names for step, _ in series[name]})
         values = {name: dict(series[name]) for name in names}
-        lines += ["| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-        lines += [f"| {step} | " + " | ".join(f"{values[n][step]:.3f}" if step in values[n] else "" for n in names)
-                  + " |" for step in steps]
+        rows = [[step, *(f"{values[n][step]:.3f}" if step in values[n] else "" for n in names)] for step in steps]
+        lines.append(markdown_table(["step", *names], rows))
     files = [out / TREES_FILE, out / METRICS_FILE, out / "reward_curve.png", *sorted((out / "trees").glob("*"))]
     lines += ["", "Run folder:"] + [f"  {path}" for path in files if path.exists()]
     return "\n".join(lines)

@@ -250,7 +250,7 @@ def test_mismatched_tokenizer_fails_before_training(vllm_server, tokenizer):
 def test_unreachable_server_names_url_and_command(tool_model_dir, tokenizer, addition_dataset, tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     start = time.monotonic()
-    with pytest.raises(VLLMServerError, match=rf"{url}.*arpo_trl.server.launcher serve"):
+    with pytest.raises(VLLMServerError, match=rf"{url}.*python -m arpo_trl\.server serve"):
         ARPOTrainer(model=str(tool_model_dir), reward_funcs=REWARDS, processing_class=tokenizer,
                     args=_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
                                vllm_server_timeout=3),
