@@ -405,9 +405,17 @@ def test_server_killed_during_an_event_driven_rollout_fails_fast(tool_model_dir,
     try:
         engine = VLLMServerEngine(VLLMClient(server.base_url, request_timeout=60), tokenizer,
                                   sampling=SamplingSettings(generation_kwargs={"ignore_eos": True}))
-        sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda code: "1")], num_generations=4,
+        killed = threading.Event()
+
+        def kill(*_):  # the first tool call (the rollout is surely under way), or after 3 s, kills the server
+            if not killed.is_set():
+                killed.set()
+                os.killpg(server.process.pid, signal.SIGKILL)
+            return "1"
+
+        sampler = BranchingSampler(engine, tokenizer, [Tool("python", kill)], num_generations=4,
                                    initial_rollouts=2, max_completion_length=900, seed=0)
-        threading.Timer(3.0, os.killpg, (server.process.pid, signal.SIGKILL)).start()
+        threading.Timer(3.0, kill).start()
         start = time.monotonic()
         with pytest.raises(VLLMServerError, match=server.base_url):
             sampler.sample([_prompt(tokenizer, a, a) for a in range(16)])
