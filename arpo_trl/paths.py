@@ -15,7 +15,7 @@ class ToolCallRecord:
     tool: str  # the tool's tag ("python", "search"); "" when the call names no tool we have
     arguments: str = ""  # what the tool ran on: the tag's content, or the JSON call's arguments as the tool's input
     call_chars: int = 0  # characters of the call as the model wrote it (open to close marker), before `result_start`
-    ran: bool = True  # False: the call was not run (past max_tool_calls, or an empty call); the path ended there
+    ran: bool = True  # False: not run (past max_tool_calls, empty, or still open at the end); the path ended there
     result_start: int | None = None  # the environment's reply is completion tokens [result_start, result_end)
     result_end: int | None = None
     failed: bool = False  # the reply is an error: the tool raised or timed out, or the call was malformed
@@ -65,6 +65,10 @@ class Trajectory:
     def own_tokens(self) -> int:
         """Model-sampled tokens this path generated itself (not inherited from its parent)."""
         return sum(self.mask[self.fork_position or 0 :])
+
+    def own_calls(self) -> list[ToolCallRecord]:
+        """The answered calls this path ran itself (a branch's inherited ones were answered before its fork)."""
+        return [call for call in self.calls if call.answered and call.result_start >= (self.fork_position or 0)]
 
     def snapshot(self, length: int) -> tuple[list[int], list[int], list[float], list[float]]:
         return self.completion_ids[:length], self.mask[:length], self.logprobs[:length], self.entropies[:length]
@@ -118,7 +122,6 @@ class Rollout:
     committed: list[Trajectory] = field(default_factory=list)  # speculative branches just confirmed
     pending_branches: dict[int, list[Trajectory]] = field(default_factory=dict)  # path id -> its undecided copies
     chains: dict[int, int] = field(default_factory=dict)  # event-driven: path id -> tokens on its chain
-    executed: dict[int, tuple[int, int]] = field(default_factory=dict)  # path id -> its own tool calls, failures
     next_id: int = 0
     segments: int = 0  # segments finished so far, and how many ended with a tool call (speculation's estimate)
     segments_calling: int = 0
@@ -142,11 +145,11 @@ class Rollout:
         """Stop a speculative path; its tokens and tool calls count as discarded, not as the rollout's."""
         self.groups[path.group].remove(path)
         self.cancelled.append(path)
-        calls, failures = self.executed.pop(path.id, (0, 0))
+        own = path.own_calls()
         self.stats.discarded_tokens += path.own_tokens()
-        self.stats.discarded_tool_calls += calls
-        self.stats.tool_calls -= calls
-        self.stats.tool_failures -= failures
+        self.stats.discarded_tool_calls += len(own)
+        self.stats.tool_calls -= len(own)
+        self.stats.tool_failures -= sum(call.failed for call in own)
         path.finish_reason = path.finish_reason or "cancelled"
 
 

@@ -58,14 +58,20 @@ def _content(message: dict) -> str:
 Calls = Sequence[dict] | None  # a completion's `ToolCallRecord`s as dicts, or None: read the text
 
 
+def _answered(call: dict) -> bool:
+    """`ToolCallRecord.answered`, on the dict form the trainer passes."""
+    return call.get("result_start") is not None
+
+
 def validate_format(text: str, tags: Sequence[str] = ("search", "python"), require_think: bool = True,
                     calls: Calls = None) -> str | None:
     """`None` if `text` has the reference's format, else the reason it does not. With the sampler's `calls`, every
     call must have been answered; without, every `<tag>` call in the text must be followed by its result."""
     if calls is not None:
-        unanswered = [c for c in calls if c.get("result_start") is None]
+        unanswered = [c for c in calls if not _answered(c)]
         if unanswered:
-            return f"a {unanswered[0].get('tool') or 'tool'} call was not answered (past the call limit, or empty)"
+            return (f"a {unanswered[0].get('tool') or 'tool'} call was not answered (past the call limit, empty, or "
+                    "never closed)")
         tags = ()
     if require_think:
         opened, closed = text.count("<think>"), text.count("</think>")
@@ -152,7 +158,7 @@ def formatted_answer(text: str, require_think: bool = True, calls: Calls = None)
 def tools_used(text: str, calls: Calls = None) -> set[str]:
     """The tools a completion called: from the sampler's `calls` (answered ones), else the reference's closing tags."""
     if calls is not None:
-        return {c.get("tool") for c in calls if c.get("result_start") is not None}
+        return {c.get("tool") for c in calls if _answered(c)}
     return {tag for tag in ("search", "python") if f"</{tag}>" in text}
 
 
@@ -253,7 +259,7 @@ def format_credit(text: str, calls: Calls = None) -> float:
     answer = text[text.find("<answer>") : text.find("</answer>")] if has_answer else ""
     checks = {
         "think": text.count("<think>") == text.count("</think>") >= 1,
-        "tool_call": any(c.get("result_start") is not None for c in calls) if calls is not None
+        "tool_call": any(map(_answered, calls)) if calls is not None
         else answered_tag_call(text, ("python", "search")),
         "answer": has_answer,
         "boxed": "\\boxed{" in answer,

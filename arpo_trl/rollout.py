@@ -327,8 +327,6 @@ class BranchingSampler:
         text, failed = self._tool_output(call, outcome)
         rollout.stats.tool_calls += 1
         rollout.stats.tool_failures += failed
-        calls, failures = rollout.executed.get(path.id, (0, 0))
-        rollout.executed[path.id] = calls + 1, failures + failed
         room = self.max_completion_length - len(path.completion_ids)
         text = text[: (room + 16) * self._longest_token()]  # a huge output: encode no more than can fit
         start = len(path.completion_ids)

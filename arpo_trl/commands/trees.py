@@ -1,7 +1,7 @@
-"""`arpo-trl trees view|plot`: look at a run's rollout trees (trees.jsonl) in the terminal, as HTML, or as pictures.
+"""`arpo-trl view|plot`: look at a run's rollout trees (trees.jsonl) in the terminal, as HTML, or as pictures.
 
-    arpo-trl trees view RUN/trees.jsonl [--step N] [--group G] [--html out.html]
-    arpo-trl trees plot RUN/trees.jsonl --out DIR
+    arpo-trl view RUN/trees.jsonl [--step N] [--group G] [--html out.html]
+    arpo-trl plot RUN/trees.jsonl --out DIR
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _plot(args: argparse.Namespace) -> None:
         print(f"wrote {path}")
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "arpo-trl trees") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "arpo-trl") -> int:
     """`view FILE [--step N] [--group G] [--html OUT]` | `plot FILE --out DIR [--step N] [--group G]`.
     Returns the exit code: 0, or 2 after one `error:` line on stderr for bad input."""
     parser = argparse.ArgumentParser(prog=prog, description="Look at ARPO rollout trees (trees.jsonl).")

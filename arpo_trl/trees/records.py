@@ -2,7 +2,7 @@
 
     records = tree_records(result, tokenizer, step, rewards=..., advantages=...)
     write_jsonl(records, "RUN/trees.jsonl")                       # appends one step
-    arpo-trl trees view RUN/trees.jsonl [--step N] [--group G] [--html out.html]
+    arpo-trl view RUN/trees.jsonl [--step N] [--group G] [--html out.html]
 
 Record schema, version 2 (one JSON object per trajectory, in `RolloutResult.trajectories` order):
 
