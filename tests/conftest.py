@@ -13,7 +13,14 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import pytest
-from tiny import build_tokenizer, hermes_tokenizer, question, save_random_model, train_tool_model
+from tiny import (
+    build_tokenizer,
+    hermes_tokenizer,
+    question,
+    qwen_chat_tokenizer,
+    save_random_model,
+    train_tool_model,
+)
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +43,12 @@ def tiny_model_dir(tokenizer, tmp_path_factory):
 def tool_model_dir(tokenizer, tmp_path_factory):
     """Writes `<python>…</python>` calls; untied embeddings, so a vLLM server can also reload it from disk."""
     return train_tool_model(tokenizer, tmp_path_factory.mktemp("tiny-tool"))
+
+
+@pytest.fixture(scope="session")
+def qwen_chat_model_dir(tmp_path_factory):
+    """A random tiny Llama whose tokenizer has TRL's Qwen2.5 chat template (tool calling TRL can parse)."""
+    return save_random_model(qwen_chat_tokenizer(), tmp_path_factory.mktemp("tiny-qwen-chat"), seed=3)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -71,82 +72,110 @@ def _recipe(name: str, path: Path, **overrides) -> str:
     return str(path)
 
 
-def test_arpo_vs_grpo_end_to_end_on_the_tiny_model(tool_model_dir, tmp_path):
-    """The real pipeline (train + eval subprocesses per method, pairwise ratios, table, plots) on the tiny model,
-    checked against each run's own files: its trees show the method (GRPO: M global paths; ARPO: N global paths
-    and forks, τ=1 and β=0 forking at every tool result while the budget lasts; M per group either way), and
-    the report's numbers are the ones its metrics, trees and evaluation records hold."""
+def _steps(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "step_time" in row]
+
+
+def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_model_dir, tmp_path):
+    """The real pipeline on tiny models: ARPO and GRPO with tag calls, ARPO with chat-template calls and TRL's own
+    GRPOTrainer(tools=…) (its train subprocess, `benchmarks/trl_peer.py`), two settings and two seeds, each run and
+    each cold-start model evaluated in a subprocess; the report is checked against each run's own files: trees show
+    the method (GRPO: M global paths; ARPO: N global, τ=1 and β=0 forking at every tool result while the budget
+    lasts), and every mean, pass@1 and bootstrap estimate is the one its metrics and evaluation records give."""
     bench = load("arpo_vs_grpo")
-    m, n, prompts = 4, 2, 2
+    train_file = _addition_questions(tmp_path / "train.jsonl", [(a, 2 * a + 1) for a in range(8)])
     train = _recipe("arpo_vs_grpo.yaml", tmp_path / "train.yaml", branch_threshold=1.0, entropy_weight=0.0,
-                    dataset_name=_addition_questions(tmp_path / "train.jsonl", [(a, 2 * a + 1) for a in range(8)]))
-    heldout = _recipe("eval_quickstart.yaml", tmp_path / "eval.yaml",
+                    dataset_name=train_file, model_name_or_path=str(tool_model_dir), max_completion_length=48)
+    chat = _recipe("arpo_vs_grpo_chat.yaml", tmp_path / "chat.yaml", dataset_name=train_file,
+                   model_name_or_path=str(qwen_chat_model_dir), max_completion_length=24, max_tool_calls=1)
+    heldout = _recipe("eval_multi_call.yaml", tmp_path / "eval.yaml", batch_size=4,
                       dataset_name=_addition_questions(tmp_path / "eval.jsonl", [(40 + a, 7) for a in range(3)]))
-    report = bench.main(["--model", str(tool_model_dir), "--seeds", "0", "--steps", "1", "--methods", "arpo", "grpo",
-                         "--num-generations", str(m), "--initial-rollouts", str(n), "--prompts-per-step",
-                         str(prompts), "--max-completion-length", "48", "--eval-questions", "3", "--skip-vllm",
-                         "--recipe", train, "--eval-recipe", heldout, "--out", str(tmp_path / "out")])
-    assert sorted(r["method"] for r in report["runs"]) == ["arpo", "grpo"]
-    own = {}  # per method, the per-step means recomputed from the run's own files
+    out = tmp_path / "out"
+    report = bench.main(["--seeds", "0", "1", "--steps", "1", "--settings", "4:2", "2:1", "--eval-questions", "3",
+                         "--eval-samples", "2", "--eval-backend", "transformers", "--bootstrap", "200",
+                         "--recipe", train, "--chat-recipe", chat, "--eval-recipe", heldout, "--out", str(out)])
+    plan = Counter((r["setting"], r["method"]) for r in report["runs"])
+    assert plan == {("M4N2", m): 2 for m in ("arpo", "grpo", "arpo_chat", "trl_grpo")} | {
+        ("M2N1", m): 2 for m in ("arpo", "grpo")}
     for run in report["runs"]:
-        run_dir = tmp_path / "out" / "seed0" / run["method"]
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        [step] = [row for row in metrics if "step_time" in row]
-        groups = defaultdict(list)
-        for record in read_jsonl(run_dir / "trees.jsonl"):
-            groups[record["step"], record["group"]].append(record)
-        assert len(groups) == prompts
-        for records in groups.values():
-            kinds = Counter(r["kind"] for r in records)
-            assert len(records) == m, kinds  # exactly M trajectories per prompt
-            if run["method"] == "grpo":
-                assert kinds == {"global": m} and all(r["parent"] is None for r in records)
-            else:
-                assert kinds["global"] == n and kinds["branch"] + kinds["fill"] == m - n, kinds
-            nodes = {r["node"]: r for r in records}
-            for r in records:  # a branch starts inside its parent, in its own group
-                assert (r["kind"] == "branch") == (r["parent"] is not None)
-                if r["parent"] is not None:
-                    assert 0 < r["fork_position"] <= nodes[r["parent"]]["length"]
-        forks = sum(r["kind"] == "branch" for records in groups.values() for r in records)
-        assert (forks > 0) if run["method"] == "arpo" else forks == 0, (run["method"], forks)
-        own[run["method"]] = {
-            "forks_per_group": forks / prompts,
-            "tokens_generated_per_group": sum(r["own_tokens"] for g in groups.values() for r in g) / prompts,
-            "tokens_trained_per_group": sum(s["end"] - s["start"] for g in groups.values() for r in g
-                                            for s in r["segments"] if s["kind"] == "model") / prompts,
-            "tool_calls_per_group": step["arpo/tool_calls_per_group"], "step_seconds": step["step_time"],
-            "rollout_seconds": step["arpo/rollout_seconds"], "reward": step["reward"],
-        }
-        assert run["mean"] == pytest.approx({**run["mean"], **own[run["method"]]}), run["method"]
+        run_dir = Path(run["dir"])
+        assert run_dir == out / run["setting"] / f"seed{run['seed']}" / run["method"]
+        [step] = _steps(run_dir)
+        m = int(run["setting"][1:].split("N")[0])
+        if run["method"] == "trl_grpo":  # TRL's loop, logged in TRL's own keys, converted per group of M
+            assert not (run_dir / "trees.jsonl").exists()
+            assert step["arpo/tool_calls_per_group"] == pytest.approx(step["tools/call_frequency"] * m)
+            assert step["arpo/tokens_generated_per_group"] == pytest.approx(step["completions/mean_length"] * m)
+        else:
+            groups = defaultdict(list)
+            for record in read_jsonl(run_dir / "trees.jsonl"):
+                groups[record["group"]].append(record)
+            for records in groups.values():
+                kinds = Counter(r["kind"] for r in records)
+                assert len(records) == m, kinds  # exactly M trajectories per prompt
+                assert kinds == {"global": m} if run["method"] == "grpo" else kinds["global"] == m // 2
+        expected = {ours: step[key] for key, ours in bench.PER_STEP.items() if key in step}
+        assert run["mean"] == pytest.approx(expected), run["method"]
         records = json.loads((run_dir / "eval" / "eval_results.json").read_text())["records"]
-        correct = [c["correct"] for record in records for c in record["completions"]]
-        assert len(correct) == 3 and run["heldout_pass@1"] == pytest.approx(sum(correct) / 3)
-    assert own["arpo"]["tool_calls_per_group"] > 0  # the tiny model called <python>, so ARPO had tool results
-    ratios, differences = report["ratios"]["arpo/grpo"], report["ratios"]["arpo - grpo"]
-    for key in bench.RATIO_KEYS:
-        assert ratios[key] == pytest.approx(own["arpo"][key] / own["grpo"][key]), key
-    assert differences["reward"] == pytest.approx(own["arpo"]["reward"] - own["grpo"]["reward"])
-    arpo = next(r for r in report["runs"] if r["method"] == "arpo")
-    grpo = next(r for r in report["runs"] if r["method"] == "grpo")
-    assert differences["heldout_pass@1"] == pytest.approx(arpo["heldout_pass@1"] - grpo["heldout_pass@1"])
-    table = (tmp_path / "out" / "results.md").read_text()
-    assert table.startswith("| method |")
-    assert f"| arpo | {own['arpo']['tool_calls_per_group']:.3g} | {own['arpo']['tokens_generated_per_group']:.3g} |" \
-        in table
+        assert [len(r["completions"]) for r in records] == [2, 2, 2]
+        assert run["eval"]["pass@1"] == pytest.approx(sum(r["num_correct"] for r in records) / 6)
+    arpo_tags = [r for r in report["runs"] if r["method"] == "arpo"]
+    assert any(r["mean"]["forks_per_group"] > 0 for r in arpo_tags)  # the tiny tool model called <python>
+    assert set(report["cold_start"]) == {"tags", "chat_template"}
+    for fmt in report["cold_start"]:
+        assert (out / f"cold_start_{fmt}" / "eval_results.json").is_file()
+    summary = report["summary"]["M4N2"]["arpo"]
+    mine = [r for r in arpo_tags if r["setting"] == "M4N2"]
+    assert summary["reward"] == pytest.approx(sum(r["mean"]["reward"] for r in mine) / 2)
+    comparisons = report["comparisons"]
+    assert set(comparisons) == {"M4N2 arpo vs grpo", "M4N2 arpo_chat vs trl_grpo", "M2N1 arpo vs grpo"}
+    for name, values in comparisons.items():
+        setting, method, _, base = name.split()
+        runs = {(r["method"], r["seed"]): r for r in report["runs"] if r["setting"] == setting}
+        tokens = values["tokens_generated_per_group"]  # one step per run: the pooled ratio of the seeds' values
+        a = sum(runs[method, s]["mean"]["tokens_generated_per_group"] for s in (0, 1))
+        b = sum(runs[base, s]["mean"]["tokens_generated_per_group"] for s in (0, 1))
+        assert tokens["estimate"] == pytest.approx(a / b) and tokens["groups"] == 2 and tokens["units"] == 2
+        passed = values["heldout_pass@1"]
+        assert passed["estimate"] == pytest.approx(sum(runs[method, s]["eval"]["pass@1"] - runs[base, s]["eval"][
+            "pass@1"] for s in (0, 1)) / 2) and passed["units"] == 6
+        for value in values.values():  # the random chat model makes no calls: a ratio of zeros is not a number
+            assert value["low"] <= value["high"] or math.isnan(value["estimate"])
+    table = (out / "results.md").read_text()
+    assert "| M4N2 | trl_grpo |" in table and "| M4N2 arpo_chat vs trl_grpo |" in table
     for plot in report["plots"]:
         assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "results.json").read_text())["comparisons"] == json.loads(json.dumps(comparisons))
 
 
-def test_arpo_vs_grpo_ratios_are_pairwise_medians():
-    bench = load("arpo_vs_grpo")
+def test_trl_peer_reads_calls_from_trl_messages_and_shares_the_python_schema():
+    peer = load("trl_peer")
+    call = {"type": "function", "function": {"name": "python", "arguments": {"code": "print(1)"}}}
+    completion = [{"role": "assistant", "content": "<think>x</think>", "tool_calls": [call, call]},
+                  {"role": "tool", "content": "1"}, {"role": "tool", "content": "1"},
+                  {"role": "assistant", "content": "", "tool_calls": [call]}]  # the last call hit the limit
+    calls = peer.trl_calls(completion)
+    assert [c["result_start"] is not None for c in calls] == [True, True, False]
+    from arpo_trl.rewards import arpo_math_reward
 
-    def run(method, seed, calls):
-        steps = [{"tool_calls_per_group": calls, "reward": 0.5}]
-        return {"method": method, "seed": seed, "steps": steps, "mean": {"tool_calls_per_group": calls}}
+    answered = completion[:3] + [{"role": "assistant", "content": "<answer>\\boxed{1}</answer>"}]
+    reward = peer.with_trl_calls(arpo_math_reward)
+    assert reward([answered, completion], ground_truth=["1", "1"]) == [1.0, -1.0]
+    from arpo_trl.tools.python import PythonTool
 
-    runs = [run("grpo", 0, 4.0), run("arpo", 0, 2.0), run("grpo", 1, 10.0), run("arpo", 1, 6.0),
-            run("grpo", 2, 8.0), run("arpo", 2, 8.0)]
-    assert bench.pairwise(runs, ["arpo", "grpo"]) == {"arpo/grpo": {"tool_calls_per_group": 0.6},
-                                                      "arpo - grpo": {"reward_second_half": 0.0}}
-    assert bench.summarize(runs, ["arpo", "grpo"])["arpo"]["tool_calls_per_group"] == 6.0
+    tool, seconds = PythonTool(timeout=5), []
+    python = peer.python_function(tool, seconds)
+    assert python("print(6 * 7)").strip() == "42" and len(seconds) == 1
+    tool.close()
+
+
+def test_trl_peer_recipe_drops_the_arpo_only_fields(tmp_path):
+    peer = load("trl_peer")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"branch_policy": "entropy", "initial_rollouts": 8, "max_tool_calls": 3,
+                                      "tool_call_format": "chat_template", "num_generations": 16, "beta": 0.0}))
+    argv = peer.grpo_recipe(["--config", str(recipe), "--seed", "1"])
+    assert argv[0] == "--config" and argv[2:] == ["--seed", "1"]
+    assert yaml.safe_load(Path(argv[1]).read_text()) == {"max_tool_calling_iterations": 3, "num_generations": 16,
+                                                         "beta": 0.0}

@@ -121,3 +121,13 @@ def hermes_tokenizer():
     tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
     tokenizer.chat_template = HERMES
     return tokenizer
+
+
+def qwen_chat_tokenizer():
+    """The tiny tokenizer with TRL's bundled Qwen2.5 chat template: the one TRL's GRPOTrainer(tools=…) can parse
+    tool calls from (as `recipes/multi_call_sft_chat.yaml` gives the cold-start model)."""
+    from importlib.resources import files
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = files("trl").joinpath("chat_templates/qwen2_5.jinja").read_text()
+    return tokenizer

@@ -20,12 +20,14 @@ SFT masks the prompt, not spans inside the completion); ARPO itself never trains
 from __future__ import annotations
 
 import ast
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from datasets import Dataset
 
+from arpo_trl.arithmetic_chains import THOUGHT, arithmetic_chains
 from arpo_trl.commands.builders import fail, one_line_parser, parse_recipe, resolve_model
 from arpo_trl.data import PYTHON_SYSTEM_PROMPT, arpo_prompt, create_reasoning_gym_task, resolve_system_prompt
 from arpo_trl.preflight import check_writable_dir
@@ -33,6 +35,7 @@ from arpo_trl.tools.base import format_result
 from arpo_trl.tools.python import PythonTool
 
 ARITHMETIC_TASKS = ("basic_arithmetic", "chain_sum", "products")
+CHAIN_TASK = "arithmetic_chain"  # multi-call transcripts: one Python call per step (arpo_trl.arithmetic_chains)
 _THOUGHTS = (
     "I will compute this with Python.",
     "Let me evaluate the expression in Python.",
@@ -47,7 +50,18 @@ class ColdStartArguments:
 
     task: str = field(
         default="basic_arithmetic",
-        metadata={"help": f"reasoning-gym task whose metadata holds an `expression` to compute: {ARITHMETIC_TASKS}."},
+        metadata={"help": f"{CHAIN_TASK!r} (multi-step arithmetic, one Python call per step), or a reasoning-gym "
+                  f"task whose metadata holds an `expression` to compute: {ARITHMETIC_TASKS}."},
+    )
+    tool_call_format: str = field(
+        default="tags",
+        metadata={"help": "How the transcripts write calls: 'tags' (<python>…</python> <result>…</result>) or "
+                  "'chat_template' (the template's tool calls and tool messages; arithmetic_chain only)."},
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={"help": "Replace the model's chat template by one TRL ships (e.g. 'qwen2_5', whose tool calling "
+                  "TRL's GRPOTrainer(tools=…) understands); the saved model keeps it."},
     )
     task_config: dict | None = field(
         default=None,
@@ -92,8 +106,38 @@ def tool_transcripts(task: str = "basic_arithmetic", size: int = 256, seed: int 
     return Dataset.from_list(examples)
 
 
+def chain_transcripts(size: int = 256, seed: int = 1, system_prompt: str = PYTHON_SYSTEM_PROMPT,
+                      tool_call_format: str = "tags") -> Dataset:
+    """Multi-call transcripts of `arithmetic_chains`: one Python call per step on the previous printed value, in
+    the tag format or as chat messages (assistant `tool_calls`, `tool` results) with the tool schema in `tools`."""
+    if tool_call_format not in ("tags", "chat_template"):
+        raise ValueError(f"tool_call_format: expected 'tags' or 'chat_template', got {tool_call_format!r}.")
+    chains, tool = arithmetic_chains(size, seed), PythonTool(timeout=10)
+    printed = iter(_run_prints(tool, [expression for chain in chains for expression in chain.expressions()]))
+    tool.close()
+    examples, answer = [], "<answer>\\boxed{{{}}}</answer>"
+    for chain in chains:
+        steps = [(f"print({expression})", next(printed).strip()) for expression in chain.expressions()]
+        row = {"prompt": arpo_prompt(chain.question(), system_prompt), "ground_truth": chain.answer}
+        if tool_call_format == "tags":
+            text = "".join(f"<python>{code}</python>{format_result(out)}\n" for code, out in steps)
+            row["completion"] = [{"role": "assistant",
+                                  "content": f"<think>{THOUGHT}</think>\n{text}{answer.format(chain.answer)}"}]
+        else:
+            row["completion"] = [message for index, (code, out) in enumerate(steps) for message in (
+                {"role": "assistant", "content": f"<think>{THOUGHT}</think>" if index == 0 else "",
+                 "tool_calls": [{"type": "function", "function": {"name": "python", "arguments": {"code": code}}}]},
+                {"role": "tool", "content": out})] + [{"role": "assistant", "content": answer.format(chain.answer)}]
+            row["tools"] = json.dumps([tool.schema()])
+        examples.append(row)
+    return Dataset.from_list(examples)
+
+
 def _run_prints(tool: PythonTool, expressions: list[str]) -> list[str]:
-    """What `print(expression)` shows for each expression, from one sandboxed run (one process, not one each)."""
+    """What `print(expression)` shows for each expression, from one sandboxed run per 200 (not one each: the tool
+    caps its output)."""
+    if len(expressions) > 200:
+        return _run_prints(tool, expressions[:200]) + _run_prints(tool, expressions[200:])
     script = (f"for source in {expressions!r}:\n"
               "    try:\n        print(repr(str(eval(source))))\n"
               "    except Exception as error:\n        print(repr(f'{type(error).__name__}: {error}'))")
@@ -118,15 +162,42 @@ def sft(argv: Sequence[str]) -> None:
         script_args, training_args, model_args = parse_recipe(make_parser(), argv, "sft")
         check_writable_dir(training_args.output_dir)
         model = resolve_model(model_args.model_name_or_path)
-        dataset = tool_transcripts(script_args.task, script_args.num_examples, script_args.transcript_seed,
-                                   resolve_system_prompt(script_args.system_prompt), script_args.task_config)
+        tokenizer = load_tokenizer(model, script_args.chat_template)
+        dataset = transcripts(script_args)
     except (ValueError, FileNotFoundError, ImportError) as error:
         fail(error)
-    trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset,
+    trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=get_peft_config(model_args))
     trainer.train()
     save_full_model(trainer, training_args.output_dir, merge=script_args.merge_lora)
     trainer.accelerator.print(f"Cold-start model saved to {training_args.output_dir}.")
+
+
+def transcripts(args: ColdStartArguments) -> Dataset:
+    system_prompt = resolve_system_prompt(args.system_prompt)
+    if args.task == CHAIN_TASK:
+        return chain_transcripts(args.num_examples, args.transcript_seed, system_prompt, args.tool_call_format)
+    if args.tool_call_format != "tags":
+        raise ValueError(f"tool_call_format: {args.tool_call_format!r} transcripts exist for task {CHAIN_TASK!r} "
+                         f"only; task {args.task!r} has 'tags' transcripts.")
+    return tool_transcripts(args.task, args.num_examples, args.transcript_seed, system_prompt, args.task_config)
+
+
+def load_tokenizer(model: str, chat_template: str | None):
+    """The model's tokenizer, with one of TRL's bundled chat templates (`trl/chat_templates/<name>.jinja`) if named."""
+    from importlib.resources import files
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if chat_template:
+        template = files("trl").joinpath(f"chat_templates/{chat_template}.jinja")
+        if not template.is_file():
+            names = sorted(p.name[:-6] for p in files("trl").joinpath("chat_templates").iterdir()
+                           if p.name.endswith(".jinja"))
+            raise ValueError(f"chat_template: TRL ships no template {chat_template!r}; expected one of {names}.")
+        tokenizer.chat_template = template.read_text()
+    return tokenizer
 
 
 def save_full_model(trainer, output_dir: str, merge: bool = True) -> None:
