@@ -51,8 +51,12 @@ def completion_text(completion) -> str:
 
 
 def _content(message: dict) -> str:
+    """A message's text; reasoning a response parser split off (`reasoning_content`, as TRL's tool loop does for
+    Qwen templates, or `thinking`) goes back inside `<think>…</think>`, where the format check looks for it."""
     content = message.get("content") or ""
-    return content if isinstance(content, str) else str(content)
+    text = content if isinstance(content, str) else str(content)
+    reasoning = message.get("reasoning_content") or message.get("thinking")
+    return f"<think>{reasoning}</think>{text}" if isinstance(reasoning, str) else text
 
 
 Calls = Sequence[dict] | None  # a completion's `ToolCallRecord`s as dicts, or None: read the text

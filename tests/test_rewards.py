@@ -195,3 +195,15 @@ def test_scoring_bounds_are_logged_as_metrics_and_timeouts_warned_once(monkeypat
     assert [record.getMessage() for record in caplog.records] == [
         "answer_accuracy: 2 answer(s) took longer than the math scoring bound (2 s per answer, 8 s per call) and "
         "scored 0; counted in rewards/answer_accuracy/timeouts. Logged once."]
+
+
+def test_reasoning_split_off_by_a_response_parser_counts_as_think():
+    """TRL's tool loop parses Qwen-template turns into `reasoning_content` + `content`; the format check still sees
+    the <think> block (without it every such completion scored -1)."""
+    from arpo_trl.rewards import arpo_math_reward, completion_text
+
+    turn = [{"role": "assistant", "reasoning_content": "step", "content": "<answer>\\boxed{4}</answer>"}]
+    assert completion_text(turn) == "<think>step</think><answer>\\boxed{4}</answer>"
+    assert arpo_math_reward([turn], ground_truth=["4"], arpo_calls=[[]]) == [1.0]
+    assert arpo_math_reward([[{"role": "assistant", "content": "<answer>\\boxed{4}</answer>"}]],
+                            ground_truth=["4"], arpo_calls=[[]]) == [-1.0]
