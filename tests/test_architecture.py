@@ -17,7 +17,7 @@ MIN_COPIED_LINES = 6
 # `arpo_trl.cli` (the dispatcher, above every command) sit on top.
 LAYERS: dict[str, list[str]] = {
     "records": ["paths", "tags", "trees.records", "scoring", "_math_worker", "markdown", "assets", "models",
-                "preflight", "distributed", "corpora"],
+                "preflight", "distributed", "corpora", "arithmetic_chains"],
     "engines/tools": ["engines", "tool_calls", "tools", "tools.*", "server", "server.client"],
     "sampler": ["budget", "scheduling", "rollout", "advantages", "rewards", "data", "eval_metrics", "trees",
                 "trees.analysis", "trees.render"],
