@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompts-per-step", type=int, default=1)
     parser.add_argument("--eval-questions", type=int, default=100, help="held-out questions (0: no evaluation)")
     parser.add_argument("--eval-samples", type=int, default=4, help="trajectories per held-out question")
+    parser.add_argument("--eval-methods", nargs="+", default=None, choices=list(METHODS),
+                        help="methods of the main row to evaluate (default: all; their formats' cold starts too)")
     parser.add_argument("--eval-backend", default="vllm_server", choices=["vllm_server", "transformers"])
     parser.add_argument("--recipe", type=_path, default=str(ROOT / "recipes/arpo_vs_grpo.yaml"),
                         help="training recipe of the tag-format methods")
@@ -311,8 +313,9 @@ def main(argv=None) -> dict:
                 print(f"{_label(setting)} seed {seed}: {method}", file=sys.stderr)
                 runs.append(read_run(train(args, method, setting, seed), method, setting, seed))
         if index == 0 and args.eval_questions:  # the main row, before the other rows train (they are not evaluated)
-            bases = evaluate_all(args, runs)
-            for r in runs:
+            chosen = [r for r in runs if r["method"] in (args.eval_methods or args.methods)]
+            bases = evaluate_all(args, chosen)
+            for r in chosen:
                 r["eval"] = read_eval(Path(r["dir"]) / "eval")
             report["cold_start"] = {fmt: read_eval(path) for fmt, path in bases.items()}
     report |= {"runs": runs, "summary": summarize(runs)}
