@@ -76,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chat-recipe", type=_path, default=str(ROOT / "recipes/arpo_vs_grpo_chat.yaml"),
                         help="training recipe of the chat-template methods")
     parser.add_argument("--eval-recipe", type=_path, default=str(ROOT / "recipes/eval_multi_call.yaml"))
+    parser.add_argument("--report-only", action="store_true",
+                        help="train and evaluate nothing: report the complete runs and evaluations already in --out "
+                             "(e.g. of an interrupted run)")
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     parser.add_argument("--out", default="runs/arpo_vs_grpo")
     parser.add_argument("--reuse", action="store_true", help="keep runs (and evaluations) already complete in --out")
@@ -231,10 +234,11 @@ def summarize(runs: list[dict]) -> dict:
         for method in dict.fromkeys(r["method"] for r in runs if r["setting"] == setting):
             mine = [r for r in runs if r["setting"] == setting and r["method"] == method]
             values = {key: statistics.fmean(r["mean"][key] for r in mine) for key in mine[0]["mean"]}
-            if all("eval" in r for r in mine):
-                values["heldout_pass@1"] = statistics.fmean(r["eval"]["pass@1"] for r in mine)
-                values["heldout_calls_per_trajectory"] = statistics.fmean(r["eval"]["calls_per_trajectory"]
-                                                                          for r in mine)
+            evaluated = [r["eval"] for r in mine if "eval" in r]
+            if evaluated:
+                values["heldout_pass@1"] = statistics.fmean(e["pass@1"] for e in evaluated)
+                values["heldout_calls_per_trajectory"] = statistics.fmean(e["calls_per_trajectory"] for e in evaluated)
+                values["heldout_seeds"] = len(evaluated)
             summary.setdefault(setting, {})[method] = values | {"seeds": len(mine)}
     return summary
 
@@ -271,10 +275,11 @@ def markdown(report: dict) -> str:
     from arpo_trl.markdown import markdown_table
 
     columns = ["calls_per_trajectory", "tool_calls_per_group", "tokens_generated_per_group", "forks_per_group",
-               "rollout_seconds", "step_seconds", "reward", "heldout_pass@1", "heldout_calls_per_trajectory"]
+               "rollout_seconds", "step_seconds", "reward", "heldout_pass@1", "heldout_calls_per_trajectory", "heldout_seeds"]
     rows = [[setting, method, *(_fmt(values.get(c)) for c in columns)]
             for setting, methods in report["summary"].items() for method, values in methods.items()]
-    rows += [["before RL", f"cold start ({fmt})", *["-"] * 7, _fmt(e["pass@1"]), _fmt(e["calls_per_trajectory"])]
+    rows += [["before RL", f"cold start ({fmt})", *["-"] * 7, _fmt(e["pass@1"]), _fmt(e["calls_per_trajectory"]),
+              "-"]
              for fmt, e in report.get("cold_start", {}).items()]
     lines = ["Means over seeds:", "", markdown_table(["setting", "method", *columns], rows), "",
              "95 % paired bootstrap intervals (seeds, then steps or questions); * = the interval excludes "
@@ -299,14 +304,32 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.3g}"
 
 
+def finished_runs(args: argparse.Namespace, report: dict) -> list[dict]:
+    """The runs of the plan already complete in --out, with their evaluations where those are complete too."""
+    runs = []
+    for index, setting in enumerate(args.settings):
+        for seed in args.seeds:
+            for method in args.methods if index == 0 else args.second_row_methods:
+                run_dir = Path(args.out) / _label(setting) / f"seed{seed}" / method
+                if _trained(run_dir, args.steps):
+                    runs.append(read_run(run_dir, method, setting, seed))
+                    if (run_dir / "eval" / "eval_results.json").is_file():
+                        runs[-1]["eval"] = read_eval(run_dir / "eval")
+    bases = {fmt: Path(args.out) / f"cold_start_{fmt}" for fmt in COLD_STARTS}
+    report["cold_start"] = {fmt: read_eval(p) for fmt, p in bases.items() if (p / "eval_results.json").is_file()}
+    if not runs:
+        raise SystemExit(f"--report-only: no complete run in {args.out}.")
+    return runs
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ensure_cold_starts(args, {METHODS[m][0] for m in args.methods})
     report = {"config": vars(args) | {"settings": [_label(s) for s in args.settings]}, "load": os.getloadavg()}
-    runs = []
-    for index, setting in enumerate(args.settings):
+    runs = finished_runs(args, report) if args.report_only else []
+    for index, setting in enumerate([] if args.report_only else args.settings):
         methods = args.methods if index == 0 else [m for m in args.methods if m in args.second_row_methods]
         for seed in args.seeds:
             for method in methods:  # a seed's methods back to back: they share the machine's state

@@ -154,6 +154,9 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
     for plot in report["plots"]:
         assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "results.json").read_text())["comparisons"] == json.loads(json.dumps(comparisons))
+    again = bench.main(["--report-only", "--seeds", "0", "1", "--steps", "1", "--settings", "4:2", "2:1",
+                        "--bootstrap", "200", "--recipe", train, "--chat-recipe", chat, "--out", str(out)])
+    assert again["comparisons"] == comparisons and again["cold_start"] == report["cold_start"]
 
 
 def test_trl_peer_reads_calls_from_trl_messages_and_shares_the_python_schema():
