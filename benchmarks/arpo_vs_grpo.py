@@ -275,7 +275,8 @@ def markdown(report: dict) -> str:
     from arpo_trl.markdown import markdown_table
 
     columns = ["calls_per_trajectory", "tool_calls_per_group", "tokens_generated_per_group", "forks_per_group",
-               "rollout_seconds", "step_seconds", "reward", "heldout_pass@1", "heldout_calls_per_trajectory", "heldout_seeds"]
+               "rollout_seconds", "step_seconds", "reward", "heldout_pass@1", "heldout_calls_per_trajectory",
+               "heldout_seeds"]
     rows = [[setting, method, *(_fmt(values.get(c)) for c in columns)]
             for setting, methods in report["summary"].items() for method, values in methods.items()]
     rows += [["before RL", f"cold start ({fmt})", *["-"] * 7, _fmt(e["pass@1"]), _fmt(e["calls_per_trajectory"]),
