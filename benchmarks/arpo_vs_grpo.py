@@ -5,8 +5,9 @@
     python benchmarks/arpo_vs_grpo.py --seeds 0 --steps 2 --eval-questions 8 --eval-samples 2   # a quick look
 
 The task (`arithmetic_chain`, `arpo_trl.arithmetic_chains`) needs one Python call per step, 2-3 per trajectory;
-SmolLM2-135M is cold-started on the same transcripts in two call formats (`recipes/multi_call_sft*.yaml`, trained
-first when missing). Methods, all with the same model, data, reward, M, token and call budgets, LoRA and seed:
+SmolLM2-135M is cold-started on the same transcripts in two call formats (`recipes/multi_call_sft.yaml`,
+`recipes/multi_call_chat_sft.yaml`, trained first when missing). Methods, all with the same model, data, reward,
+M, token and call budgets, LoRA and seed:
 
     arpo       ARPOTrainer, tag calls (<python>), entropy branching: N global paths, then forks up to M
     grpo       ARPOTrainer, tag calls, branch_policy=none: M global paths (GRPO with our tool loop)
@@ -120,7 +121,7 @@ def recipe_value(recipe: str, key: str):
     return yaml.safe_load(Path(recipe).read_text()).get(key)
 
 
-COLD_STARTS = {"tags": "recipes/multi_call_sft.yaml", "chat_template": "recipes/multi_call_sft_chat.yaml"}
+COLD_STARTS = {"tags": "recipes/multi_call_sft.yaml", "chat_template": "recipes/multi_call_chat_sft.yaml"}
 
 
 def recipes(args: argparse.Namespace) -> dict[str, str]:
@@ -222,6 +223,8 @@ def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int
     result = {}
     for key, statistic in [(k, "ratio") for k in RATIOS] + [(k, "difference") for k in DIFFERENCES]:
         a, b = units(mine, key), units(base, key)
+        if statistic == "ratio" and not any(v for values in b.values() for v in values):
+            continue  # the baseline never did it (e.g. made no tool call): no ratio
         if any(a.values()) and any(b.values()):
             result[key] = paired_bootstrap(a, b, statistic, resamples) | {"statistic": statistic}
     return result
@@ -294,8 +297,6 @@ def markdown(report: dict) -> str:
 def _interval(value: dict | None) -> str:
     if not value:
         return "-"
-    if value["estimate"] != value["estimate"]:  # NaN: the baseline's value is 0
-        return "n/a (baseline 0)"
     null = 1.0 if value["statistic"] == "ratio" else 0.0
     mark = "*" if not value["low"] <= null <= value["high"] else ""
     return f"{value['estimate']:.3g} [{value['low']:.3g}, {value['high']:.3g}]{mark}"

@@ -7,7 +7,7 @@ parse the chat template's tool calls, run them, append the tool turn masked out 
 trajectories per prompt). It reads the same recipe as `arpo-trl train` (model, dataset, rewards, LoRA, M, token and
 call budgets, sampling); the ARPO-only fields (branching, entropy, call format) are dropped and `max_tool_calls`
 becomes TRL's `max_tool_calling_iterations`. The model must have a chat template TRL can parse tool calls from
-(`recipes/multi_call_sft_chat.yaml` gives the cold-start model TRL's bundled `qwen2_5` template).
+(`recipes/multi_call_chat_sft.yaml` gives the cold-start model TRL's bundled `qwen2_5` template).
 
 Both trainers run the same tool with the same schema: `python` wraps arpo-trl's sandboxed `PythonTool` and its JSON
 schema is checked equal to `PythonTool.schema()`, which ARPO's `tool_call_format='chat_template'` renders. Rewards get

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -147,8 +146,10 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
         passed = values["heldout_pass@1"]
         assert passed["estimate"] == pytest.approx(sum(runs[method, s]["eval"]["pass@1"] - runs[base, s]["eval"][
             "pass@1"] for s in (0, 1)) / 2) and passed["units"] == 6
-        for value in values.values():  # the random chat model makes no calls: a ratio of zeros is not a number
-            assert value["low"] <= value["high"] or math.isnan(value["estimate"])
+        for value in values.values():
+            assert value["low"] <= value["high"]
+        if method == "arpo_chat":  # the random chat model makes no calls: no ratio of zeros
+            assert "tool_calls_per_group" not in values
     table = (out / "results.md").read_text()
     assert "| M4N2 | trl_grpo |" in table and "| M4N2 arpo_chat vs trl_grpo |" in table
     for plot in report["plots"]:

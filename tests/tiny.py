@@ -125,7 +125,7 @@ def hermes_tokenizer():
 
 def qwen_chat_tokenizer():
     """The tiny tokenizer with TRL's bundled Qwen2.5 chat template: the one TRL's GRPOTrainer(tools=…) can parse
-    tool calls from (as `recipes/multi_call_sft_chat.yaml` gives the cold-start model)."""
+    tool calls from (as `recipes/multi_call_chat_sft.yaml` gives the cold-start model)."""
     from importlib.resources import files
 
     tokenizer = build_tokenizer()
