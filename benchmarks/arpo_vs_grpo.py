@@ -306,12 +306,18 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.3g}"
 
 
+def row_methods(args: argparse.Namespace, index: int) -> list[str]:
+    """The methods of the `index`-th setting: all of --methods in the main row, those also in --second-row-methods
+    after it."""
+    return args.methods if index == 0 else [m for m in args.methods if m in args.second_row_methods]
+
+
 def finished_runs(args: argparse.Namespace, report: dict) -> list[dict]:
     """The runs of the plan already complete in --out, with their evaluations where those are complete too."""
     runs = []
     for index, setting in enumerate(args.settings):
         for seed in args.seeds:
-            for method in args.methods if index == 0 else args.second_row_methods:
+            for method in row_methods(args, index):
                 run_dir = Path(args.out) / _label(setting) / f"seed{seed}" / method
                 if _trained(run_dir, args.steps):
                     runs.append(read_run(run_dir, method, setting, seed))
@@ -332,9 +338,8 @@ def main(argv=None) -> dict:
     report = {"config": vars(args) | {"settings": [_label(s) for s in args.settings]}, "load": os.getloadavg()}
     runs = finished_runs(args, report) if args.report_only else []
     for index, setting in enumerate([] if args.report_only else args.settings):
-        methods = args.methods if index == 0 else [m for m in args.methods if m in args.second_row_methods]
         for seed in args.seeds:
-            for method in methods:  # a seed's methods back to back: they share the machine's state
+            for method in row_methods(args, index):  # a seed's methods back to back: they share the machine's state
                 print(f"{_label(setting)} seed {seed}: {method}", file=sys.stderr)
                 runs.append(read_run(train(args, method, setting, seed), method, setting, seed))
         if index == 0 and args.eval_questions:  # the main row, before the other rows train (they are not evaluated)
