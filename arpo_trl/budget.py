@@ -58,6 +58,8 @@ class FillUps:
         fill-ups running as the slots forking is expected not to fill; a fork takes its slot back (`make_room`).
         Forks never wait for fill-ups and fill-ups are committed by start order, so the trees are those of
         certain fill-ups started at the end, as the paper describes, only sooner."""
+        if g in rollout.monitoring:  # AEPO: how many global samples the group gets is not decided yet
+            return
         group, m = rollout.groups[g], rollout.num_generations
         committed = [path for path in group if path.committed]
         certain = m - len(committed) - sum(self.capacity(rollout, path) for path in committed)

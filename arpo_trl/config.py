@@ -6,15 +6,18 @@ Defaults follow the authors' released scripts (docs/reference.md#defaults): M=16
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from arpo_trl.entropy_balance import check_aepo_args
 from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS, check_branching_args, default_initial_rollouts
 from arpo_trl.server.weight_sync import SYNC_MODES, check_sync_mode
 from arpo_trl.tool_calls import TOOL_CALL_FORMATS, check_call_format
 
 ATTRIBUTIONS = ("soft", "hard")
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL's losses with PPO's clipped ratio
 
 
 @dataclass
@@ -69,9 +72,46 @@ class ARPOConfig(GRPOConfig):
     branch_policy: str = field(
         default="entropy",
         metadata={
-            "help": "'entropy' (ARPO), 'random' (ablation: fork with probability τ, ΔH ignored) or 'none' "
-            "(trajectory-level sampling with N = M: the GRPO-with-tools baseline).",
+            "help": "'entropy' (ARPO), 'random' (ablation: fork with probability τ, ΔH ignored), 'aepo' (AEPO's "
+            "entropy-balanced rollout: entropy pre-monitoring sets the global samples, `pre_monitoring_beta`, and a "
+            "path that forked at its last l tool results forks with P = clip(1 - τ/(1 - λ·l) + β·ΔH, 0, 1), "
+            "`branch_penalty`; docs/aepo.md) or 'none' (trajectory-level sampling with N = M: the GRPO-with-tools "
+            "baseline).",
             "choices": list(BRANCH_POLICIES),
+        },
+    )
+    branch_penalty: float = field(
+        default=0.05,
+        metadata={
+            "help": "λ of AEPO's branch penalty P̂(l) = λ·l (branch_policy='aepo'): l is the number of fork decisions "
+            "in a row that forked on a path's line; the fork score (u + β·ΔH) is scaled by 1 - λ·l. 0.05 as the "
+            "authors' code; 0 = no penalty."
+        },
+    )
+    pre_monitoring_beta: float | None = field(
+        default=0.5,
+        metadata={
+            "help": "β of AEPO's entropy pre-monitoring (branch_policy='aepo'): per prompt, one trajectory that does "
+            "not fork is generated first, and m = floor(M·σ(β·(H_root - mean H_tool))) + 1 of the M are global samples "
+            "(H_root: its first segment's entropy; mean H_tool: over all its segments); the rest are branches. 0.5 as "
+            "the authors' code. None: N = `initial_rollouts` global samples, as the released AEPO scripts run it."
+        },
+    )
+    entropy_balanced_clipping: bool = field(
+        default=False,
+        metadata={
+            "help": "AEPO's stop-gradient clipping (any branch policy): a token with advantage > 0 whose ratio is "
+            "above 1 + epsilon_high keeps its gradient, rescaled to (1 + epsilon_high)·A·∇log π, instead of PPO's "
+            "zero; the loss value is unchanged. Needs a clipped loss_type (grpo, bnpo, dr_grpo, dapo, luspo), "
+            "token-level importance sampling and beta=0. docs/aepo.md."
+        },
+    )
+    entropy_advantage_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "a of AEPO's entropy-aware advantage (any branch policy): each trained token's advantage is "
+            "multiplied by 1 + a·(H_t - mean H)/std H, with H the policy's token entropy standardised over the "
+            "trained tokens of the loss batch. 0 = off; 0.2 in the authors' code. docs/aepo.md."
         },
     )
     advantage_attribution: str = field(
@@ -221,6 +261,8 @@ class ARPOConfig(GRPOConfig):
             self.initial_rollouts = default_initial_rollouts(m, self.branch_policy)
         check_branching_args(m, self.initial_rollouts, self.branch_factor, self.branch_threshold,
                              self.entropy_window, self.branch_policy, self.max_tool_calls)
+        check_aepo_args(self.branch_penalty, self.pre_monitoring_beta)
+        self._validate_entropy_balanced_update()
         if self.entropy_top_k is not None and self.entropy_top_k < 1:
             raise ValueError(f"entropy_top_k must be >= 1 or None, got {self.entropy_top_k}.")
         check_call_format(self.tool_call_format)
@@ -241,6 +283,22 @@ class ARPOConfig(GRPOConfig):
                 f"per_device_train_batch_size * steps_per_generation ({per_process}) must be divisible by "
                 f"num_generations (M={m}) so that every prompt's M trajectories are generated on one process."
             )
+
+    def _validate_entropy_balanced_update(self) -> None:
+        if not math.isfinite(self.entropy_advantage_weight):
+            raise ValueError(f"entropy_advantage_weight must be a finite number, got {self.entropy_advantage_weight}.")
+        if not self.entropy_balanced_clipping:
+            return
+        if self.loss_type not in CLIPPED_LOSS_TYPES:
+            raise ValueError(f"entropy_balanced_clipping rescales the gradient of PPO's clipped term, so loss_type "
+                             f"must be one of {CLIPPED_LOSS_TYPES}; got {self.loss_type!r}.")
+        if self.importance_sampling_level != "token":
+            raise ValueError("entropy_balanced_clipping works on token ratios: set importance_sampling_level='token', "
+                             f"got {self.importance_sampling_level!r}.")
+        if self.beta != 0.0 or self.off_policy_mask_threshold is not None:
+            raise ValueError("entropy_balanced_clipping needs beta=0 and off_policy_mask_threshold=None (AEPO trains "
+                             "without a KL term; both would read the rescaled tokens' log-probabilities), got "
+                             f"beta={self.beta}, off_policy_mask_threshold={self.off_policy_mask_threshold}.")
 
     def _validate_limits(self) -> None:
         if self.max_minutes is not None and not self.max_minutes > 0:

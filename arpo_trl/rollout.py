@@ -14,7 +14,8 @@ Per prompt, with a budget of M trajectories, N global paths start the tree, and 
 When forking can no longer fill a prompt's M slots (even if every live path forked at every tool result it may
 still reach), all the missing trajectories start at once as fresh global samples ("fill-ups", paper §3.1 step 4:
 "add M-N-Ẑ trajectory-level samples"; `arpo_trl.budget`, which also starts likely ones early). Each prompt ends
-with exactly M trajectories; the records are in `arpo_trl.paths`.
+with exactly M trajectories; the records are in `arpo_trl.paths`. AEPO's rollout (`branch_policy="aepo"`):
+`arpo_trl.entropy_balance`, docs/aepo.md.
 
 A scheduler (`arpo_trl.scheduling`) drives the programs: against a server every path advances on its own; with a
 batch engine the requests that are ready together form one batch (a wave), in path order, so a seed reproduces the
@@ -44,6 +45,7 @@ from transformers import PreTrainedTokenizerBase
 
 from arpo_trl.budget import FillUps
 from arpo_trl.engines import GenerationEngine, Segment, normalized_entropy
+from arpo_trl.entropy_balance import aepo_fork_probability, check_aepo_args, global_samples
 from arpo_trl.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory, committed_count
 from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
 from arpo_trl.tags import cut_at_stop
@@ -51,7 +53,7 @@ from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall
 from arpo_trl.tools.base import Tool, ToolEnvironmentError
 from arpo_trl.tools.runner import CallOutcome
 
-BRANCH_POLICIES = ("entropy", "random", "none")
+BRANCH_POLICIES = ("entropy", "random", "aepo", "none")
 SCHEDULERS = ("auto", "events", "waves")
 _OPEN = object()  # `_absorb`: the probe stopped at k tokens inside a segment, which goes on
 
@@ -118,6 +120,8 @@ class BranchingSampler:
         call_format: CallFormat | None = None,
         scheduler: str = "auto",
         speculative_fill_ups: bool = True,
+        branch_penalty: float = 0.05,
+        pre_monitoring_beta: float | None = 0.5,
     ):
         tags = [tool.tag for tool in tools]
         if len(set(tags)) != len(tags):
@@ -126,6 +130,7 @@ class BranchingSampler:
             initial_rollouts = default_initial_rollouts(num_generations, branch_policy)
         check_branching_args(num_generations, initial_rollouts, branch_factor, branch_threshold, entropy_window,
                              branch_policy, max_tool_calls)
+        check_aepo_args(branch_penalty, pre_monitoring_beta)
         if tool_timeout <= 0 or max_tool_workers < 1:
             raise ValueError(f"tool_timeout must be > 0 and max_tool_workers >= 1, got {tool_timeout}, "
                              f"{max_tool_workers}.")
@@ -134,6 +139,7 @@ class BranchingSampler:
         self.num_generations, self.initial_rollouts = num_generations, initial_rollouts
         self.branch_factor, self.branch_threshold, self.entropy_weight = branch_factor, branch_threshold, entropy_weight
         self.entropy_window, self.branch_policy = entropy_window, branch_policy
+        self.branch_penalty, self.pre_monitoring_beta = branch_penalty, pre_monitoring_beta
         self.max_tool_calls, self.max_completion_length = max_tool_calls, max_completion_length
         self.tool_timeout, self.max_tool_workers = tool_timeout, max_tool_workers
         self.rng = random.Random(seed)
@@ -160,9 +166,12 @@ class BranchingSampler:
                              self.max_tool_calls)
         start = time.perf_counter()
         rollout = Rollout([[] for _ in prompts], m, policy)
+        monitored = policy == "aepo" and self.pre_monitoring_beta is not None
         for g, prompt in enumerate(prompts):
-            for _ in range(n):
+            for _ in range(1 if monitored else n):  # AEPO: one monitoring path first decides m (`_end_monitoring`)
                 rollout.start(g, list(prompt), "global", None)
+            if monitored:
+                rollout.monitoring.add(g)
             self.fill_ups.update(rollout, g, None)
         self.scheduler.run(self, rollout)
         rollout.finish()
@@ -197,6 +206,8 @@ class BranchingSampler:
                 outcome = yield CallRequest(path, call)
                 self._append_result(rollout, path, call, outcome)
                 probe = path.active and self._at_tool_result(rollout, path)
+        if path.group in rollout.monitoring:
+            self._end_monitoring(rollout, path)
         self.fill_ups.update(rollout, path.group, path)
 
     def state_dict(self) -> dict:
@@ -210,10 +221,14 @@ class BranchingSampler:
         self.fill_ups.call_rate = state.get("call_rate", self.fill_ups.call_rate)
         self.fill_ups.fork_rate = state.get("fork_rate", self.fill_ups.fork_rate)
 
-    def fork_probability(self, delta_entropy: float, policy: str | None = None) -> float:
-        """P(fork) = clip(τ + β·ΔH, 0, 1) for 'entropy'; τ for the 'random' ablation."""
-        if (policy or self.branch_policy) == "random":
+    def fork_probability(self, delta_entropy: float, policy: str | None = None, consecutive_forks: int = 0) -> float:
+        """P(fork) = clip(τ + β·ΔH, 0, 1) for 'entropy'; τ for the 'random' ablation; for 'aepo', the same rule with
+        AEPO's penalty on a path that forked at its last `consecutive_forks` tool results (`aepo_fork_probability`)."""
+        if (policy := policy or self.branch_policy) == "random":
             return self.branch_threshold
+        if policy == "aepo":
+            return aepo_fork_probability(delta_entropy, consecutive_forks, self.branch_threshold,
+                                         self.entropy_weight, self.branch_penalty)
         return min(1.0, max(0.0, self.branch_threshold + self.entropy_weight * delta_entropy))
 
     # ---- tree steps -----------------------------------------------------------------------------------------
@@ -241,23 +256,37 @@ class BranchingSampler:
 
     def _may_fork(self, rollout: Rollout, path: Trajectory) -> bool:
         return rollout.policy != "none" and self.branch_factor > 1 and path.kind != "fill" and \
+            path.group not in rollout.monitoring and \
             committed_count(rollout.groups[path.group]) < rollout.num_generations
+
+    def _end_monitoring(self, rollout: Rollout, monitor: Trajectory) -> None:
+        """AEPO's entropy pre-monitoring: the group's first path, which does not fork, measured the question's entropy
+        (its first segment) and the tool results' (all its segments); it is one of the m global samples
+        (`global_samples`), and the other m-1 start now. The rest of the budget goes to forks and fill-ups."""
+        rollout.monitoring.discard(monitor.group)
+        m = global_samples(rollout.num_generations, monitor.initial_entropy or 0.0, monitor.segment_entropies,
+                           self.pre_monitoring_beta)
+        rollout.stats.global_samples.append(m)
+        for _ in range(m - 1):
+            rollout.start(monitor.group, monitor.prompt_ids, "global", monitor)
 
     def _decide_fork(self, rollout: Rollout, path: Trajectory, delta: float | None) -> None:
         """Settle the fork at the path's latest tool result: Z-1 copies with probability P (paper §3.1 step 3)."""
         path.fork_decisions += 1
         copies, kept = rollout.pending_branches.pop(path.id, []), 0
         if delta is not None and self._may_fork(rollout, path):  # None: no fork was possible at the result
-            probability = self.fork_probability(delta, rollout.policy)
+            probability = self.fork_probability(delta, rollout.policy, path.consecutive_forks)
             rollout.fork_probabilities.append(probability)
             if self.rng.random() < probability:
                 kept = rollout.num_generations - committed_count(rollout.groups[path.group])
                 for child in copies[:kept]:
                     child.committed, child.fork_delta = True, delta
+                    child.consecutive_forks = path.consecutive_forks + 1
                     rollout.committed.append(child)
                     rollout.stats.forks += 1
                     rollout.stats.fork_deltas.append(delta)
                 self.fill_ups.make_room(rollout, path.group)
+        path.consecutive_forks = path.consecutive_forks + 1 if kept else 0  # AEPO's l: forks in a row on this line
         for child in copies[kept:]:
             rollout.drop(child)
         self.fill_ups.update(rollout, path.group, path)
@@ -312,7 +341,6 @@ class BranchingSampler:
     def _finish(self, path: Trajectory, reason: str) -> None:
         path.finish_reason = reason
         self._truncate(path)
-        return None
 
     def _truncate(self, path: Trajectory) -> None:
         """Enforce the completion budget: cut what overshoots; a path with no room left is finished."""

@@ -5,7 +5,9 @@ Only two hooks change (plus, with `use_vllm=True`, the weight-sync object TRL ca
     reference logps, importance sampling, rewards and metrics; tool-result tokens come back as `env_mask`,
     which TRL turns into `tool_mask` and removes from the loss;
   * `_generate_and_score_completions` replaces the (B,) advantages by (B,T) ones for hard attribution,
-    which TRL's `_compute_loss` accepts.
+    which TRL's `_compute_loss` accepts;
+  * with AEPO's update options, `EntropyBalancedUpdate` (arpo_trl/entropy_balanced_update.py) adjusts the
+    advantages and log-probabilities TRL's `_compute_loss` reads, keeping TRL's loss code.
 Every use of TRL's undocumented state goes through `TRLState` (arpo_trl/trl_state.py; tests/test_trl_touch_points.py
 checks it).
 """
@@ -33,6 +35,7 @@ from arpo_trl.advantages import hard_advantages, owner_mask, token_owners
 from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import run_on_main_process
 from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine, VLLMServerEngine
+from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.scoring import configure_math_scoring
 from arpo_trl.server.client import VLLMClient, check_server_tokenizer
@@ -72,7 +75,7 @@ def _resolve_sync_mode(requested: str, *, is_peft: bool, tied: bool) -> str:
                              vllm_importable=importlib.util.find_spec("vllm") is not None, tied=tied)
 
 
-class ARPOTrainer(GRPOTrainer):
+class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
     """Train a tool-using policy with ARPO.
 
     Args:
@@ -163,6 +166,7 @@ class ARPOTrainer(GRPOTrainer):
                                          args.tool_call_close, args.chat_template_kwargs),
             scheduler=args.rollout_scheduler if self.engine is not None else "waves",
             speculative_fill_ups=args.speculative_fill_ups,
+            branch_penalty=args.branch_penalty, pre_monitoring_beta=args.pre_monitoring_beta,
         )
 
     @staticmethod
@@ -369,6 +373,8 @@ class ARPOTrainer(GRPOTrainer):
         sync = self._trl.weight_sync
         if getattr(sync, "last_seconds", None) is not None:  # set by a sync before this rollout only
             metrics["arpo/weight_sync_seconds"], sync.last_seconds = sync.last_seconds, None
+        if stats.global_samples:  # AEPO's pre-monitoring
+            metrics["arpo/global_samples_per_group"] = statistics.fmean(stats.global_samples)
         if stats.fork_deltas:
             metrics["arpo/fork_delta_entropy_mean"] = statistics.fmean(stats.fork_deltas)
         for key, value in metrics.items():

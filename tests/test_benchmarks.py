@@ -77,12 +77,12 @@ def _steps(run_dir: Path) -> list[dict]:
 
 
 def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_model_dir, tmp_path):
-    """The real pipeline on tiny models: ARPO and GRPO with tag calls, ARPO with chat-template calls and TRL's own
-    GRPOTrainer(tools=…) (its train subprocess, `benchmarks/trl_peer.py`), two settings and two seeds; the main
-    row's runs and each cold-start model evaluated in a subprocess. The report is checked against each run's own
-    files: trees show the method (GRPO: M global paths; ARPO: N global, τ=1 and β=0 forking at every tool result
-    while the budget lasts), and every mean, pass@1 and bootstrap estimate is the one its metrics and evaluation
-    records give."""
+    """The real pipeline on tiny models: ARPO and GRPO with tag calls, ARPO with chat-template calls, TRL's own
+    GRPOTrainer(tools=…) (its train subprocess, `benchmarks/trl_peer.py`) and AEPO with every option; two settings
+    and two seeds; the main row's runs and each cold-start model evaluated in a subprocess. The report is checked
+    against each run's own files: trees show the method (GRPO: M global paths; ARPO: N global, τ=1 and β=0 forking
+    at every tool result while the budget lasts; AEPO: the global samples its pre-monitoring chose), and every
+    mean, pass@1 and bootstrap estimate is the one its metrics and evaluation records give."""
     bench = load("arpo_vs_grpo")
     train_file = _addition_questions(tmp_path / "train.jsonl", [(a, 2 * a + 1) for a in range(8)])
     train = _recipe("arpo_vs_grpo.yaml", tmp_path / "train.yaml", branch_threshold=1.0, entropy_weight=0.0,
@@ -96,7 +96,7 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
                          "--eval-samples", "2", "--eval-backend", "transformers", "--bootstrap", "200",
                          "--recipe", train, "--chat-recipe", chat, "--eval-recipe", heldout, "--out", str(out)])
     plan = Counter((r["setting"], r["method"]) for r in report["runs"])
-    assert plan == {("M4N2", m): 2 for m in ("arpo", "grpo", "arpo_chat", "trl_grpo")} | {
+    assert plan == {("M4N2", m): 2 for m in ("arpo", "grpo", "arpo_chat", "trl_grpo", "aepo")} | {
         ("M2N1", m): 2 for m in ("arpo", "grpo")}
     for run in report["runs"]:
         run_dir = Path(run["dir"])
@@ -114,7 +114,10 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
             for records in groups.values():
                 kinds = Counter(r["kind"] for r in records)
                 assert len(records) == m, kinds  # exactly M trajectories per prompt
-                assert kinds == {"global": m} if run["method"] == "grpo" else kinds["global"] == m // 2
+                if run["method"] == "aepo":  # one prompt per step: pre-monitoring's m is this group's
+                    assert kinds["global"] == step["arpo/global_samples_per_group"]
+                else:
+                    assert kinds == {"global": m} if run["method"] == "grpo" else kinds["global"] == m // 2
         expected = {ours: step[key] for key, ours in bench.PER_STEP.items() if key in step}
         assert run["mean"] == pytest.approx(expected), run["method"]
         if run["setting"] == "M2N1":  # only the main row is evaluated
@@ -132,7 +135,8 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
     mine = [r for r in arpo_tags if r["setting"] == "M4N2"]
     assert summary["reward"] == pytest.approx(sum(r["mean"]["reward"] for r in mine) / 2)
     comparisons = report["comparisons"]
-    assert set(comparisons) == {"M4N2 arpo vs grpo", "M4N2 arpo_chat vs trl_grpo", "M2N1 arpo vs grpo"}
+    assert set(comparisons) == {"M4N2 arpo vs grpo", "M4N2 arpo_chat vs trl_grpo", "M4N2 aepo vs grpo",
+                                "M4N2 aepo vs arpo", "M2N1 arpo vs grpo"}
     for name, values in comparisons.items():
         setting, method, _, base = name.split()
         runs = {(r["method"], r["seed"]): r for r in report["runs"] if r["setting"] == setting}

@@ -103,7 +103,7 @@ def _is_prompt(prefix, prompts) -> bool:
 
 
 @pytest.mark.parametrize("scheduler", ["waves", "events"])
-@pytest.mark.parametrize("policy", ["entropy", "random", "none"])
+@pytest.mark.parametrize("policy", ["entropy", "random", "aepo", "none"])
 @pytest.mark.parametrize("seed", range(4))
 def test_exactly_m_per_prompt_and_branch_prefixes(tokenizer, policy, seed, scheduler):
     m = 8

@@ -41,11 +41,20 @@ def parameters(function) -> list[str]:
 @pytest.mark.parametrize(("touch_point", "function", "expected"), [
     ("GRPOTrainer._tokenize_prompts", GRPOTrainer._tokenize_prompts, ["self", "prompts"]),
     ("GRPOTrainer._generate_and_score_completions", GRPOTrainer._generate_and_score_completions, ["self", "inputs"]),
+    ("GRPOTrainer._compute_loss", GRPOTrainer._compute_loss, ["self", "model", "inputs"]),
     ("Trainer._save_rng_state", Trainer._save_rng_state, ["self", "output_dir"]),
     ("Trainer._load_rng_state", Trainer._load_rng_state, ["self", "checkpoint"]),
 ])
 def test_private_methods_keep_their_signatures(touch_point, function, expected):
     check(parameters(function) == expected, touch_point, f"parameters {parameters(function)}, expected {expected}")
+
+
+def test_logps_hook_keeps_its_leading_parameters():
+    """`EntropyBalancedUpdate` overrides it, passing every argument on; tests/test_aepo.py checks that TRL's loss reads
+    the advantages after calling it."""
+    leading = parameters(GRPOTrainer._get_per_token_logps_and_entropies)[:7]
+    expected = ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy"]
+    check(leading == expected, "GRPOTrainer._get_per_token_logps_and_entropies", f"parameters start {leading}")
 
 
 def test_constructor_and_helper_keywords():
