@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -164,10 +165,8 @@ def _trained(run_dir: Path, steps: int) -> bool:
 
 
 def evaluate_all(args: argparse.Namespace, runs: list[dict]) -> dict[str, Path]:
-    """Evaluate every run's adapter and each cold-start model on the same held-out questions, one server (or
-    in-process model) per format; returns the cold-start evaluations by format."""
-    from arpo_trl.server.launcher import VLLMServer
-
+    """Evaluate every run's adapter and each cold-start model on the same held-out questions; returns the
+    cold-start evaluations by format."""
     bases = {}
     for fmt, recipe in recipes(args).items():
         mine = [r for r in runs if METHODS[r["method"]][0] == fmt]
@@ -176,26 +175,44 @@ def evaluate_all(args: argparse.Namespace, runs: list[dict]) -> dict[str, Path]:
         model = str(ROOT / recipe_value(recipe, "model_name_or_path"))
         bases[fmt] = Path(args.out) / f"cold_start_{fmt}"
         todo = [(None, bases[fmt])] + [(Path(r["dir"]), Path(r["dir"]) / "eval") for r in mine]
-        todo = [(adapter, out) for adapter, out in todo if not (args.reuse and (out / "eval_results.json").is_file())]
-        with ExitStack() as stack:
-            url = []
-            if todo and args.eval_backend == "vllm_server":
-                server = stack.enter_context(VLLMServer(model, max_model_len=2048, lora_rank=_lora_rank(recipe)))
-                url = ["--backend", "vllm_server", "--vllm_server_base_url", server.base_url]
-            for adapter, out in todo:
+        for adapter, out in todo:
+            if not (args.reuse and (out / "eval_results.json").is_file()):
                 print(f"eval: {adapter or 'cold start ' + fmt}", file=sys.stderr)
-                run("-m", "arpo_trl.cli", "eval", "--config", args.eval_recipe, "--model_name_or_path", model,
-                    *(["--adapter", str(adapter)] if adapter else []), "--tool_call_format", fmt,
-                    *(["--vllm_model_name", "-".join(adapter.parts[-3:])] if adapter and url else []),
-                    *(["--system_prompt", prompt] if (prompt := recipe_value(recipe, "system_prompt")) else []),
-                    "--max_completion_length", str(recipe_value(recipe, "max_completion_length")),
-                    "--num_samples", str(args.eval_questions), "--n_samples", str(args.eval_samples),
-                    *url, "--output_dir", str(out), log=out / "eval.log")
+                evaluate(args, recipe, fmt, model, adapter, out)
     return bases
 
 
-def _lora_rank(recipe: str) -> int:
-    return int(recipe_value(recipe, "lora_r"))
+def evaluate(args: argparse.Namespace, recipe: str, fmt: str, model: str, adapter: Path | None, out: Path) -> None:
+    """One held-out evaluation, in a subprocess. Through vLLM, a run's LoRA adapter is merged into its model first and
+    served as plain weights: vLLM-CPU generates several times faster that way than with LoRA."""
+    from arpo_trl.server.launcher import VLLMServer
+
+    flags = ["--adapter", str(adapter)] if adapter else []
+    with ExitStack() as stack:
+        if args.eval_backend == "vllm_server":
+            if adapter:
+                merged = out / "merged_model"
+                stack.callback(shutil.rmtree, merged, True)  # after the server has stopped (callbacks run last first)
+                model, flags = str(merge_adapter(model, adapter, merged)), []
+            server = stack.enter_context(VLLMServer(model, max_model_len=2048))
+            flags += ["--backend", "vllm_server", "--vllm_server_base_url", server.base_url]
+        run("-m", "arpo_trl.cli", "eval", "--config", args.eval_recipe, "--model_name_or_path", model, *flags,
+            "--tool_call_format", fmt,
+            *(["--system_prompt", prompt] if (prompt := recipe_value(recipe, "system_prompt")) else []),
+            "--max_completion_length", str(recipe_value(recipe, "max_completion_length")),
+            "--num_samples", str(args.eval_questions), "--n_samples", str(args.eval_samples),
+            "--output_dir", str(out), log=out / "eval.log")
+
+
+def merge_adapter(model: str, adapter: Path, out: Path) -> Path:
+    """`model` with the LoRA `adapter` merged in, saved with the adapter's tokenizer (and chat template) to `out`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), str(adapter)).merge_and_unload()
+    merged.save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(adapter)).save_pretrained(out)
+    return out
 
 
 def read_run(run_dir: Path, method: str, setting: tuple[int, int], seed: int) -> dict:

@@ -194,3 +194,25 @@ def test_trl_peer_recipe_drops_the_arpo_only_fields(tmp_path):
     assert argv[0] == "--config" and argv[2:] == ["--seed", "1"]
     assert yaml.safe_load(Path(argv[1]).read_text()) == {"max_tool_calling_iterations": 3, "num_generations": 16,
                                                          "beta": 0.0}
+
+
+def test_merged_adapter_is_the_adapted_model(tiny_model_dir, tokenizer, tmp_path):
+    """Held-out evaluation through vLLM serves each run as one merged model: the same logits as base + LoRA."""
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                             LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "adapter")
+    tokenizer.save_pretrained(tmp_path / "adapter")
+    merged_dir = load("arpo_vs_grpo").merge_adapter(str(tiny_model_dir), tmp_path / "adapter", tmp_path / "merged")
+    ids = torch.tensor([tokenizer.encode("What is 3+4? <python>print(3+4)</python>")])
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)(ids).logits
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir)(ids).logits
+        assert torch.allclose(merged, reference(ids).logits, atol=1e-5)
+        assert not torch.allclose(merged, base, atol=1e-3)  # the adapter did change the model
+    assert (merged_dir / "tokenizer_config.json").is_file()
