@@ -266,7 +266,7 @@ class BranchingSampler:
         rollout.monitoring.discard(monitor.group)
         m = global_samples(rollout.num_generations, monitor.initial_entropy or 0.0, monitor.segment_entropies,
                            self.pre_monitoring_beta)
-        rollout.stats.global_samples.append(m)
+        rollout.stats.global_samples[monitor.group] = m
         for _ in range(m - 1):
             rollout.start(monitor.group, monitor.prompt_ids, "global", monitor)
 

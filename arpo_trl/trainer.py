@@ -374,7 +374,7 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
         if getattr(sync, "last_seconds", None) is not None:  # set by a sync before this rollout only
             metrics["arpo/weight_sync_seconds"], sync.last_seconds = sync.last_seconds, None
         if stats.global_samples:  # AEPO's pre-monitoring
-            metrics["arpo/global_samples_per_group"] = statistics.fmean(stats.global_samples)
+            metrics["arpo/global_samples_per_group"] = statistics.fmean(stats.global_samples.values())
         if stats.fork_deltas:
             metrics["arpo/fork_delta_entropy_mean"] = statistics.fmean(stats.fork_deltas)
         for key, value in metrics.items():

@@ -78,7 +78,7 @@ def test_pre_monitoring_sets_the_global_samples_after_one_path(tokenizer, h_root
     result = sampler.sample(prompts)
     segments = [segment_entropy(h_root)] + [segment_entropy(h) for h in h_tools]
     m = global_samples(m_budget, segment_entropy(h_root), segments, 0.5)
-    assert result.stats.global_samples == [m, m]
+    assert result.stats.global_samples == {0: m, 1: m}
     bare = _waves_with_bare_prompts(sampler.engine, prompts)
     assert bare[0] == 2 and bare[1:4] == [0, 0, 0]  # the two monitors' four segments, alone
     assert bare[4] == 2 * (m - 1)  # then every other global sample at once

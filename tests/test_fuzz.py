@@ -507,6 +507,8 @@ def check_rollout(result, sampler, prompts, m, n, policy, outputs) -> None:
     by_id = {t.id: t for t in trajectories}
     assert len(by_id) == len(trajectories)
     for g, group in enumerate(result.groups):
+        if policy == "aepo":  # AEPO's pre-monitoring chose the group's global samples
+            n = result.stats.global_samples[g]
         assert [t.kind for t in group][:n] == ["global"] * n and all(t.group == g for t in group)
         assert all(t.prompt_ids == list(prompts[g]) for t in group)
     assert result.stats.forks == sum(t.kind == "branch" for t in trajectories)
