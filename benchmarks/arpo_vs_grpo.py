@@ -354,7 +354,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ensure_cold_starts(args, {METHODS[m][0] for m in args.methods})
+    if not args.report_only:  # --report-only trains nothing, as its help says
+        ensure_cold_starts(args, {METHODS[m][0] for m in args.methods})
     report = {"config": vars(args) | {"settings": [_label(s) for s in args.settings]}, "load": os.getloadavg()}
     runs = finished_runs(args, report) if args.report_only else []
     for index, setting in enumerate([] if args.report_only else args.settings):
