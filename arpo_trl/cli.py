@@ -22,12 +22,16 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from arpo_trl.commands.builders import fail, resolve_model
+from arpo_trl.commands.builders import RECIPES_DIR, fail, resolve_model
 from arpo_trl.preflight import check_writable_dir
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not sys.stderr.isatty() and argv and argv[0] in ("quickstart", "train", "sft", "eval"):
+        import datasets  # a log or a pipe gets our lines, not hundreds of Map-bar frames
+
+        datasets.disable_progress_bars()
     commands = {"quickstart": quickstart, "train": _train, "sft": _sft, "eval": _eval, "view": _trees("view"),
                 "plot": _trees("plot"), "vllm-serve": _vllm_serve}
     if not argv or argv[0] not in commands:
@@ -68,9 +72,6 @@ def _vllm_serve(argv: Sequence[str]) -> None:
     from arpo_trl.server.launcher import main as serve_main
 
     serve_main(["serve", *argv])
-
-
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def quickstart(argv: Sequence[str]) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from arpo_trl.entropy_balance import check_aepo_args
+from arpo_trl.preflight import adopt_checkpointing_default
 from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS, check_branching_args, default_initial_rollouts
 from arpo_trl.server.weight_sync import SYNC_MODES, check_sync_mode
 from arpo_trl.tool_calls import TOOL_CALL_FORMATS, check_call_format
@@ -248,6 +249,7 @@ class ARPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        adopt_checkpointing_default(self)
         super().__post_init__()
         self._validate_arpo_fields()
 

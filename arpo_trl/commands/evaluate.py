@@ -32,6 +32,7 @@ from arpo_trl.commands.builders import (
     fail,
     load_dataset,
     one_line_parser,
+    recipe_hint,
     resolve_model,
 )
 from arpo_trl.engines import SamplingSettings, eos_token_ids
@@ -178,7 +179,8 @@ def check_args(args: EvalArguments) -> None:
     if args.max_tool_calls < 0:
         raise UserInputError(f"max_tool_calls: must be >= 0, got {args.max_tool_calls}.")
     if args.adapter and not (Path(args.adapter) / "adapter_config.json").is_file():
-        raise UserInputError(f"adapter: {args.adapter!r} is not a PEFT adapter folder (no adapter_config.json).")
+        raise UserInputError(f"adapter: {args.adapter!r} is not a PEFT adapter folder (no adapter_config.json)"
+                             f"{recipe_hint(args.adapter) or '.'}")
 
 
 def load_eval_dataset(args: EvalArguments):

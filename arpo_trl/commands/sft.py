@@ -30,7 +30,7 @@ from datasets import Dataset
 from arpo_trl.arithmetic_chains import THOUGHT, arithmetic_chains
 from arpo_trl.commands.builders import fail, one_line_parser, parse_recipe, resolve_model
 from arpo_trl.data import PYTHON_SYSTEM_PROMPT, arpo_prompt, create_reasoning_gym_task, resolve_system_prompt
-from arpo_trl.preflight import check_writable_dir
+from arpo_trl.preflight import adopt_checkpointing_default, check_writable_dir
 from arpo_trl.tools.base import format_result
 from arpo_trl.tools.python import PythonTool
 
@@ -151,7 +151,15 @@ def _run_prints(tool: PythonTool, expressions: list[str]) -> list[str]:
 def make_parser():
     from trl import ModelConfig, SFTConfig
 
-    return one_line_parser((ColdStartArguments, SFTConfig, ModelConfig), "arpo-trl sft")
+    @dataclass
+    class ColdStartSFTConfig(SFTConfig):
+        """TRL's SFTConfig without the deprecation warning its own default causes (`adopt_checkpointing_default`)."""
+
+        def __post_init__(self):
+            adopt_checkpointing_default(self)
+            super().__post_init__()
+
+    return one_line_parser((ColdStartArguments, ColdStartSFTConfig, ModelConfig), "arpo-trl sft")
 
 
 def sft(argv: Sequence[str]) -> None:
@@ -161,9 +169,10 @@ def sft(argv: Sequence[str]) -> None:
     try:
         script_args, training_args, model_args = parse_recipe(make_parser(), argv, "sft")
         check_writable_dir(training_args.output_dir)
+        bundled_chat_template(script_args.chat_template)  # a wrong name or task costs a second, not a conversion
+        dataset = transcripts(script_args)
         model = resolve_model(model_args.model_name_or_path)
         tokenizer = load_tokenizer(model, script_args.chat_template)
-        dataset = transcripts(script_args)
     except (ValueError, FileNotFoundError, ImportError) as error:
         fail(error)
     trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
@@ -183,20 +192,28 @@ def transcripts(args: ColdStartArguments) -> Dataset:
     return tool_transcripts(args.task, args.num_examples, args.transcript_seed, system_prompt, args.task_config)
 
 
-def load_tokenizer(model: str, chat_template: str | None):
-    """The model's tokenizer, with one of TRL's bundled chat templates (`trl/chat_templates/<name>.jinja`) if named."""
+def bundled_chat_template(name: str | None) -> str | None:
+    """The text of one of TRL's bundled chat templates (`trl/chat_templates/<name>.jinja`), None for none."""
     from importlib.resources import files
 
+    if not name:
+        return None
+    template = files("trl").joinpath(f"chat_templates/{name}.jinja")
+    if not template.is_file():
+        names = sorted(p.name[:-6] for p in files("trl").joinpath("chat_templates").iterdir()
+                       if p.name.endswith(".jinja"))
+        raise ValueError(f"chat_template: TRL ships no template {name!r}; expected one of {names}.")
+    return template.read_text()
+
+
+def load_tokenizer(model: str, chat_template: str | None):
+    """The model's tokenizer, with one of TRL's bundled chat templates if named."""
     from transformers import AutoTokenizer
 
+    template = bundled_chat_template(chat_template)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    if chat_template:
-        template = files("trl").joinpath(f"chat_templates/{chat_template}.jinja")
-        if not template.is_file():
-            names = sorted(p.name[:-6] for p in files("trl").joinpath("chat_templates").iterdir()
-                           if p.name.endswith(".jinja"))
-            raise ValueError(f"chat_template: TRL ships no template {chat_template!r}; expected one of {names}.")
-        tokenizer.chat_template = template.read_text()
+    if template:
+        tokenizer.chat_template = template
     return tokenizer
 
 

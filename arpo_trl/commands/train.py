@@ -16,6 +16,7 @@ from arpo_trl.commands.builders import (
     ToolArguments,
     build_tools,
     check_chat_template,
+    check_tool_args,
     fail,
     load_dataset,
     load_reward,
@@ -68,13 +69,15 @@ def build_trainer(script_args: ARPOScriptArguments, training_args: ARPOConfig, m
 
     from arpo_trl.trainer import ARPOTrainer
 
-    model = resolve_model(model_args.model_name_or_path)
+    # Cheap checks of what the user typed first; then the data; the model (maybe a download and conversion) last.
     rewards = [load_reward(name) for name in script_args.reward_funcs]
-    tools = build_tools(script_args)
+    check_tool_args(script_args)
     dataset = load_dataset(script_args, script_args.dataset_train_split, "dataset_train_split", training_args.seed)
+    model = resolve_model(model_args.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(model)
     check_chat_template(tokenizer, model, dataset)
     check_prompts_fit(model, tokenizer, dataset, training_args)
+    tools = build_tools(script_args)
     return ARPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=dataset, tools=tools,
                        peft_config=get_peft_config(model_args))
 
