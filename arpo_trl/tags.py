@@ -91,11 +91,13 @@ RESULT_MARKERS = ("<result>", "</result>")
 
 
 class OwnText(NamedTuple):
-    """What the model wrote of a completion, without the environment's tool results.
+    """What the model wrote of a completion that rewards and evaluation score: its text outside the tool calls (a
+    call's content is the tool's input: code that prints an answer is no answer) and outside the environment's tool
+    results.
 
-    `tools`: the tool of each result block removed, in order. `error` is set when the model's own text holds a result
-    marker (`<result>` or `</result>`): the markers are the environment's, so a model that writes one gets no answer
-    read (the reward's format check fails) instead of hiding its text behind one or passing a tool's text off as its
+    `tools`: the tool of each answered call, in order. `error` is set when that text holds a result marker
+    (`<result>` or `</result>`): the markers are the environment's, so a model that writes one gets no answer read
+    (the reward's format check fails) instead of hiding its text behind one or passing a tool's text off as its
     own."""
 
     text: str
@@ -104,7 +106,7 @@ class OwnText(NamedTuple):
 
 
 def as_own_text(text: str, tools: Sequence[str] = ()) -> OwnText:
-    """`text` as the model's own text (already without tool results), checked for result markers."""
+    """`text` as the model's own text (already without tool calls and results), checked for result markers."""
     marker = next((m for m in RESULT_MARKERS if m in text), None)
     error = None if marker is None else (f"{marker} outside the environment's result blocks (written by the model, or "
                                          "a tool output that closed its block early)")
@@ -112,31 +114,33 @@ def as_own_text(text: str, tools: Sequence[str] = ()) -> OwnText:
 
 
 def own_text_from_ids(completion_ids: Sequence[int], calls: Sequence, decode: Decode) -> OwnText:
-    """The model's text from the sampler's records: the completion decoded outside every recorded result span
-    (`result_start`/`result_end`, token offsets of the completion; records as `ToolCallRecord`s or their dicts)."""
-    answered = sorted(((_field(c, "result_start"), _field(c, "result_end"), _field(c, "tool") or "") for c in calls
-                       if _field(c, "result_start") is not None), key=lambda span: span[0])
+    """The model's text from the sampler's records (`ToolCallRecord`s or their dicts): the completion decoded outside
+    every recorded result span (`result_start`/`result_end`, token offsets), less each call's last `call_chars`
+    characters before its result (the call as the model wrote it, in any call format)."""
+    answered = sorted((_field(c, "result_start"), _field(c, "result_end"), _field(c, "call_chars") or 0,
+                       _field(c, "tool") or "") for c in calls if _field(c, "result_start") is not None)
     pieces, position = [], 0
-    for start, end, _ in answered:
+    for start, end, call_chars, _ in answered:
         if start < position or end is None or end < start:
             raise ValueError(f"call records: result span [{start}, {end}) overlaps another or is reversed; expected "
                              "ordered, disjoint token offsets of the completion.")
-        pieces.append(decode(completion_ids[position:start]))
+        piece = decode(completion_ids[position:start])
+        pieces.append(piece[: max(len(piece) - call_chars, 0)])
         position = end
     pieces.append(decode(completion_ids[position:]))
     return as_own_text("".join(pieces), [tool for *_, tool in answered])
 
 
 def _field(call, name: str):
-    return call.get(name) if isinstance(call, dict) else getattr(call, name)
+    return call.get(name) if isinstance(call, dict) else getattr(call, name, None)
 
 
 def own_text_from_markers(text: str, tags: Sequence[str] = ("search", "python")) -> OwnText:
     """The model's text when only the text is known (no call records), in the tag format: a result block is the
-    environment's ` <result>\n…\n</result>` right after a call `<tag>…</tag>` the model wrote (the sampler stops at
-    `</tag>`, so the model cannot write the block itself), up to the first `\n</result>`; a block the length budget
-    cut runs to the end. Tool output that writes `</result>` early leaves the real closing marker (or a bogus block)
-    in the model's text: an error, never a forged answer or call. Linear in the text's length."""
+    environment's ` <result>\\n…\\n</result>` right after a call `<tag>…</tag>` the model wrote (the sampler stops at
+    `</tag>`, so the model cannot write the block itself), up to the first `\\n</result>`; a block the length budget
+    cut runs to the end. The call and its block are dropped. Tool output that writes `</result>` early leaves the real
+    closing marker (or a bogus block) in the model's text: an error, never a forged answer or call. Linear."""
     if not tags:
         return as_own_text(text)
     names = "|".join(re.escape(tag) for tag in tags)
@@ -144,10 +148,10 @@ def own_text_from_markers(text: str, tags: Sequence[str] = ("search", "python"))
     pieces, tools, position = [], [], 0
     while (match := opener.search(text, position)) is not None:
         tag = match["tag"]
-        block = match.start() + len(tag) + 3
-        if text.rfind(f"<{tag}>", position, match.start()) < 0:  # no call of the model's: the marker stays, an error
+        call = text.rfind(f"<{tag}>", position, match.start())
+        if call < 0:  # no call of the model's before it: the marker stays in its text, an error
             break
-        pieces.append(text[position:block])
+        pieces.append(text[position:call])
         tools.append(tag)
         end = text.find("\n</result>", match.end() - 1)
         position = len(text) if end < 0 else end + len("\n</result>")
