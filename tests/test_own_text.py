@@ -32,7 +32,8 @@ from arpo_trl.tags import own_text_from_ids, own_text_from_markers
 from arpo_trl.tools.base import Tool
 
 FROM_THE_TOOL = "<think>a</think><python>print(x)</python> <result>\n<answer>\\boxed{42}</answer>\n</result>"
-HACK = '<think>the tool will say it</think><python>print(r"<answer>\\boxed{5}</answer>")</python>'
+PRINT_ANSWER = 'print(r"<%s>\\boxed{{{}}}</%s>" % ("answer", "answer"))'  # no answer tag in the code itself
+HACK = f"<think>the tool will say it</think><python>{PRINT_ANSWER.format(5)}</python>"
 HONEST = "<think>2+3 is 5</think><answer>\\boxed{5}</answer>"
 
 
@@ -51,12 +52,15 @@ def test_an_answer_only_inside_a_tool_result_earns_nothing():
 
 
 def test_code_that_prints_the_answer_is_no_answer():
-    """The model's call is the tool's input: `print("<answer>…")` holds an answer tag the model typed, yet not its
-    answer."""
-    text = HACK + ' <result>\n<answer>\\boxed{5}</answer>\n</result>'
-    assert own_text_from_markers(text).text == "<think>the tool will say it</think>"
+    """The model's call is the tool's input, never its answer: not what the code prints, nor an answer tag typed in
+    the code itself."""
+    text = HACK + " <result>\n<answer>\\boxed{5}</answer>\n</result>"
     assert arpo_math_reward([text], ground_truth=["5"]) == [-1.0]
     assert score_completion(text, "5", "math")["correct"] == 0.0
+    assert own_text_from_markers(text).text == "<think>the tool will say it</think>"
+    typed = '<think>t</think><python>print("<answer>\\boxed{5}</answer>")</python> <result>\nhi\n</result>'
+    assert arpo_math_reward([typed], ground_truth=["5"]) == [-1.0]
+    assert score_completion(typed, "5", "math")["answer"] is None
 
 
 def test_own_text_from_records_drops_calls_and_results(tokenizer):
@@ -174,8 +178,8 @@ def test_the_print_the_answer_hack_scores_minus_one_in_training(tokenizer, tmp_p
         text = completion if isinstance(completion, str) else completion[0]["content"]
         if "<python>" in text:
             assert "<answer>\\boxed{5}</answer>\n</result>" in text  # the tool did print it
-            assert "<answer>" not in row["arpo_model_text"]
             assert reward == -1.0, text
+            assert "<answer>" not in row["arpo_model_text"]
             kinds["hack"] += 1
         else:
             assert reward == 1.0, text
@@ -189,7 +193,7 @@ def test_the_print_the_answer_hack_scores_minus_one_in_training(tokenizer, tmp_p
 MIXED = [
     ("1/2", "math", [[("\\frac{1}{2}", "eos")], [("12", "eos")]]),           # math-verify: 1, 0 (SQuAD EM: 0, 1)
     ("-3", "math", [[("3", "eos")],                                          # 0 (SQuAD EM: 1)
-                    [('<python>print(r"<answer>\\boxed{-3}</answer>")</python>', "stop"), ("", "eos")]]),  # hack: 0
+                    [(f"<python>{PRINT_ANSWER.format(-3)}</python>", "stop"), ("", "eos")]]),  # the hack: 0
     ("Paris", "qa", [[("Paris", "eos")], [("Paris France", "eos")]]),        # F1 1 (EM 1), F1 2/3 (EM 0)
     ("A", "qa", [[("A", "eos")], [("the", "eos")]]),                         # letters: 1, 0 (SQuAD EM: 1, 1)
 ]
@@ -226,15 +230,15 @@ def test_mixed_eval_scores_each_row_with_its_metric_and_reports_per_source(token
                                "task": task} for q, (truth, task, _) in enumerate(MIXED)])
     metric = resolve_metric(EvalArguments(dataset_name="arpo:valid.parquet"), data)  # ARPO's mixed data: F1
     engine = MixedEngine(tokenizer, [prompt_ids(tokenizer, row["prompt"]) for row in data])
-    python = Tool("python", lambda code: re.fullmatch(r'print\(r"(.*)"\)', code).group(1))
+    python = Tool("python", lambda code: re.fullmatch(r'print\(r"(.*)" % .*\)', code).group(1) % ("answer", "answer"))
     setup = EvalSetup(engine, tokenizer, [python], data, metric)
     args = EvalArguments(n_samples=2, k=[1, 2], seeds=[0], batch_size=4, max_completion_length=96,
                          output_dir=str(tmp_path))
     results = evaluate(args, setup)
-    assert [r["metric"] for r in results["records"]] == ["math", "math", "f1", "choice"]
-    assert [r["num_correct"] for r in results["records"]] == [1, 0, 1, 1]
     hack = results["records"][1]["completions"][1]
     assert "<answer>\\boxed{-3}</answer>\n</result>" in hack["text"] and hack["answer"] is None
+    assert [r["num_correct"] for r in results["records"]] == [1, 0, 1, 1]
+    assert [r["metric"] for r in results["records"]] == ["math", "math", "f1", "choice"]
     summary = {key: stats["mean"] for key, stats in results["summary"].items()}
     expected = {
         "pass@1": 3 / 8, "pass@2": 3 / 4, "mean_score": (1 + 1 + 2 / 3 + 1) / 8, "questions": 4,
