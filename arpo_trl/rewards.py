@@ -287,10 +287,20 @@ def _model_texts(kwargs: dict, n: int) -> list[str | None]:
     return list(texts)
 
 
+def completion_own_text(completion, calls: Calls = None, model_text: str | None = None) -> OwnText:
+    """`own_text` of a TRL completion: of a conversation (TRL's tool loop), the model's own turns; its `tool`
+    messages are results (their tools count as answered calls when there are no records)."""
+    if model_text is not None or isinstance(completion, str):
+        return own_text(completion_text(completion), calls, model_text)
+    turns = [m for m in completion if isinstance(m, dict)]
+    own = own_text(completion_text([m for m in turns if m.get("role") != "tool"]), calls)
+    return own._replace(tools=own.tools + tuple(m.get("name") or "" for m in turns if m.get("role") == "tool"))
+
+
 def _own_texts(completions: list, kwargs: dict) -> tuple[list[str], list[Calls], list[OwnText]]:
     """The completions' texts, their recorded calls and what the model wrote of each."""
     texts, calls = [completion_text(c) for c in completions], _calls(kwargs, len(completions))
-    owns = [own_text(t, k, m) for t, k, m in zip(texts, calls, _model_texts(kwargs, len(completions)))]
+    owns = [completion_own_text(c, k, m) for c, k, m in zip(completions, calls, _model_texts(kwargs, len(completions)))]
     return texts, calls, owns
 
 

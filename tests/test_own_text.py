@@ -259,3 +259,15 @@ def test_mixed_eval_scores_each_row_with_its_metric_and_reports_per_source(token
     written = json.loads((tmp_path / "eval_results.json").read_text())
     assert written["metrics_by_source"] == {"math": ["math"], "qa": ["choice", "f1"]}
     assert results["source_table"] in (tmp_path / "eval_results.md").read_text()
+
+
+def test_a_tool_message_of_trls_tool_loop_is_no_answer():
+    """TRL's tool loop gives conversations: the `tool` messages are results, not the model's text."""
+    call = {"role": "assistant", "content": "<think>a</think>",
+            "tool_calls": [{"type": "function", "function": {"name": "python", "arguments": {"code": "print(x)"}}}]}
+    printed = [call, {"role": "tool", "name": "python", "content": "<answer>\\boxed{42}</answer>"}]
+    assert arpo_math_reward([printed], ground_truth=["42"]) == [-1.0]
+    answered = [*printed[:1], {"role": "tool", "name": "python", "content": "42"},
+                {"role": "assistant", "content": "<answer>\\boxed{42}</answer>"}]
+    assert arpo_math_reward([answered], ground_truth=["42"]) == [1.0]
+    assert format_credit_reward([answered]) == [pytest.approx(0.7)]
