@@ -255,14 +255,12 @@ def fix_escapes(text: str) -> str:
     return re.sub("[\x07\x08\x0b\x0c]", lambda m: _CONTROL_ESCAPES[m.group()], text)
 
 
-def _as_text(value) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple)) and len(value) == 1:
-        return str(value[0])
-    if hasattr(value, "tolist"):  # numpy arrays from parquet
-        return _as_text(value.tolist())
-    return json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
+def _as_text(value) -> str | list[str]:
+    """A ground truth as text, or a list of its acceptable answers (the scorers take the best match)."""
+    value = value.tolist() if hasattr(value, "tolist") else value  # numpy arrays from parquet
+    if isinstance(value, (list, tuple)):
+        return fix_escapes(str(value[0])) if len(value) == 1 else [fix_escapes(str(v)) for v in value]
+    return fix_escapes(json.dumps(value) if isinstance(value, dict) else str(value))
 
 
 def arpo_released(path: str | os.PathLike, system_prompt: str | None = None) -> Dataset:
@@ -287,11 +285,13 @@ def arpo_released(path: str | os.PathLike, system_prompt: str | None = None) -> 
             messages = [m for m in messages if m["role"] != "system"]
             messages.insert(0, {"role": "system", "content": system_prompt})
         extra = record.get("extra_info") or {}
-        rows.append({"prompt": messages, "ground_truth": fix_escapes(_as_text(record["reward_model"]["ground_truth"])),
+        rows.append({"prompt": messages, "ground_truth": _as_text(record["reward_model"]["ground_truth"]),
                      "task": record.get("ability") or "", "source": record.get("data_source") or "",
                      "index": extra["index"] if isinstance(extra.get("index"), int) else index})
     if not rows:
         raise ValueError(f"{file} has no rows.")
+    if any(isinstance(row["ground_truth"], list) for row in rows):  # one column type: every row a list
+        rows = [{**r, "ground_truth": [t] if isinstance(t := r["ground_truth"], str) else t} for r in rows]
     return Dataset.from_list(rows)
 
 

@@ -1,30 +1,43 @@
-"""Scoring and metrics of an evaluation run (`arpo-trl eval`, `arpo_trl.commands.evaluate`): pass@k, F1/EM/math
-scores of a completion, tool-call statistics from the sampler's records, and the per-seed table.
+"""Scoring and metrics of an evaluation run (`arpo-trl eval`, `arpo_trl.commands.evaluate`): pass@k, F1/EM/math/
+letter scores of what the model wrote (`arpo_trl.rewards.own_text`: tool results excluded), the metric each row
+asks for (`row_metric`), tool-call statistics from the sampler's records, and the per-seed and per-source tables.
 
-A trajectory is *correct* when its score is 1: math-verify equivalence, or an exact match for 'f1'/'em' (the
-'f1' metric additionally reports the mean token-F1, which is what the paper reports for knowledge QA).
+A trajectory is *correct* when its score is 1: math-verify equivalence, the letter of a multiple-choice answer
+('choice'), or an exact match for 'f1'/'em' (the 'f1' metric additionally reports the mean token-F1, which is what
+the paper reports for knowledge QA).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from arpo_trl.markdown import markdown_table
 from arpo_trl.paths import ToolCallRecord
 from arpo_trl.rewards import (
     GROUND_TRUTH_COLUMNS,
+    OwnText,
+    choice_score,
+    exact_match,
     extract_answer,
     f1_score,
+    is_choice,
     last_boxed,
     math_score,
-    normalize_answer,
+    own_text,
     validate_format,
 )
+from arpo_trl.tags import own_text_from_ids
 
-METRICS = ("auto", "math", "f1", "em")
+METRICS = ("auto", "math", "f1", "em", "choice")
+# The rule by data source (the `task` column: ARPO's parquet `ability`, our loaders' task names) for rows that name
+# no metric of their own.
+TASK_METRICS = {"math": "math", "qa": "f1"}
+_SOURCE_KEY = re.compile(r"^source\[(.*)\]/(.+)$")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -36,19 +49,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def exact_match(prediction: str, ground_truths: str | Sequence[str]) -> float:
-    """SQuAD exact match (after `normalize_answer`), max over the ground truths."""
-    truths = [ground_truths] if isinstance(ground_truths, str) else list(ground_truths)
-    return float(any(normalize_answer(prediction) == normalize_answer(str(t)) for t in truths))
-
-
 def score_answer(answer: str | None, ground_truth, metric: str) -> dict[str, float]:
-    """`score` (the metric's value), `correct` (1.0 or 0.0) and, for 'f1'/'em', both `f1` and `em`."""
+    """`score` (the metric's value), `correct` (1.0 or 0.0) and, for 'f1'/'em', both `f1` and `em`. A list ground
+    truth holds several acceptable answers: the best match counts."""
     if metric not in METRICS[1:]:
         raise ValueError(f"metric: unknown metric {metric!r}; expected one of {list(METRICS[1:])}.")
     truth = ground_truth if isinstance(ground_truth, (list, tuple)) else str(ground_truth)
-    if metric == "math":
-        value = 0.0 if answer is None else math_score(answer, truth)
+    if metric in ("math", "choice"):
+        value = 0.0 if answer is None else (math_score if metric == "math" else choice_score)(answer, truth)
         return {"score": value, "correct": float(value >= 1.0)}
     f1 = 0.0 if answer is None else f1_score(answer, truth)
     em = 0.0 if answer is None else exact_match(answer, truth)
@@ -56,11 +64,53 @@ def score_answer(answer: str | None, ground_truth, metric: str) -> dict[str, flo
 
 
 def score_completion(text: str, ground_truth, metric: str, require_answer_tag: bool = True,
-                     calls: Sequence[dict] | None = None) -> dict[str, Any]:
-    """Score one completion: extracted answer, metric values and the reference's format check."""
-    answer = extract_answer(text) if require_answer_tag else last_boxed(text)
-    format_error = validate_format(text, calls=calls)
-    return {"answer": answer, **score_answer(answer, ground_truth, metric), "format_error": format_error}
+                     calls: Sequence[dict] | None = None, own: OwnText | None = None) -> dict[str, Any]:
+    """Score one completion: the answer the model wrote (`own`, default `own_text(text, calls)`: never one inside a
+    tool result, none when it writes a result marker), metric values and the reference's format check."""
+    own = own or own_text(text, calls)
+    answer = None if own.error else extract_answer(own.text) if require_answer_tag else last_boxed(own.text)
+    format_error = validate_format(text, calls=calls, own=own)
+    return {"answer": answer, "metric": metric, **score_answer(answer, ground_truth, metric),
+            "format_error": format_error}
+
+
+def score_paths(paths: Sequence, truth, metric: str, decode: Callable[[Sequence[int]], str], tags: Sequence[str],
+                require_answer_tag: bool = True, save_text: bool = True) -> list[dict[str, Any]]:
+    """Score a question's sampled paths (`Trajectory`s): the model's own text is decoded outside the recorded result
+    spans (`arpo_trl.tags.own_text_from_ids`), in any call format."""
+    completions = []
+    for path in paths:
+        text = decode(path.completion_ids)
+        own = own_text_from_ids(path.completion_ids, path.calls, decode)
+        scored = score_completion(text, truth, metric, require_answer_tag, [asdict(c) for c in path.calls], own)
+        completions.append({
+            **({"text": text} if save_text else {}), **scored,
+            "tool_calls": path.tool_calls, "tool_failures": path.tool_failures,
+            "calls_by_tool": tool_call_counts(path.calls, tags), "finish_reason": path.finish_reason,
+            "tokens": path.own_tokens(),
+        })
+    return completions
+
+
+def row_metric(row: dict, fallback: str) -> str:
+    """The metric of one row: its own `metric` field; else a one-letter ground truth (or a list of them) scores as
+    a letter ('choice'); else the rule by data source (`TASK_METRICS` on its `task`: math-verify for math, F1 for
+    QA); else `fallback` (the dataset's). Raises ValueError for a `metric` field outside `METRICS`."""
+    named = row.get("metric")
+    if named:
+        if named not in METRICS[1:]:
+            raise ValueError(f"metric: a row asks for {named!r}; expected one of {list(METRICS[1:])}.")
+        return named
+    truth = ground_truth(row)
+    truths = truth if isinstance(truth, (list, tuple)) else [truth]
+    if truths and all(is_choice(str(t)) for t in truths):
+        return "choice"
+    return TASK_METRICS.get(str(row.get("task") or "").lower(), fallback)
+
+
+def row_source(row: dict) -> str:
+    """The group a row is reported in: its `task` (ARPO's `ability`, our loaders' task names), else 'all'."""
+    return str(row.get("task") or "all")
 
 
 def tool_call_counts(calls: Sequence[ToolCallRecord], tags: Sequence[str]) -> dict[str, int]:
@@ -69,18 +119,29 @@ def tool_call_counts(calls: Sequence[ToolCallRecord], tags: Sequence[str]) -> di
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------------
-def seed_metrics(records: list[dict], ks: Sequence[int], metric: str, tags: Sequence[str],
-                 wall_time: float) -> dict[str, float]:
-    """Flat metrics of one seed's per-question records."""
+def quality(records: list[dict], ks: Sequence[int]) -> dict[str, float]:
+    """Questions, pass@k, the mean score and, over the rows scored by F1/EM, mean F1 and EM."""
     completions = [c for r in records for c in r["completions"]]
-    total = max(len(completions), 1)
     out: dict[str, float] = {"questions": len(records), "trajectories": len(completions)}
     for k in ks:
         out[f"pass@{k}"] = _mean(pass_at_k(len(r["completions"]), r["num_correct"], k) for r in records)
     out["mean_score"] = _mean(c["score"] for c in completions)
-    if metric in ("f1", "em"):
-        out["mean_f1"] = _mean(c["f1"] for c in completions)
-        out["mean_em"] = _mean(c["em"] for c in completions)
+    if any("f1" in c for c in completions):
+        out["mean_f1"] = _mean(c["f1"] for c in completions if "f1" in c)
+        out["mean_em"] = _mean(c["em"] for c in completions if "em" in c)
+    return out
+
+
+def seed_metrics(records: list[dict], ks: Sequence[int], tags: Sequence[str], wall_time: float) -> dict[str, float]:
+    """Flat metrics of one seed's per-question records; with several sources (`row_source`), each source's
+    `quality` too, as `source[<name>]/<metric>`."""
+    completions = [c for r in records for c in r["completions"]]
+    total = max(len(completions), 1)
+    out = quality(records, ks)
+    sources = sorted({r.get("source", "all") for r in records})
+    for source in sources if len(sources) > 1 else ():
+        for key, value in quality([r for r in records if r.get("source", "all") == source], ks).items():
+            out[f"source[{source}]/{key}"] = value
     out["answered_rate"] = sum(c["answer"] is not None for c in completions) / total
     out["format_valid_rate"] = sum(c["format_error"] is None for c in completions) / total
     calls = sum(c["tool_calls"] for c in completions)
@@ -115,11 +176,28 @@ def summarize(per_seed: list[dict[str, float]]) -> dict[str, dict[str, float]]:
 
 
 def seed_table(per_seed: list[dict[str, float]], summary: dict[str, dict[str, float]]) -> str:
-    """A markdown table: a row per metric, a column per seed, then mean ± std."""
+    """A markdown table: a row per metric, a column per seed, then mean ± std (per-source metrics: `source_table`)."""
     columns = ["metric", *(f"seed {int(m['seed'])}" for m in per_seed), "mean ± std"]
     rows = [[key, *(_fmt(key, m.get(key, 0.0)) for m in per_seed), f"{_fmt(key, s['mean'])} ± {_fmt(key, s['std'])}"]
-            for key, s in summary.items()]
+            for key, s in summary.items() if not _SOURCE_KEY.match(key)]
     return markdown_table(columns, rows)
+
+
+def source_table(summary: dict[str, dict[str, float]], metrics: dict[str, list[str]]) -> str:
+    """A markdown table: a row per source and one for all, a column per `quality` metric (mean over seeds), with the
+    metrics each source was scored by (`metrics`: source → metric names)."""
+    per_source: dict[str, dict[str, float]] = {}
+    for key, stats in summary.items():
+        if (match := _SOURCE_KEY.match(key)) is not None:
+            per_source.setdefault(match.group(1), {})[match.group(2)] = stats["mean"]
+    per_source["all"] = {key: stats["mean"] for key, stats in summary.items() if not _SOURCE_KEY.match(key)}
+    names = [key for key in summary if not _SOURCE_KEY.match(key) and key not in ("trajectories",)
+             and (key.startswith("pass@") or key in ("questions", "mean_score", "mean_f1", "mean_em"))]
+    scored_by = {**metrics, "all": sorted({m for ms in metrics.values() for m in ms})}
+    rows = [[source, ", ".join(scored_by.get(source, [])), *(_fmt(k, values.get(k, 0.0)) if k in values else "–"
+                                                              for k in names)]
+            for source, values in per_source.items()]
+    return markdown_table(["source", "scored by", *names], rows)
 
 
 def _fmt(key: str, value: float) -> str:

@@ -11,11 +11,15 @@ calls `3\\sqrt{3}-6` and `3\\sqrt{3} - 6` different).
 
 The ground truth comes from the dataset column `ground_truth` (`answer` and `solution` are accepted).
 
-Tool calls: under `ARPOTrainer` the rewards are told each completion's calls as the sampler recorded them (the
-`arpo_calls` keyword argument: `ToolCallRecord`s as dicts), so the format check and the multi-tool bonus work for
-every call format (`tags`, `chat_template`): a call is well-formed when the environment answered it. Without
-`arpo_calls` (text-only callers, e.g. TRL's own `GRPOTrainer`), the reference's text check over `<tag>` and `<result>`
-tags applies.
+Only what the model wrote is scored (`own_text`, the one rule for rewards and evaluation): the answer, the format
+and the tool-use bonus are read from the completion without its tool results. Under `ARPOTrainer` the rewards are
+told each completion's calls as the sampler recorded them (`arpo_calls`: `ToolCallRecord`s as dicts) and the model's
+own text (`arpo_model_text`: the completion decoded outside the recorded result spans), so the checks work for every
+call format (`tags`, `chat_template`): a call is well-formed when the environment answered it. Without them
+(text-only callers, e.g. TRL's own `GRPOTrainer`), result blocks are found by their markers
+(`arpo_trl.tags.own_text_from_markers`) and the reference's text check over `<tag>` and `<result>` tags applies.
+A result marker in the model's own text is a format error (docs/rewards.md). The reference reads the whole decoded
+completion, tool output included (docs/differences.md).
 
 Completions are hostile input (docs/rewards.md): the text checks here are linear in the completion's length, and
 math equivalence runs through `arpo_trl.scoring.MathScorer` — length and nesting caps before parsing, a time limit
@@ -33,12 +37,15 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from arpo_trl.scoring import ScoreReport, default_scorer
-from arpo_trl.tags import answered_tag_call, unanswered_tag_call
+from arpo_trl.tags import OwnText, as_own_text, own_text_from_markers, unanswered_tag_call
 
 GROUND_TRUTH_COLUMNS = ("ground_truth", "answer", "solution")
 MULTI_TOOL_BONUS = 0.1
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 _BRACES = re.compile("[{}]")
+_CHOICE = re.compile(r"\(?([A-Za-z])\)?[.:]?")
+_TEXT_WRAPPER = re.compile(r"^\\(?:text|mathrm|textbf)\{(.*)\}$")
+TOOL_TAGS = ("search", "python")
 logger = logging.getLogger(__name__)
 _warned = threading.Event()
 
@@ -67,10 +74,26 @@ def _answered(call: dict) -> bool:
     return call.get("result_start") is not None
 
 
-def validate_format(text: str, tags: Sequence[str] = ("search", "python"), require_think: bool = True,
-                    calls: Calls = None) -> str | None:
-    """`None` if `text` has the reference's format, else the reason it does not. With the sampler's `calls`, every
-    call must have been answered; without, every `<tag>` call in the text must be followed by its result."""
+def own_text(text: str, calls: Calls = None, model_text: str | None = None) -> OwnText:
+    """What the model wrote of the completion `text`: `model_text` when the caller decoded it from the sampler's
+    records (`arpo_trl.tags.own_text_from_ids`), else `text` without the result blocks its markers show."""
+    if model_text is None:
+        return own_text_from_markers(text, TOOL_TAGS)
+    if not isinstance(model_text, str):
+        raise ValueError(f"Reward argument 'arpo_model_text': expected a string per completion, got "
+                         f"{type(model_text).__name__}.")
+    return as_own_text(model_text, [c.get("tool") or "" for c in calls or () if _answered(c)])
+
+
+def validate_format(text: str, tags: Sequence[str] = TOOL_TAGS, require_think: bool = True,
+                    calls: Calls = None, own: OwnText | None = None) -> str | None:
+    """`None` if `text` has the reference's format, else the reason it does not. The think, answer and boxed checks
+    read the model's own text (`own`, default `own_text(text)`). With the sampler's `calls`, every call must have
+    been answered; without, every `<tag>` call in the text must be followed by its result."""
+    own = own or own_text_from_markers(text, tags)
+    if own.error is not None:
+        return own.error
+    body = own.text
     if calls is not None:
         unanswered = [c for c in calls if not _answered(c)]
         if unanswered:
@@ -78,16 +101,16 @@ def validate_format(text: str, tags: Sequence[str] = ("search", "python"), requi
                     "never closed)")
         tags = ()
     if require_think:
-        opened, closed = text.count("<think>"), text.count("</think>")
+        opened, closed = body.count("<think>"), body.count("</think>")
         if opened != closed or opened < 1:
             return f"<think> tags unbalanced or missing ({opened} open, {closed} closed)"
-    if text.count("<answer>") != 1 or text.count("</answer>") != 1:
+    if body.count("<answer>") != 1 or body.count("</answer>") != 1:
         return "expected exactly one <answer>…</answer>"
     error = unanswered_tag_call(text, tags)
     if error is not None:
         return error
-    start, end = text.index("<answer>"), text.index("</answer>")
-    answer = text[start:end] if start < end else ""
+    start, end = body.index("<answer>"), body.index("</answer>")
+    answer = body[start:end] if start < end else ""
     if "\\boxed{" not in answer or "}" not in answer:
         return "answer has no \\boxed{}"
     return None
@@ -126,20 +149,52 @@ def _truth_list(ground_truths) -> list[str]:
     return [str(t) for t in ground_truths]
 
 
+def choice_letter(text: str) -> str | None:
+    """The letter of a multiple-choice answer (`B`, `(b)`, `B.`, `\\text{B}`), upper-cased; None for anything
+    else."""
+    text = text.strip()
+    wrapped = _TEXT_WRAPPER.match(text)
+    match = _CHOICE.fullmatch((wrapped.group(1) if wrapped else text).strip())
+    return match.group(1).upper() if match else None
+
+
+def is_choice(truth: str) -> bool:
+    """A one-letter ground truth (`A`…`Z`, as multiple-choice data gives it) is scored as a letter."""
+    return len(truth.strip()) == 1 and truth.strip().isalpha()
+
+
+def _qa_score(prediction: str, truth: str, f1: bool) -> float:
+    """Token F1 (`f1`) or exact match of one prediction and one ground truth. A one-letter truth compares letters;
+    an answer or truth that normalises to nothing compares as written (case and spaces aside), so an empty answer
+    is never right. The reference normalises both (docs/differences.md)."""
+    if is_choice(truth):
+        return float(choice_letter(prediction) == truth.strip().upper())
+    pred, gold = normalize_answer(prediction), normalize_answer(truth)
+    if not pred or not gold:
+        return float(bool(prediction.strip()) and prediction.strip().casefold() == truth.strip().casefold())
+    if not f1 or ((pred in ("yes", "no", "noanswer") or gold in ("yes", "no", "noanswer")) and pred != gold):
+        return float(pred == gold)
+    overlap = sum((Counter(pred.split()) & Counter(gold.split())).values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / len(pred.split()), overlap / len(gold.split())
+    return 2 * precision * recall / (precision + recall)
+
+
 def f1_score(prediction: str, ground_truths: str | Sequence[str]) -> float:
-    """SQuAD token F1, max over the ground truths; yes/no/noanswer must match exactly."""
-    best = 0.0
-    for truth in _truth_list(ground_truths):
-        pred, gold = normalize_answer(prediction), normalize_answer(truth)
-        if (pred in ("yes", "no", "noanswer") or gold in ("yes", "no", "noanswer")) and pred != gold:
-            continue
-        common = Counter(pred.split()) & Counter(gold.split())
-        overlap = sum(common.values())
-        if overlap == 0:
-            continue
-        precision, recall = overlap / len(pred.split()), overlap / len(gold.split())
-        best = max(best, 2 * precision * recall / (precision + recall))
-    return best
+    """SQuAD token F1, max over the ground truths; yes/no/noanswer must match exactly (see `_qa_score`)."""
+    return max((_qa_score(prediction, truth, f1=True) for truth in _truth_list(ground_truths)), default=0.0)
+
+
+def exact_match(prediction: str, ground_truths: str | Sequence[str]) -> float:
+    """SQuAD exact match (after `normalize_answer`), max over the ground truths (see `_qa_score`)."""
+    return max((_qa_score(prediction, truth, f1=False) for truth in _truth_list(ground_truths)), default=0.0)
+
+
+def choice_score(prediction: str, ground_truths: str | Sequence[str]) -> float:
+    """1.0 when the prediction's letter is a ground truth's letter, else 0.0."""
+    letter = choice_letter(prediction)
+    return float(letter is not None and any(letter == choice_letter(t) for t in _truth_list(ground_truths)))
 
 
 def math_score(prediction: str, ground_truths: str | Sequence[str]) -> float:
@@ -153,31 +208,36 @@ def math_scores(predictions: Sequence[str], ground_truths: Sequence) -> ScoreRep
     return default_scorer().score(list(predictions), [_truth_list(t) for t in ground_truths])
 
 
-def formatted_answer(text: str, require_think: bool = True, calls: Calls = None) -> str | None:
-    """The boxed answer of a completion in the reference's format, or None (the -1 of the reward)."""
-    valid = validate_format(text, require_think=require_think, calls=calls) is None
-    return extract_answer(text) if valid else None
+def formatted_answer(text: str, require_think: bool = True, calls: Calls = None,
+                     own: OwnText | None = None) -> str | None:
+    """The boxed answer the model wrote, in the reference's format, or None (the -1 of the reward)."""
+    own = own or own_text(text, calls)
+    valid = validate_format(text, require_think=require_think, calls=calls, own=own) is None
+    return extract_answer(own.text) if valid else None
 
 
-def tools_used(text: str, calls: Calls = None) -> set[str]:
-    """The tools a completion called: from the sampler's `calls` (answered ones), else the reference's closing tags."""
+def tools_used(text: str, calls: Calls = None, own: OwnText | None = None) -> set[str]:
+    """The tools a completion called: from the sampler's `calls` (answered ones), else the calls whose result blocks
+    `own_text` removed (a tag inside a tool's output is no call)."""
     if calls is not None:
         return {c.get("tool") for c in calls if _answered(c)}
-    return {tag for tag in ("search", "python") if f"</{tag}>" in text}
+    return set((own or own_text(text)).tools)
 
 
-def tiered(text: str, value: float, calls: Calls = None) -> float:
+def tiered(text: str, value: float, calls: Calls = None, own: OwnText | None = None) -> float:
     """The reward of a well-formatted completion whose answer scored `value`."""
     if value <= 0:
         return 0.0
-    return value + (MULTI_TOOL_BONUS if {"search", "python"} <= tools_used(text, calls) else 0.0)
+    return value + (MULTI_TOOL_BONUS if {"search", "python"} <= tools_used(text, calls, own) else 0.0)
 
 
 def hierarchical_reward(
-    text: str, ground_truth, score: Callable[[str, object], float], require_think: bool = True, calls: Calls = None
+    text: str, ground_truth, score: Callable[[str, object], float], require_think: bool = True, calls: Calls = None,
+    model_text: str | None = None,
 ) -> float:
-    answer = formatted_answer(text, require_think, calls)
-    return -1.0 if answer is None else tiered(text, score(answer, ground_truth), calls)
+    own = own_text(text, calls, model_text)
+    answer = formatted_answer(text, require_think, calls, own)
+    return -1.0 if answer is None else tiered(text, score(answer, ground_truth), calls, own)
 
 
 def _log_bounds(name: str, report: ScoreReport, kwargs: dict) -> None:
@@ -217,28 +277,59 @@ def _calls(kwargs: dict, n: int) -> list[Calls]:
     return list(calls)
 
 
+def _model_texts(kwargs: dict, n: int) -> list[str | None]:
+    """Each completion's own text (`arpo_model_text`, from ARPOTrainer), or None for each: read the markers."""
+    texts = kwargs.get("arpo_model_text")
+    if texts is None:
+        return [None] * n
+    if len(texts) != n:
+        raise ValueError(f"Reward argument 'arpo_model_text' has {len(texts)} entries for {n} completions.")
+    return list(texts)
+
+
+def completion_own_text(completion, calls: Calls = None, model_text: str | None = None) -> OwnText:
+    """`own_text` of a TRL completion: of a conversation (TRL's tool loop), the model's own turns; its `tool`
+    messages are results (their tools count as answered calls when there are no records)."""
+    if model_text is not None or isinstance(completion, str):
+        return own_text(completion_text(completion), calls, model_text)
+    turns = [m for m in completion if isinstance(m, dict)]
+    own = own_text(completion_text([m for m in turns if m.get("role") != "tool"]), calls)
+    return own._replace(tools=own.tools + tuple(m.get("name") or "" for m in turns if m.get("role") == "tool"))
+
+
+def _own_texts(completions: list, kwargs: dict) -> tuple[list[str], list[Calls], list[OwnText]]:
+    """The completions' texts, their recorded calls and what the model wrote of each."""
+    texts, calls = [completion_text(c) for c in completions], _calls(kwargs, len(completions))
+    owns = [completion_own_text(c, k, m) for c, k, m in zip(completions, calls, _model_texts(kwargs, len(completions)))]
+    return texts, calls, owns
+
+
 def arpo_f1_reward(completions: list, **kwargs) -> list[float]:
     """The reference reward: format check, token-F1 of the boxed answer, +0.1 for using both tools."""
-    truths, calls = _ground_truths(kwargs, len(completions)), _calls(kwargs, len(completions))
-    texts = [completion_text(c) for c in completions]
-    return [hierarchical_reward(text, t, f1_score, calls=k) for text, t, k in zip(texts, truths, calls)]
+    truths = _ground_truths(kwargs, len(completions))
+    texts, calls, owns = _own_texts(completions, kwargs)
+    answers = [formatted_answer(x, calls=k, own=o) for x, k, o in zip(texts, calls, owns)]
+    return [-1.0 if a is None else tiered(x, f1_score(a, t), k, o)
+            for x, a, t, k, o in zip(texts, answers, truths, calls, owns)]
 
 
 def arpo_math_reward(completions: list, **kwargs) -> list[float]:
     """As `arpo_f1_reward`, but the answer is scored by math equivalence (`math-verify`, bounded: see
     `arpo_trl.scoring`)."""
-    truths, calls = _ground_truths(kwargs, len(completions)), _calls(kwargs, len(completions))
-    texts = [completion_text(c) for c in completions]
-    answers = [formatted_answer(text, calls=k) for text, k in zip(texts, calls)]
+    truths = _ground_truths(kwargs, len(completions))
+    texts, calls, owns = _own_texts(completions, kwargs)
+    answers = [formatted_answer(x, calls=k, own=o) for x, k, o in zip(texts, calls, owns)]
     values = _score_answers("arpo_math_reward", answers, truths, kwargs)
-    return [-1.0 if a is None else tiered(text, v, k) for text, a, v, k in zip(texts, answers, values, calls)]
+    return [-1.0 if a is None else tiered(x, v, k, o) for x, a, v, k, o in zip(texts, answers, values, calls, owns)]
 
 
 def answer_accuracy(completions: list, **kwargs) -> list[float]:
-    """1.0 when the last boxed answer is mathematically equal to the ground truth, format aside, else 0.0: an
-    accuracy to log next to the reward (give it weight 0 in `reward_weights` to leave training unchanged)."""
+    """1.0 when the last boxed answer the model wrote is mathematically equal to the ground truth, format aside,
+    else 0.0: an accuracy to log next to the reward (give it weight 0 in `reward_weights` to leave training
+    unchanged)."""
     truths = _ground_truths(kwargs, len(completions))
-    answers = [extract_answer(completion_text(c)) for c in completions]
+    _, _, owns = _own_texts(completions, kwargs)
+    answers = [None if o.error else extract_answer(o.text) for o in owns]
     return _score_answers("answer_accuracy", answers, truths, kwargs)
 
 
@@ -256,15 +347,18 @@ def _score_answers(name: str, answers: list[str | None], truths: list, kwargs: d
 FORMAT_CREDITS = (("think", 0.1), ("tool_call", 0.2), ("answer", 0.2), ("boxed", 0.2))
 
 
-def format_credit(text: str, calls: Calls = None) -> float:
-    """Graded credit for the pieces of ARPO's format, up to 0.7: balanced <think>, a tool call that got its
-    result, one <answer>…</answer>, a \\boxed{} inside it."""
-    has_answer = text.count("<answer>") == 1 and text.count("</answer>") == 1
-    answer = text[text.find("<answer>") : text.find("</answer>")] if has_answer else ""
+def format_credit(text: str, calls: Calls = None, own: OwnText | None = None) -> float:
+    """Graded credit for the pieces of ARPO's format in the model's own text, up to 0.7: balanced <think>, a tool
+    call that got its result, one <answer>…</answer>, a \\boxed{} inside it; 0 when it writes a result marker."""
+    own = own or own_text(text, calls)
+    if own.error is not None:
+        return 0.0
+    body = own.text
+    has_answer = body.count("<answer>") == 1 and body.count("</answer>") == 1
+    answer = body[body.find("<answer>") : body.find("</answer>")] if has_answer else ""
     checks = {
-        "think": text.count("<think>") == text.count("</think>") >= 1,
-        "tool_call": any(map(_answered, calls)) if calls is not None
-        else answered_tag_call(text, ("python", "search")),
+        "think": body.count("<think>") == body.count("</think>") >= 1,
+        "tool_call": bool(tools_used(text, calls, own)),
         "answer": has_answer,
         "boxed": "\\boxed{" in answer,
     }
@@ -274,4 +368,5 @@ def format_credit(text: str, calls: Calls = None) -> float:
 def format_credit_reward(completions: list, **kwargs) -> list[float]:
     """Shaping for small models (the quickstart): ARPO's reward is -1 for nearly every completion of an untuned
     135M model, so a group's advantages would all be zero; graded format credit gives them a gradient."""
-    return [format_credit(completion_text(c), k) for c, k in zip(completions, _calls(kwargs, len(completions)))]
+    texts, calls, owns = _own_texts(completions, kwargs)
+    return [format_credit(x, k, o) for x, k, o in zip(texts, calls, owns)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -85,6 +86,74 @@ def unanswered_tag_call(text: str, tags: Sequence[str]) -> str | None:
     return None
 
 
-def answered_tag_call(text: str, tags: Sequence[str]) -> bool:
-    """Whether the text holds a `</tag>` directly followed by the ` <result>` the environment appends."""
-    return any(f"</{tag}> <result>" in text for tag in tags)
+# ---- the model's own text: what rewards and evaluation read -------------------------------------------------------
+RESULT_MARKERS = ("<result>", "</result>")
+
+
+class OwnText(NamedTuple):
+    """What the model wrote of a completion that rewards and evaluation score: its text outside the tool calls (a
+    call's content is the tool's input: code that prints an answer is no answer) and outside the environment's tool
+    results.
+
+    `tools`: the tool of each answered call, in order. `error` is set when that text holds a result marker
+    (`<result>` or `</result>`): the markers are the environment's, so a model that writes one gets no answer read
+    (the reward's format check fails) instead of hiding its text behind one or passing a tool's text off as its
+    own."""
+
+    text: str
+    tools: tuple[str, ...] = ()
+    error: str | None = None
+
+
+def as_own_text(text: str, tools: Sequence[str] = ()) -> OwnText:
+    """`text` as the model's own text (already without tool calls and results), checked for result markers."""
+    marker = next((m for m in RESULT_MARKERS if m in text), None)
+    error = None if marker is None else (f"{marker} outside the environment's result blocks (written by the model, or "
+                                         "a tool output that closed its block early)")
+    return OwnText(text, tuple(tools), error)
+
+
+def own_text_from_ids(completion_ids: Sequence[int], calls: Sequence, decode: Decode) -> OwnText:
+    """The model's text from the sampler's records (`ToolCallRecord`s or their dicts): the completion decoded outside
+    every recorded result span (`result_start`/`result_end`, token offsets), less each call's last `call_chars`
+    characters before its result (the call as the model wrote it, in any call format)."""
+    answered = sorted((_field(c, "result_start"), _field(c, "result_end"), _field(c, "call_chars") or 0,
+                       _field(c, "tool") or "") for c in calls if _field(c, "result_start") is not None)
+    pieces, position = [], 0
+    for start, end, call_chars, _ in answered:
+        if start < position or end is None or end < start:
+            raise ValueError(f"call records: result span [{start}, {end}) overlaps another or is reversed; expected "
+                             "ordered, disjoint token offsets of the completion.")
+        piece = decode(completion_ids[position:start])
+        pieces.append(piece[: max(len(piece) - call_chars, 0)])
+        position = end
+    pieces.append(decode(completion_ids[position:]))
+    return as_own_text("".join(pieces), [tool for *_, tool in answered])
+
+
+def _field(call, name: str):
+    return call.get(name) if isinstance(call, dict) else getattr(call, name, None)
+
+
+def own_text_from_markers(text: str, tags: Sequence[str] = ("search", "python")) -> OwnText:
+    """The model's text when only the text is known (no call records), in the tag format: a result block is the
+    environment's ` <result>\\n…\\n</result>` right after a call `<tag>…</tag>` the model wrote (the sampler stops at
+    `</tag>`, so the model cannot write the block itself), up to the first `\\n</result>`; a block the length budget
+    cut runs to the end. The call and its block are dropped. Tool output that writes `</result>` early leaves the real
+    closing marker (or a bogus block) in the model's text: an error, never a forged answer or call. Linear."""
+    if not tags:
+        return as_own_text(text)
+    names = "|".join(re.escape(tag) for tag in tags)
+    opener = re.compile(f"</(?P<tag>{names})>" + re.escape(" <result>\n"))
+    pieces, tools, position = [], [], 0
+    while (match := opener.search(text, position)) is not None:
+        tag = match["tag"]
+        call = text.rfind(f"<{tag}>", position, match.start())
+        if call < 0:  # no call of the model's before it: the marker stays in its text, an error
+            break
+        pieces.append(text[position:call])
+        tools.append(tag)
+        end = text.find("\n</result>", match.end() - 1)
+        position = len(text) if end < 0 else end + len("\n</result>")
+    pieces.append(text[position:])
+    return as_own_text("".join(pieces), tools)

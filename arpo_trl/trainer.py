@@ -46,6 +46,7 @@ from arpo_trl.server.weight_sync import (
     has_tied_embeddings,
     resolve_sync_mode,
 )
+from arpo_trl.tags import own_text_from_ids
 from arpo_trl.time_budget import TimeBudget
 from arpo_trl.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.tools.base import Tool
@@ -269,6 +270,8 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             "logprobs": [t.logprobs for t in trajectories],
             "env_mask": env_mask,
             **{f"arpo_{key}": [f[key] for f in fields] for key in fields[0]},
+            "arpo_model_text": [own_text_from_ids(t.completion_ids, t.calls, self.sampler._decode).text
+                                for t in trajectories],  # what the rewards score: no tool results (issue 33)
         }
 
     def _sample_on_main_process(self, prompt_ids: list, m: int, policy: str | None):

@@ -37,7 +37,7 @@ from arpo_trl.rewards import (
     last_boxed,
     validate_format,
 )
-from arpo_trl.tags import answered_tag_call, extract_call
+from arpo_trl.tags import extract_call, own_text_from_markers
 from arpo_trl.tool_calls import TagFormat
 from arpo_trl.tools.base import Tool
 
@@ -78,7 +78,7 @@ def _parsers(text: str) -> None:
     validate_format(text)
     extract_answer(text)
     last_boxed(text)
-    answered_tag_call(text, ["python", "search"])
+    own_text_from_markers(text, ["python", "search"])
     for stop in ("</python>", "</search>"):
         extract_call(text, stop)
         TAGS.parse(text, stop)

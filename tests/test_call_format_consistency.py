@@ -21,6 +21,7 @@ from arpo_trl.commands.evaluate import EvalArguments, EvalSetup, evaluate
 from arpo_trl.engines import Segment
 from arpo_trl.rewards import format_credit_reward
 from arpo_trl.rollout import BranchingSampler
+from arpo_trl.tags import own_text_from_ids
 from arpo_trl.tool_calls import make_call_format
 from arpo_trl.tools import BM25Backend, PythonTool, SearchTool
 from arpo_trl.trees.records import tree_records
@@ -190,6 +191,10 @@ def test_rewards_read_the_calls_in_both_formats(rollouts, hermes, fmt):
     cases = [list(CASES)[t.group] for t in rollouts[fmt].trajectories]
     rewards = arpo_math_reward(texts, ground_truth=truths, arpo_calls=calls)
     assert rewards == pytest.approx([REWARD[case] for case in cases])
+    decode = lambda ids: hermes.decode(ids, skip_special_tokens=True)  # noqa: E731
+    owns = [own_text_from_ids(t.completion_ids, t.calls, decode).text for t in rollouts[fmt].trajectories]
+    assert not any(marker in own for own in owns for marker in ("<result>", "<tool_response>"))
+    assert arpo_math_reward(texts, ground_truth=truths, arpo_calls=calls, arpo_model_text=owns) == rewards  # as trained
     assert format_credit_reward(texts, arpo_calls=calls) == pytest.approx([CREDIT[case] for case in cases])
 
 

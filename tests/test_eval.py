@@ -278,24 +278,32 @@ def test_dataset_without_ground_truth_column(tiny_model_dir, tmp_path, capsys):
     assert "needs `prompt` and one of ['ground_truth', 'answer', 'solution']" in capsys.readouterr().err
 
 
-def test_auto_metric_asks_the_dataset():
-    """metric='auto' asks `arpo_trl.data.dataset_metric` (the real one) about named datasets, even against the rows'
-    own `metric` column; for anything else it reads a single-valued `metric` column, else scores by math."""
+def test_auto_metric_is_the_rows_then_the_datasets():
+    """metric='auto': each row's own `metric` field wins, then a one-letter ground truth ('choice'), then its `task`
+    (math → math-verify, qa → F1), then the dataset's metric (`arpo_trl.data.dataset_metric`, else 'math'). A named
+    metric scores every row; a `metric` column outside METRICS is a one-line error."""
+    from arpo_trl.commands.builders import UserInputError
     from arpo_trl.commands.evaluate import resolve_metric
+    from arpo_trl.eval_metrics import row_metric
 
-    says_f1 = Dataset.from_list([{"prompt": "q", "ground_truth": "a", "metric": "f1"}])
-    says_math = Dataset.from_list([{"prompt": "q", "ground_truth": "a", "metric": "math"}])
     plain = Dataset.from_list([{"prompt": "q", "ground_truth": "a"}])
-    assert resolve_metric(EvalArguments(dataset_name="reasoning_gym:chain_sum"), says_f1) == "math"
     for named in ("two_hop_qa:8", "paper:hotpotqa", "paper:2WikiMultihopQA", "arpo:hard_search.parquet"):
         assert resolve_metric(EvalArguments(dataset_name=named), plain) == "f1", named  # the default would be math
-        assert resolve_metric(EvalArguments(dataset_name=named), says_math) == "f1", named
-    assert resolve_metric(EvalArguments(dataset_name="paper:aime24"), says_f1) == "math"
-    assert resolve_metric(EvalArguments(dataset_name="x.jsonl"), says_f1) == "f1"
+    assert resolve_metric(EvalArguments(dataset_name="paper:aime24"), plain) == "math"
     assert resolve_metric(EvalArguments(dataset_name="x.jsonl"), plain) == "math"
-    mixed = Dataset.from_list([{"prompt": "q", "ground_truth": "a", "metric": m} for m in ("f1", "math")])
-    assert resolve_metric(EvalArguments(dataset_name="x.jsonl"), mixed) == "math"
-    assert resolve_metric(EvalArguments(dataset_name="two_hop_qa", metric="em"), says_f1) == "em"
+    assert resolve_metric(EvalArguments(dataset_name="two_hop_qa", metric="em"), plain) == "em"
+    with pytest.raises(UserInputError, match=r"metric: the dataset's `metric` column asks for \['bleu'\]"):
+        resolve_metric(EvalArguments(dataset_name="x.jsonl"),
+                       Dataset.from_list([{"prompt": "q", "ground_truth": "a", "metric": "bleu"}]))
+    assert row_metric({"ground_truth": "5", "task": "math", "metric": "em"}, "f1") == "em"
+    assert row_metric({"ground_truth": "5", "task": "math"}, "f1") == "math"  # ARPO's mixed data: math rows
+    assert row_metric({"ground_truth": "Paris", "task": "qa"}, "math") == "f1"
+    assert row_metric({"ground_truth": "C", "task": "qa"}, "f1") == "choice"
+    assert row_metric({"ground_truth": ["B", "D"]}, "f1") == "choice"
+    assert row_metric({"ground_truth": "Paris", "task": "hotpotqa"}, "f1") == "f1"
+    assert row_metric({"ground_truth": "12"}, "math") == "math"
+    with pytest.raises(ValueError, match="a row asks for 'bleu'"):
+        row_metric({"ground_truth": "a", "metric": "bleu"}, "f1")
 
 
 def test_quickstart_eval_recipe_parses_and_passes_the_checks():

@@ -3,12 +3,13 @@
     arpo-trl eval --config recipes/eval_quickstart.yaml [--any_field value ...]
 
 As the reference evaluates (docs/reference.md#evaluation): no branching, `n_samples` whole trajectories per question
-(`BranchingSampler` with branch_policy='none'), the answer is the last `\\boxed{}` inside `<answer>`, scored by
-math equivalence (`math-verify`) or SQuAD F1/EM. Reported per seed and as mean ± std over `seeds`: pass@1 (mean
-correctness), pass@k (the unbiased estimator of Chen et al. 2021, `1 - C(n-c, k) / C(n, k)`), mean F1/EM, the
-format-valid rate, tool-call statistics, finish reasons, tokens generated and wall time. Writes
-`<output_dir>/eval_results.json` (config, summary, per-seed metrics, per-question records with completions) and
-`eval_results.md`, and prints the markdown table.
+(`BranchingSampler` with branch_policy='none'), the answer is the last `\\boxed{}` inside `<answer>` of what the model
+wrote (never inside a tool result), scored by the row's metric (`eval_metrics.row_metric`: math equivalence with
+`math-verify`, SQuAD F1/EM, or the letter of a multiple-choice answer). Reported per seed and as mean ± std over
+`seeds`: pass@1 (mean correctness), pass@k (the unbiased estimator of Chen et al. 2021, `1 - C(n-c, k) / C(n, k)`),
+mean F1/EM, the format-valid rate, tool-call statistics, finish reasons, tokens generated and wall time; with several
+sources (the `task` column), pass@k and scores per source too. Writes `<output_dir>/eval_results.json` (config,
+summary, per-seed metrics, per-question records with completions) and `eval_results.md`, and prints the tables.
 Scoring and metrics: `arpo_trl.eval_metrics`.
 """
 
@@ -41,11 +42,13 @@ from arpo_trl.eval_metrics import (
     ground_truth,
     pass_at_k,
     question_text,
-    score_completion,
+    row_metric,
+    row_source,
+    score_paths,
     seed_metrics,
     seed_table,
+    source_table,
     summarize,
-    tool_call_counts,
 )
 from arpo_trl.preflight import check_writable_dir
 from arpo_trl.scoring import configure_math_scoring
@@ -88,8 +91,10 @@ class EvalArguments(ToolArguments, DatasetArguments):
     metric: str = field(
         default="auto",
         metadata={"help": f"Answer scoring, one of {list(METRICS)}: 'math' = math-verify equivalence, 'f1'/'em' = "
-                  "SQuAD token F1 / exact match; 'auto' asks the dataset (arpo_trl.data.dataset_metric, a `metric` "
-                  "column), else 'math'."},
+                  "SQuAD token F1 / exact match, 'choice' = the letter of a multiple-choice answer; any but 'auto' "
+                  "scores every row so. 'auto' picks per row: the row's `metric` field, else 'choice' for a "
+                  "one-letter ground truth, else by its `task` (math → 'math', qa → 'f1'), else the dataset's "
+                  "(arpo_trl.data.dataset_metric), else 'math'."},
     )
     require_answer_tag: bool = field(
         default=True,
@@ -150,7 +155,7 @@ class EvalSetup:
     tokenizer: Any
     tools: list
     dataset: Any
-    metric: str
+    metric: str  # the dataset's metric: every row's when the arguments name one, else rows without their own
     model: str | None = None
     close: Callable[[], None] = lambda: None
 
@@ -194,23 +199,17 @@ def load_eval_dataset(args: EvalArguments):
 
 
 def resolve_metric(args: EvalArguments, dataset) -> str:
-    """'auto': `arpo_trl.data.dataset_metric(dataset_name)` when it exists, else a single-valued `metric` column,
-    else 'math'."""
+    """The dataset's metric: the one the arguments name, else (for 'auto') `arpo_trl.data.dataset_metric`, else
+    'math'. Under 'auto', rows pick their own (`eval_metrics.row_metric`); a `metric` column is checked here."""
     if args.metric != "auto":
         return args.metric
-    from arpo_trl import data
+    from arpo_trl.data import dataset_metric
 
-    finder = getattr(data, "dataset_metric", None)
-    try:
-        metric = finder(args.dataset_name) if finder is not None else None
-    except (KeyError, ValueError):  # a name it does not know: fall back to the data
-        metric = None
-    if metric is None and "metric" in dataset.column_names and len(set(dataset["metric"])) == 1:
-        metric = dataset[0]["metric"]
-    metric = metric or "math"
-    if metric not in METRICS[1:]:
-        raise UserInputError(f"metric: the dataset asks for {metric!r}; expected one of {list(METRICS[1:])}.")
-    return metric
+    asked = set(dataset["metric"]) - {None, ""} if "metric" in dataset.column_names else set()
+    if asked - set(METRICS[1:]):
+        raise UserInputError(f"metric: the dataset's `metric` column asks for {sorted(asked - set(METRICS[1:]))}; "
+                             f"expected values among {list(METRICS[1:])}.")
+    return dataset_metric(args.dataset_name or "", default="math")
 
 
 def base_model(args: EvalArguments) -> str:
@@ -315,28 +314,20 @@ def run_seed(args: EvalArguments, setup: EvalSetup, sampler, seed: int) -> tuple
         for offset, (row, group) in enumerate(zip(batch, result.groups)):
             records.append(_record(args, setup, tags, seed, begin + offset, row, group))
         print(f"arpo-trl eval: seed {seed}: {len(records)}/{len(rows)} questions", file=sys.stderr, flush=True)
-    return seed_metrics(records, args.k, setup.metric, tags, time.perf_counter() - start), records
+    return seed_metrics(records, args.k, tags, time.perf_counter() - start), records
 
 
 def _record(args: EvalArguments, setup: EvalSetup, tags: list[str], seed: int, index: int, row: dict,
             group: list) -> dict:
     truth = ground_truth(row)
-    completions = []
-    for path in group:
-        text = setup.tokenizer.decode(path.completion_ids, skip_special_tokens=True)
-        calls = [asdict(call) for call in path.calls]
-        scored = score_completion(text, truth, setup.metric, args.require_answer_tag, calls)
-        completions.append({
-            **({"text": text} if args.save_completions else {}), **scored,
-            "tool_calls": path.tool_calls, "tool_failures": path.tool_failures,
-            "calls_by_tool": tool_call_counts(path.calls, tags), "finish_reason": path.finish_reason,
-            "tokens": path.own_tokens(),
-        })
+    metric = row_metric(row, setup.metric) if args.metric == "auto" else setup.metric
+    completions = score_paths(group, truth, metric, lambda ids: setup.tokenizer.decode(ids, skip_special_tokens=True),
+                              tags, args.require_answer_tag, args.save_completions)
     num_correct = int(sum(c["correct"] for c in completions))
     return {
         "seed": seed, "index": index, "question": question_text(row["prompt"]), "ground_truth": truth,
-        "num_correct": num_correct, **{f"pass@{k}": pass_at_k(len(group), num_correct, k) for k in args.k},
-        "completions": completions,
+        "source": row_source(row), "metric": metric, "num_correct": num_correct,
+        **{f"pass@{k}": pass_at_k(len(group), num_correct, k) for k in args.k}, "completions": completions,
     }
 
 
@@ -363,13 +354,17 @@ def evaluate(args: EvalArguments, setup: EvalSetup | None = None) -> dict:
             records += seed_records
     finally:
         setup.close()
-    summary = summarize(per_seed)
-    results = {"config": asdict(args), "model": setup.model, "metric": setup.metric, "summary": summary,
-               "per_seed": per_seed, "records": records, "table": seed_table(per_seed, summary)}
+    summary, scored_by = summarize(per_seed), {}
+    for record in records:
+        scored_by.setdefault(record["source"], set()).add(record["metric"])
+    scored_by = {source: sorted(metrics) for source, metrics in scored_by.items()}
+    results = {"config": asdict(args), "model": setup.model, "metric": setup.metric, "metrics_by_source": scored_by,
+               "summary": summary, "per_seed": per_seed, "records": records, "table": seed_table(per_seed, summary),
+               "source_table": source_table(summary, scored_by)}
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     (output / RESULTS_FILE).write_text(json.dumps(results, indent=1, ensure_ascii=False, default=str))
-    (output / "eval_results.md").write_text(results["table"] + "\n")
+    (output / "eval_results.md").write_text(results["table"] + "\n\n" + results["source_table"] + "\n")
     return results
 
 
@@ -391,5 +386,5 @@ def eval_command(argv: Sequence[str]) -> None:
     except (ValueError, FileNotFoundError, ImportError, VLLMServerError) as error:
         fail(error)
     results = evaluate(args, setup)
-    print(results["table"])
+    print(results["table"] + "\n\n" + results["source_table"])
     print(f"Results written to {Path(args.output_dir) / RESULTS_FILE}.")
