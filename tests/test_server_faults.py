@@ -250,7 +250,7 @@ def test_a_contract_violation_mid_rollout_is_one_error_and_leaves_nothing_runnin
     assert "Task exception was never retrieved" not in caplog.text
 
 
-def test_a_contract_violation_in_waves_leaves_no_request_running(fake, tokenizer):
+def test_a_contract_violation_in_waves_is_one_error(fake, tokenizer):
     fake.faults.extend([Slow(0.2)] * 3 + [Mutate(lambda body: {"choices": []})])
     engine = _engine(fake, tokenizer)
     with pytest.raises(VLLMServerError, match="exactly one choice"):

@@ -195,6 +195,8 @@ def _read_sampled(where: Where, logprobs: dict, path: str, ids: list[int]) -> li
     tokens = logprobs.get("tokens")
     if tokens is not None:  # with return_tokens_as_token_ids, "token_id:<id>" for each sampled token
         expected = [f"token_id:{t}" for t in ids]
+        if not isinstance(tokens, list):
+            raise violation(where, f"{path}.tokens", "a list of the sampled tokens, \"token_id:<id>\"", tokens)
         if tokens != expected:
             i = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(ids)))
             raise violation(where, f"{path}.tokens[{i}]", f"{shown(expected[i:i + 1])} (the token_ids, as the "
