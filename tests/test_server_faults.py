@@ -275,3 +275,33 @@ def test_async_client_retries_and_closes(fake, tokenizer):
             await engine.aclose()
 
     assert asyncio.run(run()).finish_reason == "stop" and fake.completions() == 3
+
+
+# The trainer in server mode, against the fake server.
+def _trainer(fake, tiny_model_dir, tokenizer, addition_dataset, tmp_path, **kw):
+    from peft import LoraConfig
+    from test_trainer import REWARDS, _args
+
+    from arpo_trl import ARPOTrainer
+
+    args = _args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=fake.url, vllm_server_timeout=5,
+                 vllm_request_timeout=10, vllm_weight_sync="none", **kw)
+    return ARPOTrainer(model=str(tiny_model_dir), reward_funcs=REWARDS, args=args, train_dataset=addition_dataset,
+                       processing_class=tokenizer, tools=[Tool("python", lambda code: "3")],
+                       peft_config=LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+
+
+def test_the_trainer_refuses_a_wrong_server_before_the_first_step(fake, tiny_model_dir, tokenizer, addition_dataset,
+                                                                  tmp_path):
+    fake.faults.append(Mutate(lambda body: {**body, "choices": [{**body["choices"][0], "token_ids": None}]}))
+    with pytest.raises(VLLMServerError, match=r"startup check.*`choices\[0\]\.token_ids`.*vLLM >= 0\.10"):
+        _trainer(fake, tiny_model_dir, tokenizer, addition_dataset, tmp_path)
+    assert fake.completions() == 1
+
+
+def test_the_trainer_trains_through_transient_faults(fake, tiny_model_dir, tokenizer, addition_dataset, tmp_path):
+    trainer = _trainer(fake, tiny_model_dir, tokenizer, addition_dataset, tmp_path, max_steps=1)
+    fake.faults.extend([Status(503), DROP, "ok", TRUNCATE, Status(429), "ok", Status(502)])
+    trainer.train()
+    assert not fake.faults and trainer.state.global_step == 1
+    assert any("arpo/forks_per_group" in entry for entry in trainer.state.log_history)
