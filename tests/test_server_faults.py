@@ -305,3 +305,8 @@ def test_the_trainer_trains_through_transient_faults(fake, tiny_model_dir, token
     trainer.train()
     assert not fake.faults and trainer.state.global_step == 1
     assert any("arpo/forks_per_group" in entry for entry in trainer.state.log_history)
+
+
+def test_retry_after_as_an_http_date(fake, tokenizer):
+    fake.faults.append(Status(503, headers={"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}))  # past: at once
+    assert _generate(_engine(fake, tokenizer), tokenizer).finish_reason == "stop" and fake.completions() == 2

@@ -51,8 +51,9 @@ class _Attempts:
     the server's `Retry-After`), at most `max_retries` times and within the request's total deadline; then the last
     fault is raised as one `VLLMServerError`."""
 
-    def __init__(self, client: VLLMClient, timeout: float | None):
+    def __init__(self, client: VLLMClient, timeout: float | None, retry: bool = True):
         self.client, self.started, self.count = client, time.monotonic(), 0
+        self.max_retries = client.max_retries if retry else 0
         self.deadline = self.started + (timeout or client.request_timeout)
 
     def remaining(self) -> float:
@@ -63,10 +64,10 @@ class _Attempts:
         self.count += 1
         backoff = min(self.client.retry_backoff * 2 ** (self.count - 1), 10.0) * random.uniform(0.75, 1.0)
         wait = backoff if retry_after is None else retry_after
-        if self.count > self.client.max_retries or time.monotonic() + wait >= self.deadline:
+        if self.count > self.max_retries or time.monotonic() + wait >= self.deadline:
             if self.count > 1 or retry_after is not None:
                 spent = time.monotonic() - self.started
-                error.args = (f"{error} (gave up after {self.count} attempts in {spent:.1f} s"
+                error.args = (f"{error} (gave up after {self.count} attempt{'s' * (self.count > 1)} in {spent:.1f} s"
                               + (f"; the server asked to wait {retry_after:.0f} s more" if retry_after else "")
                               + ")",)
             raise error
@@ -119,10 +120,10 @@ class VLLMClient:
         return f"{self.base_url}{path}"
 
     def request(self, method: str, path: str, json: dict | None = None, timeout: float | None = None,
-                expect: Expect = "any") -> Any:
-        """One request, transient faults retried (`_Attempts`); a JSON body when `expect="json"`, else JSON or text
-        as the server labels it."""
-        attempts = _Attempts(self, timeout)
+                expect: Expect = "any", retry: bool = True) -> Any:
+        """One request, transient faults retried (`_Attempts`) unless `retry=False`; a JSON body when
+        `expect="json"`, else JSON or text as the server labels it."""
+        attempts = _Attempts(self, timeout, retry)
         while True:
             try:
                 response = self._session.request(method, self._url(path), json=json, timeout=attempts.remaining())
@@ -233,7 +234,7 @@ class VLLMClient:
     def logprobs_mode(self) -> str | None:
         """The server's `--logprobs-mode`, or None when it does not say (`/server_info` exists in dev mode only)."""
         try:
-            info = self.request("GET", "/server_info?config_format=json", timeout=30, expect="json")
+            info = self.request("GET", "/server_info?config_format=json", timeout=30, expect="json", retry=False)
         except VLLMServerError:
             return None
         config = info.get("model_config", {}) if isinstance(info, dict) else {}
