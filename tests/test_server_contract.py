@@ -18,6 +18,7 @@ WHERE = Where("http://127.0.0.1:1", "POST /v1/completions")
 STOP = ["</python>"]
 TEXTS = ["<think>add</think><python>print(1+2)</python>", "<answer>\\boxed{3}</answer>", "hello world"]
 
+KEYS = ["token_id:²", "token_id:-1", "token_id:x", "token_id:", "5", "token_id:99999", "token_ids", "tokens"]
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-3, 500) | st.floats(allow_nan=True, allow_infinity=True)
     | st.sampled_from(["", "stop", "length", "abort", "</python>", "token_id:5", "token_id:x", "<html>"])
@@ -71,7 +72,8 @@ def test_a_mutated_answer_is_refused_or_still_trustworthy(tokenizer, data, text,
     container = body
     for step in path:
         container = container[step]
-    how = data.draw(st.sampled_from(["delete", "replace", "drop entry", "repeat entry"]), label="mutation")
+    how = data.draw(st.sampled_from(["delete", "replace", "drop entry", "repeat entry", "rename key"]),
+                    label="mutation")
     target = container[key]
     if how == "delete":
         del container[key]
@@ -82,6 +84,9 @@ def test_a_mutated_answer_is_refused_or_still_trustworthy(tokenizer, data, text,
         target.insert(index, target[index]) if how == "repeat entry" else target.pop(index)
     elif how == "drop entry":
         target.pop(data.draw(st.sampled_from(sorted(target))))
+    elif how == "rename key":
+        old = data.draw(st.sampled_from(sorted(target)))
+        target[data.draw(st.sampled_from(KEYS) | st.text(max_size=10), label="key")] = target.pop(old)
     else:
         target[f"token_id:{len(tokenizer) + 1}"] = -1.0
     try:
@@ -98,3 +103,17 @@ def test_the_fake_servers_answers_are_valid(tokenizer):
             request = _request(tokenizer, max_tokens, 3)
             body = completion_body(tokenizer, text, max_tokens, 3, STOP, [tokenizer.eos_token_id])
             _trustworthy(read_completion(WHERE, body, request), request)
+
+
+def test_a_top_logprob_key_that_is_no_token_id_is_refused(tokenizer):
+    request = _request(tokenizer, 5, 3)
+    for key in ["token_id:²", "token_id:-1", "token_id:x", "token_id:", "5", "token_id: 5", "<think>"]:
+        body = completion_body(tokenizer, TEXTS[0], 5, 3, STOP, [tokenizer.eos_token_id])
+        row = body["choices"][0]["logprobs"]["top_logprobs"][2]
+        row[key] = row.pop(sorted(row)[-1])
+        try:
+            read_completion(WHERE, body, request)
+        except VLLMServerError as error:
+            assert error.field == "choices[0].logprobs.top_logprobs[2] key", error
+        else:
+            raise AssertionError(f"{key!r} was accepted")

@@ -218,7 +218,7 @@ def _read_top_row(where: Where, row: Any, field: str, request: CompletionRequest
     parsed = {}
     for key, value in row.items():
         token = key.removeprefix("token_id:")
-        if not (key.startswith("token_id:") and token.isdigit()):
+        if not (key.startswith("token_id:") and token.isascii() and token.isdigit()):
             raise violation(where, f"{field} key", "\"token_id:<id>\"", key, hint)
         if not (_is_number(value) and not math.isnan(value) and value <= LOGPROB_SLACK):
             raise violation(where, f"{field}[{key!r}]", "a logprob (a number <= 0)", value)
