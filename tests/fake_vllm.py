@@ -154,7 +154,11 @@ def _handler(fake: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 self._send(404, '{"detail": "Not Found"}')
 
         def do_POST(self) -> None:  # noqa: N802
-            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            try:
+                request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            except ValueError:  # the client went away while sending
+                self.close_connection = True
+                return
             if not self._count():
                 return
             tokenizer = fake.tokenizer
