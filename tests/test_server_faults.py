@@ -88,7 +88,7 @@ def test_retry_after_beyond_the_deadline_fails_at_once(fake, tokenizer):
     start = time.monotonic()
     with pytest.raises(VLLMServerError, match="HTTP 429.*asked to wait 3600 s"):
         _generate(_engine(fake, tokenizer), tokenizer)
-    assert time.monotonic() - start < 4 and fake.completions() == 1
+    assert time.monotonic() - start < 10 and fake.completions() == 1  # not the 3600 s asked for
 
 
 def test_a_request_slower_than_the_timeout_is_one_clear_error(fake, tokenizer):
@@ -96,7 +96,7 @@ def test_a_request_slower_than_the_timeout_is_one_clear_error(fake, tokenizer):
     start = time.monotonic()
     with pytest.raises(VLLMServerError, match=rf"{fake.url} did not answer POST /v1/completions within 1 s"):
         _generate(_engine(fake, tokenizer, request_timeout=1.0), tokenizer)
-    assert time.monotonic() - start < 4
+    assert time.monotonic() - start < 10  # not the 30 s the server takes
 
 
 # Contract violations: one error at once, naming the field.
