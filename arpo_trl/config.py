@@ -222,7 +222,8 @@ class ARPOConfig(GRPOConfig):
     )
     vllm_request_timeout: float = field(
         default=600.0,
-        metadata={"help": "Seconds one completion request to the vLLM server may take before the rollout fails."},
+        metadata={"help": "Seconds one request to the vLLM server may take, its retries of transient faults included "
+                          "(docs/server_mode.md#the-server-contract), before the rollout fails."},
     )
     vllm_max_concurrent_requests: int = field(
         default=64,

@@ -18,6 +18,7 @@ from typing import Literal, Protocol
 import torch
 from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
 
+from arpo_trl.server.responses import CompletionRequest, VLLMServerError, Where, read_completion
 from arpo_trl.tags import first_stop
 
 FinishReason = Literal["stop", "eos", "length"]
@@ -282,6 +283,10 @@ class VLLMServerEngine:
             "return_token_ids": True, "return_tokens_as_token_ids": True, **extra,
         }
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm-request")
+        self._where = Where(client.base_url, "POST /v1/completions")
+        # What may end a completion with finish_reason "stop" and no stop string: our EOS ids, or the model's own
+        # EOS, which vLLM adds from its generation config (always a special token).
+        self._end_ids = frozenset(eos) | frozenset(tokenizer.all_special_ids)
 
     def generate(
         self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop: Sequence[str]
@@ -299,13 +304,13 @@ class VLLMServerEngine:
         """One segment, from asyncio: the event-driven scheduler sends each path's request as soon as it is ready."""
         _check_budgets([prefix], [max_new_tokens])
         payload = self._payload(list(prefix), max_new_tokens, list(stop))
-        return self._segment((await self.client.acompletion(payload))["choices"][0], max_new_tokens)
+        return self._segment(await self.client.acompletion(payload), max_new_tokens, list(stop))
 
     async def aclose(self) -> None:
         await self.client.aclose()
 
     def _complete(self, prefix: list[int], budget: int, stop: list[str]) -> Segment:
-        return self._segment(self.client.completion(self._payload(prefix, budget, stop))["choices"][0], budget)
+        return self._segment(self.client.completion(self._payload(prefix, budget, stop)), budget, stop)
 
     def _payload(self, prefix: list[int], budget: int, stop: list[str]) -> dict:
         payload = {"model": self.model_name, "prompt": prefix, "max_tokens": budget, "n": 1, **self.sampling}
@@ -316,27 +321,27 @@ class VLLMServerEngine:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _segment(self, choice: dict, budget: int) -> Segment:
-        if choice.get("token_ids") is None:
-            raise RuntimeError("The vLLM server returned no `token_ids` for a completion; ARPO's server mode needs "
-                               "vLLM >= 0.10 (`return_token_ids`).")
-        ids = list(choice["token_ids"])[:budget]
-        logprobs = choice["logprobs"] or {}
-        sampled = [math.nan if lp is None else float(lp) for lp in logprobs.get("token_logprobs") or []]
-        entropies = self._top_k_entropies(logprobs.get("top_logprobs") or [])
-        if len(sampled) < len(ids) or len(entropies) < len(ids):
-            raise RuntimeError(f"vLLM returned {len(sampled)} logprobs for {len(ids)} tokens; is --max-logprobs "
-                               f"at least entropy_top_k={self.entropy_top_k}?")
-        reason = choice.get("finish_reason")
-        if reason == "length":
-            finish = "length"
-        elif isinstance(choice.get("stop_reason"), str):
-            finish = "stop"
-        elif reason == "stop":
-            finish = "eos"
-        else:
-            raise RuntimeError(f"vLLM finished a request with finish_reason={reason!r}: {choice}")
-        return Segment(ids, sampled[: len(ids)], entropies[: len(ids)], finish)
+    def check_server(self) -> None:
+        """Startup probe: one short completion must come back with token ids, sampled logprobs and top-k logprobs in
+        the shape the sampler needs, so that a wrong server is refused before the first step."""
+        prompt = self.tokenizer.encode("Probe: 1 + 2 =", add_special_tokens=False) or list(self.eos_token_ids[:1])
+        try:
+            self._complete(prompt, 4, [])
+        except VLLMServerError as error:
+            raise VLLMServerError(f"The vLLM server at {self.client.base_url} failed arpo-trl's startup check (one "
+                                  f"short completion with logprobs={self.entropy_top_k}): {error}",
+                                  base_url=error.base_url, endpoint=error.endpoint, field=error.field) from error
+
+    def _segment(self, body, budget: int, stop: list[str]) -> Segment:
+        """The segment of a completion's JSON body, checked by `read_completion` (docs/server_mode.md)."""
+        request = CompletionRequest(budget, stop, self.entropy_top_k, self.vocab_size, self._end_ids, self._decode)
+        completion = read_completion(self._where, body, request)
+        entropies = self._top_k_entropies(completion.top_logprobs)
+        return Segment(completion.token_ids, completion.logprobs, entropies, completion.finish_reason)
+
+    def _decode(self, ids: list[int]) -> str:
+        """The text vLLM matched stop strings against (the request sets skip_special_tokens=False)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _top_k_entropies(self, tops: list[dict | None]) -> list[float]:
         """`token_entropy` over each position's returned logprobs (top-k, plus the sampled token when it is

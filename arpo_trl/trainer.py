@@ -208,6 +208,7 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             max_concurrency=args.vllm_max_concurrent_requests,
         )
         check_server_tokenizer(self.vllm_client, self._trl.tokenizer, engine.model_name)
+        engine.check_server()
         mode = self.vllm_client.logprobs_mode()
         if mode not in (None, "processed_logprobs"):
             logger.warning(

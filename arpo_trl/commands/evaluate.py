@@ -268,6 +268,7 @@ def server_engine(args: EvalArguments, tokenizer):
     sampling = SamplingSettings.from_config(args, entropy_top_k=1, eos_token_ids=eos_token_ids(tokenizer))
     engine = VLLMServerEngine(client, tokenizer, model_name=model_name, sampling=sampling)
     check_server_tokenizer(client, tokenizer, engine.model_name)
+    engine.check_server()
     return engine
 
 
