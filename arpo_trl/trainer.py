@@ -1,11 +1,12 @@
 """`ARPOTrainer`: TRL's `GRPOTrainer` with ARPO's branching tool rollout and shared-prefix attribution.
 
-Only two hooks change (plus, with `use_vllm=True`, the weight-sync object TRL calls before each rollout):
+Only these hooks change (plus, with `use_vllm=True`, the weight-sync object TRL calls before each rollout):
   * generation goes through TRL's `rollout_func` (bound to `_arpo_rollout`), so TRL keeps padding, old and
     reference logps, importance sampling, rewards and metrics; tool-result tokens come back as `env_mask`,
     which TRL turns into `tool_mask` and removes from the loss;
-  * `_generate_and_score_completions` replaces the (B,) advantages by (B,T) ones for hard attribution,
-    which TRL's `_compute_loss` accepts;
+  * `_generate` applies hard attribution's "each shared token once" to TRL's tool mask (after TRL logged the
+    completion lengths from the true one), and `_generate_and_score_completions` replaces the (B,) advantages by
+    (B,T) ones for hard attribution, which TRL's `_compute_loss` accepts;
   * with AEPO's update options, `EntropyBalancedUpdate` (arpo_trl/entropy_balanced_update.py) adjusts the
     advantages and log-probabilities TRL's `_compute_loss` reads, keeping TRL's loss code.
 Every use of TRL's undocumented state goes through `TRLState` (arpo_trl/trl_state.py; tests/test_trl_touch_points.py
@@ -31,7 +32,7 @@ from peft import PeftModel
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
-from arpo_trl.advantages import hard_advantages, owner_mask, token_owners
+from arpo_trl.advantages import hard_advantages, token_owners, trained_mask
 from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import run_on_main_process
 from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine, VLLMServerEngine
@@ -257,17 +258,12 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             trajectories = result.trajectories
         self._last_rollout = result if training else None  # for the tree log, once TRL has scored it
         fields = [self._tree_fields(t) for t in trajectories]
-        env_mask = [list(t.mask) for t in trajectories]
-        if self.args.advantage_attribution == "hard":  # a shared token is trained once, in its owner's row
-            owners = self._owners(fields, max(len(row) for row in env_mask))
-            keep = owner_mask(owners, [t.id for t in trajectories]).tolist()
-            env_mask = [[bit * kept for bit, kept in zip(row, keep[i])] for i, row in enumerate(env_mask)]
-        self._log_rollout(result, env_mask, len(trajectories) // m, "train" if training else "eval")
-        return {
+        self._log_rollout(result, "train" if training else "eval")
+        return {  # env_mask: the true one, for TRL's length metrics; hard attribution's is applied in `_generate`
             "prompt_ids": [t.prompt_ids for t in trajectories],
             "completion_ids": [t.completion_ids for t in trajectories],
             "logprobs": [t.logprobs for t in trajectories],
-            "env_mask": env_mask,
+            "env_mask": [list(t.mask) for t in trajectories],
             **{f"arpo_{key}": [f[key] for f in fields] for key in fields[0]},
         }
 
@@ -294,12 +290,27 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             "finish_reason": t.finish_reason, "calls": [asdict(call) for call in t.calls],
         }
 
+    def _generate(self, prompts: list):  # TRL 1.16: GRPOTrainer's hook, (prompts) -> tuple
+        # TRL logs the completion lengths inside from the rollout's env_mask, so hard attribution's mask comes after.
+        generated = super()._generate(prompts)
+        completion_ids, tool_mask, extra = self._trl.generated_rollout(generated)
+        kept = [not (self.args.mask_truncated_completions and self._trl.truncated(ids)) for ids in completion_ids]
+        if self.args.advantage_attribution == "hard" and "arpo_node" in extra:  # each shared token trained once
+            owners = self._owners(extra, max(map(len, tool_mask)))
+            keep = trained_mask(owners, extra["arpo_node"], kept).tolist()
+            tool_mask = [[bit * k for bit, k in zip(row, keep[i])] for i, row in enumerate(tool_mask)]
+            generated = self._trl.with_tool_mask(generated, tool_mask)
+        if "arpo_group" in extra:
+            trained = sum(sum(row) for row, keep_row in zip(tool_mask, kept) if keep_row)
+            self._trl.log_metric("train" if self.model.training else "eval", "arpo/tokens_trained_per_group",
+                                 trained / max(len(set(extra["arpo_group"])), 1))
+        return generated
+
     @staticmethod
-    def _owners(fields: list[dict], width: int) -> torch.Tensor:
-        return token_owners(
-            [f["node"] for f in fields], [f["parent"] for f in fields], [f["fork_position"] for f in fields],
-            [f["length"] for f in fields], width,
-        )
+    def _owners(tree: dict[str, list], width: int) -> torch.Tensor:
+        """`token_owners` from the rollout's `arpo_*` columns."""
+        return token_owners(tree["arpo_node"], tree["arpo_parent"], tree["arpo_fork_position"], tree["arpo_length"],
+                            width)
 
     def _save_rng_state(self, output_dir: str) -> None:  # transformers' Trainer hook (under TRL 1.16)
         # Trainer saves the global RNGs (torch: the transformers backend's sampling); the fork decisions use
@@ -328,9 +339,10 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             self._log_trees(self._last_rollout, rows)
             self._last_rollout = None
         if self.args.advantage_attribution == "hard" and "arpo_node" in inputs[0]:
-            fields = [{k[len("arpo_"):]: row[k] for k in row if k.startswith("arpo_")} for row in inputs]
-            owners = self._owners(fields, width)
-            advantages = hard_advantages(self._trl.advantages(output), owners, [f["group"] for f in fields])
+            tree = {key: [row[key] for row in inputs] for key in ("arpo_node", "arpo_parent", "arpo_fork_position",
+                                                                  "arpo_length", "arpo_group")}
+            advantages = hard_advantages(self._trl.advantages(output), self._owners(tree, width), tree["arpo_group"],
+                                         kept=self._trl.rows_in_loss(output))
             self._trl.set_token_advantages(output, advantages)
         return output
 
@@ -351,8 +363,8 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
                 wandb.log({"arpo/tree_nodes": wandb.Table(columns=columns, data=rows),
                            "arpo/tree": wandb.Html(tree_html(select(records, group=0)))}, commit=False)
 
-    def _log_rollout(self, result: RolloutResult, env_mask: list[list[int]], local_groups: int, mode: str) -> None:
-        """Tree statistics of the whole rollout (all ranks' prompts in server mode); trained tokens are local."""
+    def _log_rollout(self, result: RolloutResult, mode: str) -> None:
+        """Tree statistics of the whole rollout (all ranks' prompts in server mode); trained tokens: `_generate`."""
         stats, trajectories, groups = result.stats, result.trajectories, max(len(result.groups), 1)
         metrics = {
             "arpo/forks_per_group": stats.forks / groups,
@@ -364,7 +376,6 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             "arpo/tool_calls_per_group": stats.tool_calls / groups,
             "arpo/tool_failures_per_group": stats.tool_failures / groups,
             "arpo/tokens_generated_per_group": sum(t.own_tokens() for t in trajectories) / groups,
-            "arpo/tokens_trained_per_group": sum(map(sum, env_mask)) / max(local_groups, 1),
             "arpo/rollout_seconds": stats.seconds,
             "arpo/generation_seconds": stats.generation_seconds,
             "arpo/tool_seconds": stats.tool_seconds,
