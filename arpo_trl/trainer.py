@@ -243,6 +243,7 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
         """TRL's `rollout_func`: `prompts` holds each prompt M times in a row; return M trajectories each."""
         training = self.model.training
         m = self._trl.group_size(training)
+        self._trl.check_whole_groups(prompts, m, training)
         distinct = self._trl.distinct_prompts(prompts, m)
         if isinstance(self.sampler.call_format, ChatTemplateFormat):
             # TRL renders only its own `tools=` (unset: ARPO runs its tools itself), so the schemas are rendered here.

@@ -92,6 +92,15 @@ class TRLState:
         # its docstring says "no duplication"
         return prompts[::group_size]
 
+    @staticmethod
+    def check_whole_groups(prompts: list, group_size: int, training: bool) -> None:
+        """A batch must hold whole groups; an evaluation started by hand is not checked by the config."""
+        if prompts != [p for p in prompts[::group_size] for _ in range(group_size)]:
+            mode, suffix = ("train", "") if training else ("eval", "_eval")
+            raise ValueError(f"This {mode} batch of {len(prompts)} rows does not hold whole groups of one prompt's "
+                             f"trajectories: per_device_{mode}_batch_size must be divisible by "
+                             f"num_generations{suffix} ({group_size}).")
+
     def tokenize_prompts(self, prompts: list) -> list[list[int]]:
         # TRL 1.16: GRPOTrainer._tokenize_prompts(prompts) -> (prompt_ids, images, multimodal_fields), chat template on
         prompt_ids, _, _ = self._trainer._tokenize_prompts(prompts)
