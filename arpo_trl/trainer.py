@@ -34,7 +34,7 @@ from trl.models.utils import unwrap_model_for_generation
 
 from arpo_trl.advantages import hard_advantages, token_owners, trained_mask
 from arpo_trl.config import ARPOConfig
-from arpo_trl.distributed import run_on_main_process
+from arpo_trl.distributed import LockstepEngine, run_on_main_process
 from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine, VLLMServerEngine
 from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
 from arpo_trl.rollout import BranchingSampler, RolloutResult
@@ -150,6 +150,9 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
         if use_vllm:
             self.vllm_client = VLLMClient(self._server_url(), args.vllm_request_timeout, args.vllm_server_timeout,
                                           pool_size=args.vllm_max_concurrent_requests)
+        if engine is not None and not use_vllm and self._trl.is_sharded() and self.accelerator.num_processes > 1:
+            raise NotImplementedError("engine= with sharded parameters (ZeRO-3/FSDP) and several processes: leave "
+                                      "engine unset, so that ARPO keeps the ranks' model calls in step.")
         self.engine = engine or (self._server_engine() if use_vllm else self._transformers_engine())
         if sync_mode is not None:
             self._trl.install_weight_sync(self._file_weight_sync(sync_mode))
@@ -229,15 +232,16 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
     def _sampling(self) -> SamplingSettings:
         return SamplingSettings.from_config(self.args, eos_token_ids=self._trl.eos_token_ids)
 
-    def _transformers_engine(self) -> TransformersEngine:
-        args = self.args
-        return TransformersEngine(
-            None, self._trl.tokenizer, sampling=self._sampling(),
+    def _transformers_engine(self) -> TransformersEngine | LockstepEngine:
+        args, lockstep = self.args, self._trl.is_sharded() and self.accelerator.num_processes > 1
+        engine = TransformersEngine(
+            None, self._trl.tokenizer, sampling=self._sampling(), synced_gpus=lockstep,
             model_context=lambda: unwrap_model_for_generation(
                 self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation,
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
             ),
         )
+        return LockstepEngine(engine, self.accelerator, self._trl.eos_token_ids[:1]) if lockstep else engine
 
     def _arpo_rollout(self, prompts: list, trainer=None) -> dict:
         """TRL's `rollout_func`: `prompts` holds each prompt M times in a row; return M trajectories each."""
@@ -256,6 +260,8 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             result, trajectories = self._sample_on_main_process(prompt_ids, m, policy)
         else:
             result = self.sampler.sample(prompt_ids, num_generations=m, branch_policy=policy)
+            if isinstance(self.engine, LockstepEngine):
+                self.engine.finish_rollout()
             trajectories = result.trajectories
         self._last_rollout = result if training else None  # for the tree log, once TRL has scored it
         fields = [self._tree_fields(t) for t in trajectories]
@@ -294,17 +300,15 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
     def _generate(self, prompts: list):  # TRL 1.16: GRPOTrainer's hook, (prompts) -> tuple
         # TRL logs the completion lengths inside from the rollout's env_mask, so hard attribution's mask comes after.
         generated = super()._generate(prompts)
-        completion_ids, tool_mask, extra = self._trl.generated_rollout(generated)
+        completion_ids, tool_mask, tree = self._trl.generated_rollout(generated)
         kept = [not (self.args.mask_truncated_completions and self._trl.truncated(ids)) for ids in completion_ids]
-        if self.args.advantage_attribution == "hard" and "arpo_node" in extra:  # each shared token trained once
-            owners = self._owners(extra, max(map(len, tool_mask)))
-            keep = trained_mask(owners, extra["arpo_node"], kept).tolist()
+        if self.args.advantage_attribution == "hard" and "arpo_node" in tree:  # each shared token trained once
+            keep = trained_mask(self._owners(tree, max(map(len, tool_mask))), tree["arpo_node"], kept).tolist()
             tool_mask = [[bit * k for bit, k in zip(row, keep[i])] for i, row in enumerate(tool_mask)]
             generated = self._trl.with_tool_mask(generated, tool_mask)
-        if "arpo_group" in extra:
-            trained = sum(sum(row) for row, keep_row in zip(tool_mask, kept) if keep_row)
-            self._trl.log_metric("train" if self.model.training else "eval", "arpo/tokens_trained_per_group",
-                                 trained / max(len(set(extra["arpo_group"])), 1))
+        if "arpo_group" in tree:
+            trained = sum(sum(row) for row, k in zip(tool_mask, kept) if k) / max(len(set(tree["arpo_group"])), 1)
+            self._trl.log_metric("train" if self.model.training else "eval", "arpo/tokens_trained_per_group", trained)
         return generated
 
     @staticmethod
