@@ -56,6 +56,8 @@ class LockstepEngine:
         self.idle_calls = 0  # calls made only to keep step with the other ranks
 
     def __getattr__(self, name: str):  # tokenizer, vocab_size, eos_token_ids...: the wrapped engine's
+        if name == "engine":  # not set yet (e.g. while copying): no recursion
+            raise AttributeError(name)
         return getattr(self.engine, name)
 
     def generate(self, prefixes, max_new_tokens, stop):
