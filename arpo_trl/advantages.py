@@ -6,6 +6,11 @@
 * hard: a token shared by d trajectories gets the mean of their d advantages and is trained once (in the
   row of the path that generated it). Counting it once matters: d copies each weighted by the mean give
   Σ A_i, i.e. the soft gradient again (docs/reference.md#advantages).
+
+Rows the loss leaves out (TRL's `mask_truncated_completions` drops truncated completions) leave both modes alike:
+soft trains a shared token in each kept copy with that copy's advantage; hard trains it once, in a kept row, with the
+mean advantage of the kept rows sharing it (so d_kept copies at that mean are soft's sum again), and not at all when
+no row sharing it is kept, as in soft.
 """
 
 from __future__ import annotations
@@ -33,15 +38,20 @@ def token_owners(
     return owners
 
 
-def hard_advantages(advantages: torch.Tensor, owners: torch.Tensor, groups: Sequence[int]) -> torch.Tensor:
-    """(B, T) per-token advantages: the mean advantage over the rows of the group sharing each token."""
+def hard_advantages(
+    advantages: torch.Tensor, owners: torch.Tensor, groups: Sequence[int], kept: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(B, T) per-token advantages: the mean advantage over the rows of the group sharing each token (of those the
+    loss keeps, where `kept` (B,) bool says which)."""
     out = torch.zeros(owners.shape, dtype=advantages.dtype, device=advantages.device)
     groups_t = torch.as_tensor(list(groups))
     owners = owners.to(advantages.device)
+    kept = torch.ones(len(groups_t), dtype=torch.bool) if kept is None else torch.as_tensor(kept, dtype=torch.bool)
+    kept = kept.to(advantages.device)
     for group in groups_t.unique():
         rows = (groups_t == group).nonzero().squeeze(-1).to(advantages.device)
         own = owners[rows]  # (G, T)
-        same = (own[:, None, :] == own[None, :, :]) & (own[None, :, :] >= 0)  # (G, G, T)
+        same = (own[:, None, :] == own[None, :, :]) & (own[None, :, :] >= 0) & kept[rows][None, :, None]  # (G, G, T)
         total = (same * advantages[rows][None, :, None]).sum(1)
         out[rows] = total / same.sum(1).clamp(min=1)
     return out
@@ -50,3 +60,18 @@ def hard_advantages(advantages: torch.Tensor, owners: torch.Tensor, groups: Sequ
 def owner_mask(owners: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
     """(B, T) 1 where the row's own path generated the token: each shared token counted once."""
     return (owners == torch.as_tensor(list(ids))[:, None]).long()
+
+
+def trained_mask(owners: torch.Tensor, ids: Sequence[int], kept: Sequence[bool] | None = None) -> torch.Tensor:
+    """(B, T) 1 where the row trains the token under hard attribution: each token once, in the row of the path that
+    generated it or, when the loss leaves that row out (`kept` False), in the first kept row sharing it."""
+    mask = owner_mask(owners, ids).bool()
+    if kept is None:
+        return mask.long()
+    kept_t = torch.as_tensor(list(kept), dtype=torch.bool)
+    mask &= kept_t[:, None]
+    for row in (~kept_t).nonzero().flatten().tolist():
+        sharing = (owners == ids[row]) & kept_t[:, None]  # kept rows holding tokens this row's path generated
+        positions = sharing.any(0).nonzero().flatten()
+        mask[sharing.int().argmax(0)[positions], positions] = True
+    return mask.long()

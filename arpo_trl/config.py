@@ -286,6 +286,13 @@ class ARPOConfig(GRPOConfig):
                 f"per_device_train_batch_size * steps_per_generation ({per_process}) must be divisible by "
                 f"num_generations (M={m}) so that every prompt's M trajectories are generated on one process."
             )
+        m_eval = self.num_generations_eval or m
+        if self.eval_strategy != "no" and self.per_device_eval_batch_size % m_eval != 0:
+            # TRL checks the global eval batch only; ARPO, like for training, needs whole groups on each process.
+            raise ValueError(
+                f"per_device_eval_batch_size ({self.per_device_eval_batch_size}) must be divisible by "
+                f"num_generations_eval ({m_eval}) so that every prompt's trajectories are generated on one process."
+            )
 
     def _validate_entropy_balanced_update(self) -> None:
         if not math.isfinite(self.entropy_advantage_weight):

@@ -1,10 +1,12 @@
-"""Work that only the main process does (talking to the vLLM server) while every rank waits for its outcome."""
+"""Multi-process rollouts: work that only the main process does (talking to the vLLM server) while every rank waits
+for its outcome, and an in-process engine whose model calls every rank makes together (sharded parameters)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import torch
 from accelerate.utils import broadcast_object_list
 
 T = TypeVar("T")
@@ -36,3 +38,38 @@ def run_on_main_process(accelerator, fn: Callable[[], T], what: str) -> T | None
     if isinstance(payload[0], _MainProcessFailure):
         raise RuntimeError(payload[0].message)
     return payload[0]
+
+
+class LockstepEngine:
+    """A batch engine (`TransformersEngine`) over parameters sharded across ranks (DeepSpeed ZeRO-3, FSDP): every
+    forward pass is a collective, and so is each gather of the parameters for generation, so every rank must call
+    the model as often as the others. Each rank's tree differs (its own prompts), hence its number of waves: before
+    each `generate` the ranks say whether they still work, and a rank whose rollout is done keeps answering with a
+    one-token call on `idle_prefix` (`finish_rollout`) until no rank works. Inside a call, `synced_gpus` (set on the
+    engine) keeps the ranks' decoding steps equal, as in TRL's own generation."""
+
+    def __init__(self, engine, accelerator, idle_prefix: Sequence[int]):
+        if getattr(engine, "max_batch_size", None):
+            raise ValueError("max_batch_size splits a wave into a number of model calls that differs between ranks; "
+                             "leave it unset with sharded parameters (ZeRO-3/FSDP) and several processes.")
+        self.engine, self.accelerator, self.idle_prefix = engine, accelerator, list(idle_prefix)
+        self.idle_calls = 0  # calls made only to keep step with the other ranks
+
+    def __getattr__(self, name: str):  # tokenizer, vocab_size, eos_token_ids...: the wrapped engine's
+        if name == "engine":  # not set yet (e.g. while copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    def generate(self, prefixes, max_new_tokens, stop):
+        self._anyone_working(True)
+        return self.engine.generate(prefixes, max_new_tokens, stop)
+
+    def finish_rollout(self) -> None:
+        """After this rank's rollout: take part in the other ranks' model calls until every rank is done."""
+        while self._anyone_working(False):
+            self.engine.generate([self.idle_prefix], [1], [])
+            self.idle_calls += 1
+
+    def _anyone_working(self, working: bool) -> bool:
+        flag = torch.tensor([int(working)], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, reduction="sum").item())

@@ -161,8 +161,10 @@ class TransformersEngine:
         sampling: SamplingSettings = SamplingSettings(),
         model_context: Callable[[], AbstractContextManager] | None = None,
         max_batch_size: int | None = None,
+        synced_gpus: bool = False,
     ):
         self.model = model
+        self.synced_gpus = synced_gpus  # every rank runs each call's decoding steps (sharded parameters)
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.entropy_top_k = sampling.entropy_top_k
@@ -207,7 +209,7 @@ class TransformersEngine:
         config = GenerationConfig(max_new_tokens=max(budgets), **self.sampling)
         out = model.generate(
             input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=config,
-            logits_processor=[recorder], stopping_criteria=[criteria],
+            logits_processor=[recorder], stopping_criteria=[criteria], synced_gpus=self.synced_gpus or None,
         )
         new = out[:, width:].cpu()
         logprobs, entropies = recorder.finish(new[:, -1].to(device))

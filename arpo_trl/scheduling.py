@@ -92,6 +92,14 @@ def _bind(call: ToolCall) -> Callable[[], object]:
     return lambda: call.tool(call.content)
 
 
+def _path_context(paths: list[Trajectory]) -> str:
+    """The note a path's failure carries: which paths were running, where (a rollout runs many in parallel)."""
+    described = ", ".join(f"{path.id} (group {path.group}, {path.kind}, {len(path.completion_ids)} completion tokens, "
+                          f"{path.tool_calls} tool calls)" for path in paths[:4])
+    more = f" and {len(paths) - 4} more" if len(paths) > 4 else ""
+    return f"in ARPO path{'s' if len(paths) > 1 else ''} {described}{more}"
+
+
 def _interrupt_tools(sampler: BranchingSampler) -> None:
     """A cancelled rollout stops the tool calls still running (e.g. kills PythonTool's processes)."""
     for tool in sampler.tools:
@@ -133,6 +141,9 @@ class WaveScheduler:
                 request = self.programs[path.id].send(answer)
             except StopIteration:
                 del self.programs[path.id]
+            except Exception as error:
+                error.add_note(_path_context([path]))
+                raise
             else:
                 if isinstance(request, CommitRequest):
                     self.waiting[path.id] = path
@@ -189,8 +200,13 @@ class WaveScheduler:
         generate = sorted(generate, key=lambda item: item[0].id)
         self._align(generate)
         start = time.perf_counter()
-        segments = sampler.engine.generate([path.prompt_ids + path.completion_ids for path, _ in generate],
-                                           [r.max_new_tokens for _, r in generate], sampler.call_format.stop_strings)
+        prefixes = [path.prompt_ids + path.completion_ids for path, _ in generate]
+        try:
+            segments = sampler.engine.generate(prefixes, [r.max_new_tokens for _, r in generate],
+                                               sampler.call_format.stop_strings)
+        except Exception as error:
+            error.add_note(_path_context([path for path, _ in generate]))
+            raise
         stats.generation_seconds += time.perf_counter() - start
         stats.waves += 1
         stats.requests += len(generate)
@@ -282,14 +298,22 @@ class EventScheduler:
 
         def finished(key: int, task: asyncio.Task) -> None:
             tasks.pop(key, None)
+            error = None if task.cancelled() else task.exception()  # retrieved always, even after the first failure
             if done.done():
                 return
-            if not task.cancelled() and task.exception() is not None:
-                done.set_exception(task.exception())
+            if error is not None:
+                done.set_exception(error)
             elif not tasks:
                 done.set_result(None)
 
         async def drive(path: Trajectory) -> None:
+            try:
+                await advance(path)
+            except Exception as error:
+                error.add_note(_path_context([path]))
+                raise
+
+        async def advance(path: Trajectory) -> None:
             program, answer = sampler.grow(rollout, path), None
             while True:
                 start = time.perf_counter()
@@ -328,6 +352,8 @@ class EventScheduler:
             for task in list(tasks.values()):
                 task.cancel()
             await asyncio.gather(*tasks.values(), return_exceptions=True)
+            if done.done() and not done.cancelled():
+                done.exception()  # retrieved: the rollout was cancelled after a path had failed
             close = getattr(engine, "aclose", None)
             if close is not None:
                 await close()

@@ -1,11 +1,12 @@
 """`ARPOTrainer`: TRL's `GRPOTrainer` with ARPO's branching tool rollout and shared-prefix attribution.
 
-Only two hooks change (plus, with `use_vllm=True`, the weight-sync object TRL calls before each rollout):
+Only these hooks change (plus, with `use_vllm=True`, the weight-sync object TRL calls before each rollout):
   * generation goes through TRL's `rollout_func` (bound to `_arpo_rollout`), so TRL keeps padding, old and
     reference logps, importance sampling, rewards and metrics; tool-result tokens come back as `env_mask`,
     which TRL turns into `tool_mask` and removes from the loss;
-  * `_generate_and_score_completions` replaces the (B,) advantages by (B,T) ones for hard attribution,
-    which TRL's `_compute_loss` accepts;
+  * `_generate` applies hard attribution's "each shared token once" to TRL's tool mask (after TRL logged the
+    completion lengths from the true one), and `_generate_and_score_completions` replaces the (B,) advantages by
+    (B,T) ones for hard attribution, which TRL's `_compute_loss` accepts;
   * with AEPO's update options, `EntropyBalancedUpdate` (arpo_trl/entropy_balanced_update.py) adjusts the
     advantages and log-probabilities TRL's `_compute_loss` reads, keeping TRL's loss code.
 Every use of TRL's undocumented state goes through `TRLState` (arpo_trl/trl_state.py; tests/test_trl_touch_points.py
@@ -31,9 +32,9 @@ from peft import PeftModel
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
-from arpo_trl.advantages import hard_advantages, owner_mask, token_owners
+from arpo_trl.advantages import hard_advantages, token_owners, trained_mask
 from arpo_trl.config import ARPOConfig
-from arpo_trl.distributed import run_on_main_process
+from arpo_trl.distributed import LockstepEngine, run_on_main_process
 from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine, VLLMServerEngine
 from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
 from arpo_trl.rollout import BranchingSampler, RolloutResult
@@ -150,6 +151,9 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
         if use_vllm:
             self.vllm_client = VLLMClient(self._server_url(), args.vllm_request_timeout, args.vllm_server_timeout,
                                           pool_size=args.vllm_max_concurrent_requests)
+        if engine is not None and not use_vllm and self._trl.is_sharded() and self.accelerator.num_processes > 1:
+            raise NotImplementedError("engine= with sharded parameters (ZeRO-3/FSDP) and several processes: leave "
+                                      "engine unset, so that ARPO keeps the ranks' model calls in step.")
         self.engine = engine or (self._server_engine() if use_vllm else self._transformers_engine())
         if sync_mode is not None:
             self._trl.install_weight_sync(self._file_weight_sync(sync_mode))
@@ -230,20 +234,22 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
     def _sampling(self) -> SamplingSettings:
         return SamplingSettings.from_config(self.args, eos_token_ids=self._trl.eos_token_ids)
 
-    def _transformers_engine(self) -> TransformersEngine:
-        args = self.args
-        return TransformersEngine(
-            None, self._trl.tokenizer, sampling=self._sampling(),
+    def _transformers_engine(self) -> TransformersEngine | LockstepEngine:
+        args, lockstep = self.args, self._trl.is_sharded() and self.accelerator.num_processes > 1
+        engine = TransformersEngine(
+            None, self._trl.tokenizer, sampling=self._sampling(), synced_gpus=lockstep,
             model_context=lambda: unwrap_model_for_generation(
                 self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation,
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
             ),
         )
+        return LockstepEngine(engine, self.accelerator, self._trl.eos_token_ids[:1]) if lockstep else engine
 
     def _arpo_rollout(self, prompts: list, trainer=None) -> dict:
         """TRL's `rollout_func`: `prompts` holds each prompt M times in a row; return M trajectories each."""
         training = self.model.training
         m = self._trl.group_size(training)
+        self._trl.check_whole_groups(prompts, m, training)
         distinct = self._trl.distinct_prompts(prompts, m)
         if isinstance(self.sampler.call_format, ChatTemplateFormat):
             # TRL renders only its own `tools=` (unset: ARPO runs its tools itself), so the schemas are rendered here.
@@ -256,20 +262,17 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             result, trajectories = self._sample_on_main_process(prompt_ids, m, policy)
         else:
             result = self.sampler.sample(prompt_ids, num_generations=m, branch_policy=policy)
+            if isinstance(self.engine, LockstepEngine):
+                self.engine.finish_rollout()
             trajectories = result.trajectories
         self._last_rollout = result if training else None  # for the tree log, once TRL has scored it
         fields = [self._tree_fields(t) for t in trajectories]
-        env_mask = [list(t.mask) for t in trajectories]
-        if self.args.advantage_attribution == "hard":  # a shared token is trained once, in its owner's row
-            owners = self._owners(fields, max(len(row) for row in env_mask))
-            keep = owner_mask(owners, [t.id for t in trajectories]).tolist()
-            env_mask = [[bit * kept for bit, kept in zip(row, keep[i])] for i, row in enumerate(env_mask)]
-        self._log_rollout(result, env_mask, len(trajectories) // m, "train" if training else "eval")
-        return {
+        self._log_rollout(result, "train" if training else "eval")
+        return {  # env_mask: the true one, for TRL's length metrics; hard attribution's is applied in `_generate`
             "prompt_ids": [t.prompt_ids for t in trajectories],
             "completion_ids": [t.completion_ids for t in trajectories],
             "logprobs": [t.logprobs for t in trajectories],
-            "env_mask": env_mask,
+            "env_mask": [list(t.mask) for t in trajectories],
             **{f"arpo_{key}": [f[key] for f in fields] for key in fields[0]},
             "arpo_model_text": [own_text_from_ids(t.completion_ids, t.calls, self.sampler._decode).text
                                 for t in trajectories],  # what the rewards score: no tool results (issue 33)
@@ -298,12 +301,25 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             "finish_reason": t.finish_reason, "calls": [asdict(call) for call in t.calls],
         }
 
+    def _generate(self, prompts: list):  # TRL 1.16: GRPOTrainer's hook, (prompts) -> tuple
+        # TRL logs the completion lengths inside from the rollout's env_mask, so hard attribution's mask comes after.
+        generated = super()._generate(prompts)
+        completion_ids, tool_mask, tree = self._trl.generated_rollout(generated)
+        kept = [not (self.args.mask_truncated_completions and self._trl.truncated(ids)) for ids in completion_ids]
+        if self.args.advantage_attribution == "hard" and "arpo_node" in tree:  # each shared token trained once
+            keep = trained_mask(self._owners(tree, max(map(len, tool_mask))), tree["arpo_node"], kept).tolist()
+            tool_mask = [[bit * k for bit, k in zip(row, keep[i])] for i, row in enumerate(tool_mask)]
+            generated = self._trl.with_tool_mask(generated, tool_mask)
+        if "arpo_group" in tree:
+            trained = sum(sum(row) for row, k in zip(tool_mask, kept) if k) / max(len(set(tree["arpo_group"])), 1)
+            self._trl.log_metric("train" if self.model.training else "eval", "arpo/tokens_trained_per_group", trained)
+        return generated
+
     @staticmethod
-    def _owners(fields: list[dict], width: int) -> torch.Tensor:
-        return token_owners(
-            [f["node"] for f in fields], [f["parent"] for f in fields], [f["fork_position"] for f in fields],
-            [f["length"] for f in fields], width,
-        )
+    def _owners(tree: dict[str, list], width: int) -> torch.Tensor:
+        """`token_owners` from the rollout's `arpo_*` columns."""
+        return token_owners(tree["arpo_node"], tree["arpo_parent"], tree["arpo_fork_position"], tree["arpo_length"],
+                            width)
 
     def _save_rng_state(self, output_dir: str) -> None:  # transformers' Trainer hook (under TRL 1.16)
         # Trainer saves the global RNGs (torch: the transformers backend's sampling); the fork decisions use
@@ -332,9 +348,10 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             self._log_trees(self._last_rollout, rows)
             self._last_rollout = None
         if self.args.advantage_attribution == "hard" and "arpo_node" in inputs[0]:
-            fields = [{k[len("arpo_"):]: row[k] for k in row if k.startswith("arpo_")} for row in inputs]
-            owners = self._owners(fields, width)
-            advantages = hard_advantages(self._trl.advantages(output), owners, [f["group"] for f in fields])
+            tree = {key: [row[key] for row in inputs] for key in ("arpo_node", "arpo_parent", "arpo_fork_position",
+                                                                  "arpo_length", "arpo_group")}
+            advantages = hard_advantages(self._trl.advantages(output), self._owners(tree, width), tree["arpo_group"],
+                                         kept=self._trl.rows_in_loss(output))
             self._trl.set_token_advantages(output, advantages)
         return output
 
@@ -355,8 +372,8 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
                 wandb.log({"arpo/tree_nodes": wandb.Table(columns=columns, data=rows),
                            "arpo/tree": wandb.Html(tree_html(select(records, group=0)))}, commit=False)
 
-    def _log_rollout(self, result: RolloutResult, env_mask: list[list[int]], local_groups: int, mode: str) -> None:
-        """Tree statistics of the whole rollout (all ranks' prompts in server mode); trained tokens are local."""
+    def _log_rollout(self, result: RolloutResult, mode: str) -> None:
+        """Tree statistics of the whole rollout (all ranks' prompts in server mode); trained tokens: `_generate`."""
         stats, trajectories, groups = result.stats, result.trajectories, max(len(result.groups), 1)
         metrics = {
             "arpo/forks_per_group": stats.forks / groups,
@@ -368,7 +385,6 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             "arpo/tool_calls_per_group": stats.tool_calls / groups,
             "arpo/tool_failures_per_group": stats.tool_failures / groups,
             "arpo/tokens_generated_per_group": sum(t.own_tokens() for t in trajectories) / groups,
-            "arpo/tokens_trained_per_group": sum(map(sum, env_mask)) / max(local_groups, 1),
             "arpo/rollout_seconds": stats.seconds,
             "arpo/generation_seconds": stats.generation_seconds,
             "arpo/tool_seconds": stats.tool_seconds,

@@ -20,8 +20,9 @@ class TRLState:
     (and of transformers' `Trainer` below it) and public ones TRL's docs do not describe. Each line names the TRL
     release it was read against (`TRL_CHECKED`); tests/test_trl_touch_points.py fails, naming the touch point, when a
     TRL upgrade moves one. That test also checks what ARPOTrainer uses outside this class: the private hooks it
-    overrides (`GRPOTrainer._generate_and_score_completions`, `Trainer._save_rng_state`, `Trainer._load_rng_state`),
-    the model-card class attributes and `trl.models.utils.unwrap_model_for_generation`'s keywords."""
+    overrides (`GRPOTrainer._generate_and_score_completions`, `GRPOTrainer._generate`, `Trainer._save_rng_state`,
+    `Trainer._load_rng_state`), the model-card class attributes and `trl.models.utils.unwrap_model_for_generation`'s
+    keywords."""
 
     def __init__(self, trainer: GRPOTrainer):
         self._trainer = trainer
@@ -91,10 +92,41 @@ class TRLState:
         # its docstring says "no duplication"
         return prompts[::group_size]
 
+    @staticmethod
+    def check_whole_groups(prompts: list, group_size: int, training: bool) -> None:
+        """A batch must hold whole groups; an evaluation started by hand is not checked by the config."""
+        if prompts != [p for p in prompts[::group_size] for _ in range(group_size)]:
+            mode, suffix = ("train", "") if training else ("eval", "_eval")
+            raise ValueError(f"This {mode} batch of {len(prompts)} rows does not hold whole groups of one prompt's "
+                             f"trajectories: per_device_{mode}_batch_size must be divisible by "
+                             f"num_generations{suffix} ({group_size}).")
+
     def tokenize_prompts(self, prompts: list) -> list[list[int]]:
         # TRL 1.16: GRPOTrainer._tokenize_prompts(prompts) -> (prompt_ids, images, multimodal_fields), chat template on
         prompt_ids, _, _ = self._trainer._tokenize_prompts(prompts)
         return prompt_ids
+
+    @staticmethod
+    def generated_rollout(generated: tuple) -> tuple[list[list[int]], list[list[int]], dict]:
+        # TRL 1.16: GRPOTrainer._generate returns (prompt_ids, completion_ids, tool_mask, completions, logprobs,
+        # extra_fields, images, tool_images); with a rollout_func, tool_mask is its env_mask (logged as the completion
+        # lengths inside _generate) and extra_fields its other keys
+        return generated[1], generated[2], generated[5]
+
+    @staticmethod
+    def with_tool_mask(generated: tuple, tool_mask: list[list[int]]) -> tuple:
+        # TRL 1.16: _generate_and_score_completions takes the loss's tool_mask from _generate's third item
+        return (*generated[:2], tool_mask, *generated[3:])
+
+    def truncated(self, completion_ids: list[int]) -> bool:
+        # TRL 1.16: with mask_truncated_completions, _generate_and_score_completions drops the rows whose last
+        # completion token is neither an EOS id nor the pad id
+        return completion_ids[-1] not in (*self.eos_token_ids, self.tokenizer.pad_token_id)
+
+    @staticmethod
+    def rows_in_loss(output: dict) -> torch.Tensor:
+        # TRL 1.16: output["completion_mask"] is (B, T), zeroed for the rows mask_truncated_completions drops
+        return output["completion_mask"].bool().any(1)
 
     @staticmethod
     def completion_shape(output: dict) -> tuple[int, int]:

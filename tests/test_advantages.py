@@ -2,7 +2,7 @@
 
 import torch
 
-from arpo_trl.advantages import hard_advantages, owner_mask, token_owners
+from arpo_trl.advantages import hard_advantages, owner_mask, token_owners, trained_mask
 
 
 def test_owners_follow_fork_positions():
@@ -82,3 +82,30 @@ def test_hard_advantages_keep_the_advantages_dtype_and_device():
     torch.testing.assert_close(hard_advantages(adv, owners, [0, 0]), expected, rtol=0, atol=0)
     on_meta = hard_advantages(adv.to("meta"), owners, [0, 0])
     assert on_meta.device.type == "meta" and on_meta.shape == (2, 2) and on_meta.dtype == torch.float64
+
+
+def test_tokens_of_a_dropped_row_are_trained_once_in_a_kept_row_sharing_them():
+    # The tree of test_owners_follow_fork_positions. TRL drops rows 0 and 1 (truncated, mask_truncated_completions):
+    # path 0's tokens 0-1 are shared by 1 and 2, so row 2 trains them; path 0's tokens 2-5 and path 1's token 4 are
+    # nobody else's and are trained nowhere; path 1's tokens 2-3 go to row 2 too.
+    owners = token_owners([0, 1, 2, 3], [None, 0, 1, None], [None, 2, 4, None], [6, 5, 6, 3], width=7)
+    assert trained_mask(owners, [0, 1, 2, 3]).tolist() == owner_mask(owners, [0, 1, 2, 3]).tolist()
+    assert trained_mask(owners, [0, 1, 2, 3], kept=[False, False, True, True]).tolist() == [
+        [0, 0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+    ]
+    # Only row 0 dropped: its shared tokens go to the first kept row sharing them (row 1), each exactly once.
+    mask = trained_mask(owners, [0, 1, 2, 3], kept=[False, True, True, True])
+    assert mask.tolist()[:3] == [[0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1, 0]]
+
+
+def test_hard_advantages_average_over_the_kept_rows_sharing_a_token():
+    owners = token_owners([0, 1, 2, 3], [None, 0, 1, None], [None, 2, 4, None], [6, 5, 6, 3], width=7)
+    adv = torch.tensor([1.0, -1.0, 2.0, 0.5])
+    out = hard_advantages(adv, owners, groups=[0, 0, 0, 0], kept=torch.tensor([False, True, True, True]))
+    shared_by_12 = (-1.0 + 2.0) / 2  # tokens 0-3: row 0, which also holds tokens 0-1, is out of the loss
+    assert out[1].tolist() == [shared_by_12] * 4 + [-1.0, 0.0, 0.0]
+    assert out[2].tolist() == [shared_by_12] * 4 + [2.0, 2.0, 0.0]
+    assert out[3].tolist() == [0.5, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0]

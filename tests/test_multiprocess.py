@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,17 +16,26 @@ import pytest
 SCRIPT = Path(__file__).parent / "scripts" / "multiprocess_train.py"
 
 
-def _run(model_dir, out: Path, *extra: str) -> subprocess.CompletedProcess:
+def _run(model_dir, out: Path, *extra: str, backend: tuple[str, ...] = ("--multi_gpu",)) -> subprocess.CompletedProcess:
     accelerate = Path(sys.executable).with_name("accelerate")
-    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    cmd = [str(accelerate), "launch", *backend, "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), "--model", str(model_dir),
            "--out", str(out), *extra]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env)
+    # A session of its own, so that a hang (ranks waiting in mismatched collectives) ends with every rank killed
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=480)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"the ranks hung (killed after 480 s): {stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
 
 
-def _launch(model_dir, out: Path, *extra: str) -> list[dict]:
-    result = _run(model_dir, out, *extra)
+def _launch(model_dir, out: Path, *extra: str, backend: tuple[str, ...] = ("--multi_gpu",)) -> list[dict]:
+    result = _run(model_dir, out, *extra, backend=backend)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["world"] for r in reports] == [2, 2]
@@ -41,6 +51,21 @@ def test_two_processes_transformers_backend(tool_model_dir, tmp_path):
     for step in range(2):  # the ranks sampled different prompts (their own shards), each in groups of M
         rows0, rows1 = reports[0]["trained"][step], reports[1]["trained"][step]
         assert rows0 != rows1
+
+
+@pytest.mark.parametrize("gather", ["true", "false"])
+def test_two_processes_zero3_keep_their_model_calls_in_step(tool_model_dir, tmp_path, gather):
+    """DeepSpeed ZeRO-3 on CPU: every forward pass, and every gather of the parameters for generation, is a collective.
+    Rank 1 does not branch, so its trees need fewer waves than rank 0's; without keeping step the ranks' collectives
+    mismatch ("Received data size doesn't match expected size") or hang. Both ways of ds3_gather_for_generation."""
+    config = tmp_path / "ds3.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+                                  "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+                                  "gradient_clipping": "auto"}))
+    reports = _launch(tool_model_dir, tmp_path / "out", "--rank1-branch-policy", "none", "--ds3-gather", gather,
+                      backend=("--use_deepspeed", "--deepspeed_config_file", str(config)))
+    assert len(reports[0]["model_calls"]) == len(reports[1]["model_calls"])
+    assert reports[0]["idle_calls"] + reports[1]["idle_calls"] > 0, "the ranks' wave counts did not differ"
 
 
 @pytest.mark.vllm

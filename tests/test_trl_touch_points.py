@@ -41,6 +41,7 @@ def parameters(function) -> list[str]:
 @pytest.mark.parametrize(("touch_point", "function", "expected"), [
     ("GRPOTrainer._tokenize_prompts", GRPOTrainer._tokenize_prompts, ["self", "prompts"]),
     ("GRPOTrainer._generate_and_score_completions", GRPOTrainer._generate_and_score_completions, ["self", "inputs"]),
+    ("GRPOTrainer._generate", GRPOTrainer._generate, ["self", "prompts"]),
     ("GRPOTrainer._compute_loss", GRPOTrainer._compute_loss, ["self", "model", "inputs"]),
     ("Trainer._save_rng_state", Trainer._save_rng_state, ["self", "output_dir"]),
     ("Trainer._load_rng_state", Trainer._load_rng_state, ["self", "checkpoint"]),

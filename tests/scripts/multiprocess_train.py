@@ -50,6 +50,10 @@ def main():
     parser.add_argument("--base-url", default=None)
     parser.add_argument("--fail-at-rollout", type=int, default=None,
                         help="make the main process's sampler raise at this rollout (tests error propagation)")
+    parser.add_argument("--ds3-gather", choices=["true", "false"], default="true",
+                        help="ds3_gather_for_generation (under DeepSpeed ZeRO-3)")
+    parser.add_argument("--rank1-branch-policy", default=None,
+                        help="rank 1's sampler uses this branch policy (e.g. 'none': its trees need fewer waves)")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rows = [{"prompt": [{"role": "user", "content": question(a, 2 * a + 1)}], "ground_truth": str(3 * a + 1)}
@@ -60,6 +64,7 @@ def main():
         branch_threshold=1.0, max_completion_length=48, max_steps=2, learning_rate=1e-2, logging_steps=1,
         use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0, beta=0.0,
         use_vllm=server, vllm_mode="server", vllm_server_base_url=args.base_url,
+        ds3_gather_for_generation=args.ds3_gather == "true",
     )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
     trainer = Recorder(model=args.model, reward_funcs=length_reward, args=config, train_dataset=Dataset.from_list(rows),
@@ -74,11 +79,19 @@ def main():
             return sample(*a, **kw)
 
         trainer.sampler.sample = failing_sample
-    trainer.train()
     rank = trainer.accelerator.process_index
+    if args.rank1_branch_policy is not None and rank == 1:
+        trainer.sampler.branch_policy = args.rank1_branch_policy
+    model_calls = []  # batch sizes of the in-process engine's generate calls
+    engine = getattr(trainer.engine, "engine", trainer.engine)  # a LockstepEngine's wrapped engine
+    if engine is not None and not server:
+        generate = engine.generate
+        engine.generate = lambda prefixes, *a: model_calls.append(len(prefixes)) or generate(prefixes, *a)
+    trainer.train()
     params = {n: p.detach().double().sum().item() for n, p in trainer.model.named_parameters() if p.requires_grad}
     report = {"rank": rank, "world": trainer.accelerator.num_processes, "rollouts": trainer.rollouts,
-              "trained": trainer.trained, "params": params,
+              "trained": trainer.trained, "params": params, "model_calls": model_calls,
+              "idle_calls": getattr(trainer.engine, "idle_calls", None),
               "forks": [e["arpo/forks_per_group"] for e in trainer.state.log_history if "arpo/forks_per_group" in e]}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
     torch.distributed.barrier() if torch.distributed.is_initialized() else None
