@@ -252,8 +252,6 @@ def test_a_contract_violation_mid_rollout_is_one_error_and_leaves_nothing_runnin
     assert "Task exception was never retrieved" not in caplog.text
 
 
-@pytest.mark.xfail(reason="needs issue 28 part A's fix in scheduling.py: EventScheduler._run's `finished` callback "
-                          "does not retrieve the exception of a task that fails after the first", strict=False)
 def test_several_paths_failing_at_once_is_one_error_and_nothing_unretrieved(fake, tokenizer, caplog):
     fake.faults.extend([Status(400)] * 6)  # every initial path's first request
     with caplog.at_level(logging.ERROR, logger="asyncio"), pytest.raises(VLLMServerError, match="HTTP 400"):
