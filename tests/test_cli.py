@@ -74,7 +74,7 @@ def test_train_on_a_reasoning_gym_task(tool_model_dir, tmp_path):
     """A full fine-tune on reasoning-gym questions: the saved weights are trained ones, every rollout's prompt is one
     of the task's seeded questions, and each reward is ARPO's score against that question's own answer."""
     from safetensors.torch import load_file
-    from test_trainer import length_reward
+    from test_trainer import length_shaping
 
     from arpo_trl.data import named_dataset
     from arpo_trl.rewards import arpo_math_reward
@@ -98,10 +98,11 @@ def test_train_on_a_reasoning_gym_task(tool_model_dir, tmp_path):
             assert len(matches) == 1, f"not one of the task's questions: {r['prompt']!r}"
             truth[r["step"], r["group"]] = answers[matches[0]]
     assert len(truth) == 4 and len({q for q in truth.values()}) > 1
-    for r in records:
-        text = "".join(seg["text"] for seg in r["segments"])
-        expected = arpo_math_reward([text], ground_truth=[truth[r["step"], r["group"]]])[0] + length_reward([text])[0]
-        assert r["reward"] == pytest.approx(expected, abs=1e-6)
+    for step in (0, 1):
+        for row, r in enumerate(r for r in records if r["step"] == step):  # a step's records keep the batch order
+            text = "".join(seg["text"] for seg in r["segments"])
+            expected = arpo_math_reward([text], ground_truth=[truth[step, r["group"]]])[0] + length_shaping(text, row)
+            assert r["reward"] == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.parametrize("overrides,extra,message", [
