@@ -166,7 +166,12 @@ def test_train_under_accelerate_launch_two_processes(tool_model_dir, tmp_path):
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "arpo_trl.cli", "train", "--config", str(recipe)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    import arpo_trl
+
+    # the recipe's reward `test_trainer.length_reward` from tests/, and the arpo_trl this test imported, whatever the
+    # working folder and however the package is installed
+    path = [str(Path(__file__).parent), str(Path(arpo_trl.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     run = tmp_path / "run"
