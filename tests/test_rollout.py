@@ -565,11 +565,17 @@ def test_ctrl_c_cancels_the_rollout_and_leaves_nothing_running(tokenizer, schedu
     sampler = _sampler(tokenizer, script, tools=[python], num_generations=3, branch_policy="none",
                        engine_class=Hanging, scheduler=scheduler)
     earlier = set(_tool_threads())  # an earlier test's abandoned call may still run: not this rollout's
+    # a terminal's Ctrl-C, whatever this process inherited (started in the background, SIGINT is ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))  # as Ctrl-C: to the process
     timer.start()
     start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        sampler.sample(_prompts(tokenizer, 1))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sampler.sample(_prompts(tokenizer, 1))
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 20  # not the 50-60 s the call and the requests would take
     if scheduler == "events":
         assert sampler.engine.in_flight == 0 and sampler.engine.cancelled == 2
