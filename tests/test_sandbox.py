@@ -179,10 +179,15 @@ def leftovers(tool: PythonTool, before: set[int], grace: float = 30.0, others: t
         time.sleep(0.05)
 
 
+# What other programs on a shared machine keep in /dev/shm while these tests run (Python multiprocessing's
+# semaphores, torch's shared tensors, OpenMP's registration): theirs, not a sandbox's leftovers.
+OTHER_PROGRAMS_SHM = ("sem.mp-", "psm_", "torch_", "__KMP_REGISTERED_LIB_")
+
+
 def host_temp_entries() -> set[str]:
-    """Sandbox scratch dirs and anything in /dev/shm (other processes' /tmp files would make this flaky)."""
+    """Sandbox scratch dirs and anything else in /dev/shm (other processes' /tmp files would make this flaky)."""
     scratch = {e for e in os.listdir(tempfile.gettempdir()) if e.startswith("arpo_sandbox_")}
-    return scratch | set(os.listdir("/dev/shm"))
+    return scratch | {e for e in os.listdir("/dev/shm") if not e.startswith(OTHER_PROGRAMS_SHM)}
 
 
 @pytest.fixture(scope="module")
