@@ -23,6 +23,23 @@ from tiny import (
 )
 
 
+@pytest.fixture(autouse=True)
+def restored_environment():
+    """What a test (or the library under test) sets in `os.environ` does not reach the tests after it."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def own_working_directory(tmp_path_factory, monkeypatch):
+    """Every test runs in an empty folder of its own: what a command writes to a relative path (a recipe's
+    `runs/…`, hypothesis' database) lands neither in the checkout nor where a later test could find it."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_tokenizer()

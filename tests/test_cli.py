@@ -74,7 +74,7 @@ def test_train_on_a_reasoning_gym_task(tool_model_dir, tmp_path):
     """A full fine-tune on reasoning-gym questions: the saved weights are trained ones, every rollout's prompt is one
     of the task's seeded questions, and each reward is ARPO's score against that question's own answer."""
     from safetensors.torch import load_file
-    from test_trainer import length_reward
+    from test_trainer import length_shaping
 
     from arpo_trl.data import named_dataset
     from arpo_trl.rewards import arpo_math_reward
@@ -98,10 +98,11 @@ def test_train_on_a_reasoning_gym_task(tool_model_dir, tmp_path):
             assert len(matches) == 1, f"not one of the task's questions: {r['prompt']!r}"
             truth[r["step"], r["group"]] = answers[matches[0]]
     assert len(truth) == 4 and len({q for q in truth.values()}) > 1
-    for r in records:
-        text = "".join(seg["text"] for seg in r["segments"])
-        expected = arpo_math_reward([text], ground_truth=[truth[r["step"], r["group"]]])[0] + length_reward([text])[0]
-        assert r["reward"] == pytest.approx(expected, abs=1e-6)
+    for step in (0, 1):
+        for row, r in enumerate(r for r in records if r["step"] == step):  # a step's records keep the batch order
+            text = "".join(seg["text"] for seg in r["segments"])
+            expected = arpo_math_reward([text], ground_truth=[truth[step, r["group"]]])[0] + length_shaping(text, row)
+            assert r["reward"] == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.parametrize("overrides,extra,message", [
@@ -165,7 +166,12 @@ def test_train_under_accelerate_launch_two_processes(tool_model_dir, tmp_path):
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "arpo_trl.cli", "train", "--config", str(recipe)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    import arpo_trl
+
+    # the recipe's reward `test_trainer.length_reward` from tests/, and the arpo_trl this test imported, whatever the
+    # working folder and however the package is installed
+    path = [str(Path(__file__).parent), str(Path(arpo_trl.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     run = tmp_path / "run"

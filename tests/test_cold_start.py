@@ -41,9 +41,13 @@ def test_sft_command_saves_a_merged_model(tiny_model_dir, tmp_path):
     assert changed and all("q_proj" in n or "v_proj" in n for n in changed)  # LoRA merged into its targets only
 
 
-def test_sft_user_mistake_is_one_line(tmp_path, capsys):
+def test_sft_user_mistake_is_one_line(tmp_path, capsys, monkeypatch):
+    """The same on a new machine (an empty model cache) as on one that has converted SmolLM2 before."""
+    monkeypatch.setenv("ARPO_TRL_CACHE", str(tmp_path / "empty-cache"))
     with pytest.raises(SystemExit) as exit_code:
-        main(["sft", "--model_name_or_path", "smollm2", "--task", "leg_counting", "--output_dir", str(tmp_path),
+        main(["sft", "--model_name_or_path", "smollm2", "--task", "leg_counting", "--output_dir", str(tmp_path / "out"),
               "--use_cpu", "true", "--bf16", "false"])  # no CPU notice: alone, this test's stderr is the error only
     assert exit_code.value.code == 2
-    assert capsys.readouterr().err.count("\n") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("arpo-trl: error:"), err
+    assert not (tmp_path / "empty-cache").exists() or not any((tmp_path / "empty-cache").iterdir())

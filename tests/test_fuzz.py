@@ -636,8 +636,8 @@ def test_a_tool_raising_system_exit_fails_at_once(tokenizer):
         raise SystemExit(3)
 
     sampler = _sampler(tokenizer, _one_call_then_answer, tools=[Tool("python", exits)], num_generations=1,
-                       branch_policy="none", tool_timeout=1.0)
+                       branch_policy="none", tool_timeout=60.0)
     start = time.monotonic()
     (t,) = sampler.sample(_prompts(tokenizer, 1)).trajectories
     assert "Error: Tool(python) execution failed with message: SystemExit: 3" in tokenizer.decode(t.completion_ids)
-    assert time.monotonic() - start < 0.9
+    assert time.monotonic() - start < 30  # not at the 60 s timeout

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from arpo_trl import rewards as rewards_module
 from arpo_trl.eval_metrics import score_completion
 from arpo_trl.rewards import answer_accuracy, arpo_math_reward, completion_text, math_scores
 from arpo_trl.scoring import MathScorer, default_scorer
@@ -124,7 +125,8 @@ def test_caps_compare_long_answers_as_text():
     assert report.capped == 3  # 1,501 characters (equal as text, or not) and the 50-deep nesting
 
 
-def test_timeouts_are_logged_as_trl_metrics_and_warned_once(caplog):
+def test_timeouts_are_logged_as_trl_metrics_and_warned_once(caplog, monkeypatch):
+    monkeypatch.setattr(rewards_module, "_warned", threading.Event())  # as in a new process, whatever ran before
     metrics = []
     slow = "<think>t</think><answer>\\boxed{\\sum_{k=1}^{40001} \\frac{1}{k}}</answer>"
     good = "<think>t</think><answer>\\boxed{3}</answer>"
@@ -135,8 +137,9 @@ def test_timeouts_are_logged_as_trl_metrics_and_warned_once(caplog):
     assert rewards == [0.0, 1.0]
     assert ("rewards/arpo_math_reward/timeouts", 1.0) in metrics
     assert ("rewards/arpo_math_reward/capped", 0.0) in metrics
-    warnings = [r for r in caplog.records if "math scoring bound" in r.getMessage()]
-    assert len(warnings) <= 1 and all("40001" not in r.getMessage() for r in warnings)
+    warnings = [r.getMessage() for r in caplog.records if "math scoring bound" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("arpo_math_reward: 1 answer(s)"), warnings
+    assert "40001" not in warnings[0]  # the answer itself is not repeated into the log
 
 
 def test_a_dead_worker_is_replaced():

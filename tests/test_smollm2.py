@@ -16,7 +16,9 @@ SYSTEM = ("Solve the problem. You may run Python by writing <python>code</python
 
 
 def length_reward(completions, **kwargs):
-    return [len(completion_text(c)) / 100 for c in completions]
+    """Length shaping, plus 1 on every other row: a group's rewards differ by construction (groups of 4 are
+    contiguous), even if the model wrote its 4 answers alike."""
+    return [len(completion_text(c)) / 100 + row % 2 for row, c in enumerate(completions)]
 
 
 @pytest.mark.slow
@@ -41,8 +43,8 @@ def test_one_arpo_step_on_smollm2(tmp_path):
     log = next(e for e in trainer.state.log_history if "arpo/waves" in e)
     print({k: v for k, v in log.items() if k.startswith("arpo/") or k in ("reward", "step_time")})
     assert log["completions/max_length"] <= 24
-    # The length shaping separates a group's rewards, so GRPO's advantages are not all zero: the step must learn.
-    assert log["frac_reward_zero_std"] < 1, "every group's rewards are equal: this step could not update anything"
+    # The shaping separates a group's rewards, so GRPO's advantages are not all zero: the step must learn.
+    assert log["frac_reward_zero_std"] == 0, "a group's rewards are equal: its rows could not update anything"
     changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert changed, "no LoRA weight changed"
     assert all("lora_B" in n for n in changed) and len(changed) == sum("lora_B" in n for n in before)

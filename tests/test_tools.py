@@ -3,6 +3,7 @@
 import os
 import subprocess
 import time
+import uuid
 
 import pytest
 
@@ -32,12 +33,18 @@ def test_python_tool_errors_are_text(python_tool):
 
 
 def test_python_tool_timeout_kills_everything_the_code_started(python_tool):
+    """The call returns at its 2 s timeout, not when the child it started would end (300 s), and the child is
+    killed. The child's argument is this test's own, so that no other process on the machine matches it."""
+    seconds = f"300.{uuid.uuid4().int % 10**9:09d}"
     start = time.monotonic()
-    code = "import subprocess\nsubprocess.Popen(['sleep', '30'])\nwhile True: pass"
+    code = f"import subprocess\nsubprocess.Popen(['sleep', '{seconds}'])\nwhile True: pass"
     out = python_tool(code)
-    assert out.startswith("TimeoutError") and time.monotonic() - start < 4
-    time.sleep(0.5)
-    assert subprocess.run(["pgrep", "-f", "^sleep 30$"], capture_output=True).returncode == 1
+    assert out.startswith("TimeoutError") and time.monotonic() - start < 60  # far below the child's 300 s
+    deadline = time.monotonic() + 30
+    while (alive := subprocess.run(["pgrep", "-f", f"^sleep {seconds}$"], capture_output=True).returncode == 0) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, "the child the code started outlived the call"
 
 
 def test_python_tool_limits_output_and_memory(python_tool):

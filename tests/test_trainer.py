@@ -16,7 +16,12 @@ def length_reward(completions, **kwargs):
     """Shaping so that a group's rewards always differ: the ARPO reward of a 107k-parameter model is mostly -1, and
     even lengths can tie by chance, so every other row also gets +1 (groups are contiguous and of even size here).
     A test that training moves the weights must not depend on what the random model happened to write."""
-    return [len(completion_text(c)) / 100 + row % 2 for row, c in enumerate(completions)]
+    return [length_shaping(completion_text(c), row) for row, c in enumerate(completions)]
+
+
+def length_shaping(text: str, row: int) -> float:
+    """`length_reward` of the completion `text` at position `row` of its batch (a step's records keep that order)."""
+    return len(text) / 100 + row % 2
 
 
 REWARDS = [arpo_math_reward, length_reward]
@@ -174,9 +179,9 @@ def check_run_folder(run, trainer, steps):
     for step in range(steps):
         rows = [r for r in records if r["step"] == step]
         assert len(rows) == 2 * m  # 8 completions per step = 2 prompts × M
-        for r in rows:  # reward = length shaping + ARPO's reward, recomputed from the record's own text
+        for row, r in enumerate(rows):  # reward = length shaping + ARPO's reward, recomputed from the record's text
             text = "".join(seg["text"] for seg in r["segments"])
-            arpo_part = r["reward"] - length_reward([text])[0]
+            arpo_part = r["reward"] - length_shaping(text, row)
             if validate_format(text) is not None:
                 assert arpo_part == pytest.approx(-1.0, abs=1e-6)
             else:

@@ -292,10 +292,11 @@ def test_server_dies_during_training_fails_the_step_and_keeps_checkpoints_whole(
     """The server is killed by a tool call during step 2's rollout: train() raises a VLLMServerError naming the
     server, within the request timeout; checkpoint-1 is complete and no checkpoint-2 was started."""
     server = VLLMServer(tool_model_dir, lora_rank=4, max_model_len=1024, log_path=tmp_path / "server.log").start()
-    steps_done = []
+    steps_done, killed_at = [], []
 
     def python_or_kill(code: str) -> str:
-        if steps_done and server.process is not None:  # step 2: pull the plug mid-rollout
+        if steps_done and server.process is not None and not killed_at:  # step 2: pull the plug mid-rollout
+            killed_at.append(time.monotonic())
             os.killpg(server.process.pid, signal.SIGKILL)
         return "5"
 
@@ -311,10 +312,9 @@ def test_server_dies_during_training_fails_the_step_and_keeps_checkpoints_whole(
             processing_class=tokenizer, tools=[Tool("python", python_or_kill)], callbacks=[CountSteps()],
             peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
         )
-        start = time.monotonic()
         with pytest.raises(VLLMServerError, match=server.base_url):
             trainer.train()
-        assert time.monotonic() - start < 120
+        assert killed_at and time.monotonic() - killed_at[0] < 60  # from the kill: within the request timeout
     finally:
         server.stop()
     assert steps_done == [1]
@@ -343,7 +343,7 @@ def test_client_metrics_and_finish_reasons(vllm_server, tokenizer):
     (stopped,) = engine.generate([prompt], [200], [stop])
     assert stopped.finish_reason == "stop" and stop in tokenizer.decode(stopped.token_ids)  # its last token holds it
     assert len(stopped.token_ids) < len(seg.token_ids)
-    deadline = time.monotonic() + 10  # the API server updates its counters as the engine reports them
+    deadline = time.monotonic() + 60  # the API server updates its counters as the engine reports them
     while (after := client.metrics())["vllm:request_success_total"] < before["vllm:request_success_total"] + 3 \
             and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -387,9 +387,9 @@ def test_event_driven_rollout_on_server_is_complete_and_cancellable(vllm_server,
             sampler.sample([_prompt(tokenizer, a, a) for a in range(32)])  # 128 × 1000 tokens take far longer
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert time.monotonic() - interrupted[0] < 5
-    running = float("inf")
-    for _ in range(50):  # the server notices the closed connections within a moment
+    assert time.monotonic() - interrupted[0] < 20  # at once, not after 128 × 1000 tokens
+    running, deadline = float("inf"), time.monotonic() + 60
+    while time.monotonic() < deadline:  # the server notices the closed connections within a moment
         running = client.metrics().get("vllm:num_requests_running", 0) + client.metrics().get(
             "vllm:num_requests_waiting", 0)
         if running == 0:
@@ -403,7 +403,7 @@ def test_server_killed_during_an_event_driven_rollout_fails_fast(tool_model_dir,
     request timeout, and no rollout thread or tool thread left behind."""
     server = VLLMServer(tool_model_dir, max_model_len=1024, log_path=tmp_path / "server.log").start()
     try:
-        engine = VLLMServerEngine(VLLMClient(server.base_url, request_timeout=60), tokenizer,
+        engine = VLLMServerEngine(VLLMClient(server.base_url, request_timeout=300), tokenizer,
                                   sampling=SamplingSettings(generation_kwargs={"ignore_eos": True}))
         killed = threading.Event()
 
@@ -415,14 +415,20 @@ def test_server_killed_during_an_event_driven_rollout_fails_fast(tool_model_dir,
 
         sampler = BranchingSampler(engine, tokenizer, [Tool("python", kill)], num_generations=4,
                                    initial_rollouts=2, max_completion_length=900, seed=0)
+        earlier = set(threading.enumerate())  # an earlier test's abandoned tool call may still run
         threading.Timer(3.0, kill).start()
         start = time.monotonic()
         with pytest.raises(VLLMServerError, match=server.base_url):
             sampler.sample([_prompt(tokenizer, a, a) for a in range(16)])
-        assert time.monotonic() - start < 30
-        time.sleep(0.5)
-        leftovers = [t.name for t in threading.enumerate() if t.name.startswith(("arpo-tool", "arpo-rollout"))
-                     and t.name != "arpo-tool-watchdog"]
-        assert not leftovers, leftovers
+        assert time.monotonic() - start < 100  # far within the 300 s request timeout
+
+        def leftovers() -> list[str]:
+            return [t.name for t in set(threading.enumerate()) - earlier
+                    if t.name.startswith(("arpo-tool", "arpo-rollout")) and t.name != "arpo-tool-watchdog"]
+
+        deadline = time.monotonic() + 30
+        while leftovers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not leftovers(), leftovers()
     finally:
         server.stop()
