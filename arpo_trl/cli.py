@@ -101,10 +101,11 @@ def quickstart(argv: Sequence[str]) -> None:
         else:
             _sft(["--config", str(sft_recipe)])
     if training_args.max_minutes is not None:
-        left = max(training_args.max_minutes - stages.total() / 60, 0.01)
+        # an exhausted budget still lets ARPO take its first step (that is how a step is measured), and no more
+        left = max(training_args.max_minutes - stages.total() / 60, 1e-4)
         print(f"Quickstart: {stages.total() / 60:.1f} of max_minutes={training_args.max_minutes:g} used before "
               f"ARPO; the ARPO run gets {left:.1f} min.")
-        argv = [*argv, "--max_minutes", f"{left:.3f}"]  # the last occurrence of a flag wins
+        argv = [*argv, "--max_minutes", f"{left:.4f}"]  # the last occurrence of a flag wins
     with stages("ARPO"):
         _train(["--config", str(arpo_recipe), *argv])
     print(stages.report())
