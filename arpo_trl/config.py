@@ -133,14 +133,15 @@ class ARPOConfig(GRPOConfig):
         },
     )
     tool_call_format: str = field(
-        default="tags",
+        default="auto",
         metadata={
-            "help": "How the model calls tools. 'tags' (the paper's): `<python>…</python>`, answered with "
-            "` <result>…</result>`. 'chat_template': the tokenizer's native function calling for instruct models "
-            "(Hermes-style, as Qwen2.5/Qwen3): the prompt lists each tool's JSON schema (`Tool.schema()`) through the "
-            "chat template, the model writes `<tool_call>{\"name\": …, \"arguments\": {…}}</tool_call>`, and the "
-            "result is appended as the template renders a tool message. Needs conversational prompts and a template "
-            "that renders `tools`.",
+            "help": "How the model calls tools. 'auto' (default): 'chat_template' when a tool is a plain function "
+            "(as `GRPOTrainer(tools=[fn])` calls it), else 'tags'. 'tags' (the paper's): `<python>…</python>`, "
+            "answered with ` <result>…</result>`. 'chat_template': the tokenizer's native function calling for "
+            "instruct models (Hermes-style, as Qwen2.5/Qwen3): the prompt lists each tool's JSON schema "
+            "(`Tool.schema()`) through the chat template, the model writes `<tool_call>{\"name\": …, "
+            "\"arguments\": {…}}</tool_call>`, and the result is appended as the template renders a tool message. "
+            "Needs conversational prompts and a template that renders `tools`.",
             "choices": list(TOOL_CALL_FORMATS),
         },
     )

@@ -22,7 +22,7 @@ import statistics
 import textwrap
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 import torch
@@ -49,6 +49,7 @@ from arpo_trl.server.weight_sync import (
 from arpo_trl.time_budget import TimeBudget
 from arpo_trl.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.tools.base import Tool
+from arpo_trl.tools.functions import as_tools
 from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
 from arpo_trl.trees import node_table, select, tree_html, tree_records, write_jsonl
 from arpo_trl.trl_state import TRLState
@@ -81,7 +82,8 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
     Args:
         tools: tools (`PythonTool()`, `SearchTool(...)`, `Tool(tag, fn)`) the model may call by writing
             `<tag>…</tag>`, or, with `tool_call_format='chat_template'`, through the chat template's function
-            calling (`Tool.schema()`). They are ARPO's tools, not TRL's `tools=` (TRL's own tool loop stays off).
+            calling (`Tool.schema()`); plain functions, sync or async, as `GRPOTrainer(tools=…)` takes them
+            (`FunctionTool`), in any mix. ARPO's sampler runs them (TRL's own tool loop stays off).
         engine: a `GenerationEngine`; defaults to a `TransformersEngine` over the model being trained.
         Everything else is `GRPOTrainer`'s.
     """
@@ -109,7 +111,7 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
-        tools: Sequence[Tool] = (),
+        tools: Sequence[Tool | Callable] = (),
         peft_config=None,
         engine: GenerationEngine | None = None,
         **kwargs,
@@ -121,8 +123,7 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             raise TypeError(f"ARPOTrainer needs args=ARPOConfig(...), got {type(args).__name__}.")
         if "rollout_func" in kwargs:
             raise ValueError("ARPOTrainer provides its own rollout_func; pass tools= and engine= instead.")
-        if not all(isinstance(tool, Tool) for tool in tools):
-            raise TypeError("ARPOTrainer tools must be arpo_trl.Tool instances (tag + callable), e.g. PythonTool().")
+        tools = as_tools(tools)
         silence_checkpointing_aliases()
         use_vllm = args.use_vllm
         trl_sync = use_vllm and self._wants_trl_nccl_sync(args, model, peft_config)
