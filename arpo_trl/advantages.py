@@ -33,17 +33,24 @@ def token_owners(
     return owners
 
 
-def hard_advantages(advantages: torch.Tensor, owners: torch.Tensor, groups: Sequence[int]) -> torch.Tensor:
-    """(B, T) per-token advantages: the mean advantage over the rows of the group sharing each token."""
+def hard_advantages(advantages: torch.Tensor, owners: torch.Tensor, groups: Sequence[int],
+                    scored: Sequence[bool] | None = None) -> torch.Tensor:
+    """(B, T) per-token advantages: the mean advantage over the rows of the group sharing each token.
+
+    `scored[i]` False: every reward function returned None for row i (TRL gives it advantage 0, no signal), so it
+    does not count in the mean of the tokens it shares; a token only unscored rows share gets 0."""
     out = torch.zeros(owners.shape, dtype=advantages.dtype, device=advantages.device)
     groups_t = torch.as_tensor(list(groups))
+    weights = torch.ones(len(groups_t)) if scored is None else torch.as_tensor(list(scored), dtype=torch.float)
+    weights = weights.to(advantages.device, advantages.dtype)
     owners = owners.to(advantages.device)
     for group in groups_t.unique():
         rows = (groups_t == group).nonzero().squeeze(-1).to(advantages.device)
         own = owners[rows]  # (G, T)
         same = (own[:, None, :] == own[None, :, :]) & (own[None, :, :] >= 0)  # (G, G, T)
-        total = (same * advantages[rows][None, :, None]).sum(1)
-        out[rows] = total / same.sum(1).clamp(min=1)
+        counted = same * weights[rows][None, :, None]
+        total = (counted * advantages[rows][None, :, None]).sum(1)
+        out[rows] = total / counted.sum(1).clamp(min=1)
     return out
 
 

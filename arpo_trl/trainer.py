@@ -331,7 +331,9 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
         if self.args.advantage_attribution == "hard" and "arpo_node" in inputs[0]:
             fields = [{k[len("arpo_"):]: row[k] for k in row if k.startswith("arpo_")} for row in inputs]
             owners = self._owners(fields, width)
-            advantages = hard_advantages(self._trl.advantages(output), owners, [f["group"] for f in fields])
+            index, processes = self.accelerator.process_index, self.accelerator.num_processes
+            scored = [not flag for flag in self._trl.unscored(rows * processes)[index * rows : (index + 1) * rows]]
+            advantages = hard_advantages(self._trl.advantages(output), owners, [f["group"] for f in fields], scored)
             self._trl.set_token_advantages(output, advantages)
         return output
 

@@ -1,0 +1,68 @@
+"""`ARPOTrainer` as a drop-in for `GRPOTrainer`: TRL's documented examples with `GRPOTrainer` / `GRPOConfig` swapped for
+`ARPOTrainer` / `ARPOConfig` and nothing else changed (rewards returning None, `generation_kwargs`, what
+`training_step` receives). Plain-function tools: tests/test_function_tools.py."""
+
+import json
+import math
+
+import torch
+from datasets import Dataset
+from tiny import question, tiny_model
+from trl.trainer import grpo_trainer
+
+from arpo_trl import ARPOConfig, ARPOTrainer
+from arpo_trl.advantages import hard_advantages, token_owners
+
+
+def config(tmp_path, **kw) -> ARPOConfig:
+    return ARPOConfig(**{
+        "output_dir": str(tmp_path), "per_device_train_batch_size": 4, "num_generations": 4,
+        "max_completion_length": 16, "max_steps": 1, "logging_steps": 1, "use_cpu": True, "bf16": False,
+        "report_to": "none", "save_strategy": "no", "log_trees": False, "seed": 0, **kw})
+
+
+# ---- rewards returning None ------------------------------------------------------------------------------------
+def math_reward_func(completions, task, **kwargs):
+    """TRL's multi-task example: a reward for the math rows, None for the others."""
+    return [1.0 if t == "math" else None for t in task]
+
+
+def length_reward_func(completions, task, **kwargs):
+    return [len(c[0]["content"]) / 100 if t == "code" else None for c, t in zip(completions, task)]
+
+
+def test_hard_attribution_leaves_rows_without_any_reward_out_of_a_shared_tokens_mean():
+    # one group: path 0 (6 tokens), branch 1 forked from it at 2, branch 2 forked from it at 4
+    owners = token_owners([0, 1, 2], [None, 0, 0], [None, 2, 4], [6, 6, 6], 6)
+    advantages = torch.tensor([1.0, -1.0, 0.0])  # row 2 unscored: TRL gave it advantage 0
+    out = hard_advantages(advantages, owners, [0, 0, 0], scored=[True, True, False])
+    assert out[0, :2].tolist() == [0.0, 0.0]  # shared by 0, 1 (and 2, not counted): mean of 1 and -1
+    assert out[0, 2:4].tolist() == [1.0, 1.0]  # shared by 0 and 2: row 0's alone, not diluted to 0.5
+    assert out[2, 4:].tolist() == [0.0, 0.0]  # row 2's own tokens: no signal
+    assert hard_advantages(advantages, owners, [0, 0, 0])[0, 2:4].tolist() == [0.5, 0.5]  # all scored: as before
+
+
+def test_rewards_returning_none_follow_trl(tmp_path, tokenizer, monkeypatch):
+    """TRL: None → NaN, summed with nansum; a row with no reward at all is warned about and gets advantage 0."""
+    warnings = []
+    monkeypatch.setattr(grpo_trainer.logger, "warning", lambda message, *a, **k: warnings.append(str(message)))
+    rows = [{"prompt": [{"role": "user", "content": question(i, i)}], "task": task}
+            for i, task in enumerate(["math", "code", "poetry"])]
+    args = config(tmp_path, max_steps=3, log_trees=True, advantage_attribution="hard")
+    trainer = ARPOTrainer(model=tiny_model(tokenizer), reward_funcs=[math_reward_func, length_reward_func], args=args,
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    trainer.train()
+    assert any("All reward functions returned None" in w for w in warnings)
+    steps = [row for row in trainer.state.log_history if "reward" in row]
+    assert len(steps) == 3
+    records = [json.loads(line) for line in (tmp_path / "trees.jsonl").read_text().splitlines()]
+    by_step = {}
+    for record in records:
+        by_step.setdefault(record["step"], []).append(record)
+    kinds = sorted(tuple(sorted({r["reward"] is None for r in group})) for group in by_step.values())
+    assert kinds == [(False,), (False,), (True,)]  # one prompt (poetry) had no reward at all: null, not 0
+    unscored = next(group for group in by_step.values() if group[0]["reward"] is None)
+    assert all(r["advantage"] == 0.0 for r in unscored)
+    assert (tmp_path / "reward_curve.png").exists()
+    assert any(row.get("rewards/math_reward_func/mean") is None or
+               math.isnan(row["rewards/math_reward_func/mean"]) for row in steps)
