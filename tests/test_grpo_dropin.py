@@ -5,6 +5,7 @@
 import json
 import math
 
+import pytest
 import torch
 from datasets import Dataset
 from tiny import question, tiny_model
@@ -66,3 +67,34 @@ def test_rewards_returning_none_follow_trl(tmp_path, tokenizer, monkeypatch):
     assert (tmp_path / "reward_curve.png").exists()
     assert any(row.get("rewards/math_reward_func/mean") is None or
                math.isnan(row["rewards/math_reward_func/mean"]) for row in steps)
+
+
+# ---- generation_kwargs -------------------------------------------------------------------------------------------
+def test_generation_kwargs_override_the_defaults_as_in_grpo_trainer(tmp_path, tokenizer, addition_dataset):
+    """TRL's docs: `GRPOConfig(generation_kwargs={...})` overrides the trainer's own sampling settings."""
+    args = config(tmp_path, temperature=1.0, generation_kwargs={"do_sample": True, "top_k": 50, "top_p": 0.9,
+                                                                "temperature": 0.7, "no_repeat_ngram_size": 3})
+    trainer = ARPOTrainer(model=tiny_model(tokenizer), reward_funcs=length_reward, args=args,
+                          train_dataset=addition_dataset, processing_class=tokenizer)
+    sampling = trainer.engine.sampling
+    assert (sampling["top_k"], sampling["top_p"], sampling["temperature"]) == (50, 0.9, 0.7)
+    assert sampling["no_repeat_ngram_size"] == 3 and trainer.engine.temperature == 0.7
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c[0]["content"])) for c in completions]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"num_beams": 4}, r"^generation_kwargs\['num_beams'\]=4 cannot work with ARPO's branching rollout: beam search"),
+    ({"num_return_sequences": 2}, r"num_return_sequences'\]=2 .*num_generations sets how many"),
+    ({"max_new_tokens": 64}, r"max_new_tokens'\]=64 .*max_completion_length"),
+    ({"prompt_lookup_num_tokens": 3}, r"assisted decoding skips the logits processors"),
+])
+def test_generation_kwargs_that_cannot_branch_are_refused_in_one_line(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message) as error:
+        config(tmp_path, generation_kwargs=kwargs)
+    assert "\n" not in str(error.value)
+    config(tmp_path, generation_kwargs={"num_beams": 1, "num_return_sequences": 1})  # the defaults themselves: fine
