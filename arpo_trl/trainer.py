@@ -34,6 +34,7 @@ from trl.models.utils import unwrap_model_for_generation
 from arpo_trl.advantages import hard_advantages, owner_mask, token_owners
 from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import run_on_main_process
+from arpo_trl.dropin.rows import TreeRows
 from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine, VLLMServerEngine
 from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
 from arpo_trl.rollout import BranchingSampler, RolloutResult
@@ -76,7 +77,7 @@ def _resolve_sync_mode(requested: str, *, is_peft: bool, tied: bool) -> str:
                              vllm_importable=importlib.util.find_spec("vllm") is not None, tied=tied)
 
 
-class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
+class ARPOTrainer(TreeRows, EntropyBalancedUpdate, GRPOTrainer):
     """Train a tool-using policy with ARPO.
 
     Args:
@@ -257,7 +258,7 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             result = self.sampler.sample(prompt_ids, num_generations=m, branch_policy=policy)
             trajectories = result.trajectories
         self._last_rollout = result if training else None  # for the tree log, once TRL has scored it
-        fields = [self._tree_fields(t) for t in trajectories]
+        self._tree_rows = fields = [self._tree_fields(t) for t in trajectories]  # TreeRows: never in the examples
         env_mask = [list(t.mask) for t in trajectories]
         if self.args.advantage_attribution == "hard":  # a shared token is trained once, in its owner's row
             owners = self._owners(fields, max(len(row) for row in env_mask))
@@ -269,7 +270,6 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             "completion_ids": [t.completion_ids for t in trajectories],
             "logprobs": [t.logprobs for t in trajectories],
             "env_mask": env_mask,
-            **{f"arpo_{key}": [f[key] for f in fields] for key in fields[0]},
         }
 
     def _sample_on_main_process(self, prompt_ids: list, m: int, policy: str | None):
@@ -324,12 +324,12 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
     def _generate_and_score_completions(self, inputs):  # TRL 1.16: GRPOTrainer's hook, (inputs) -> dict
         # Hard attribution needs the group advantages TRL computes, then spreads them per token.
         output = super()._generate_and_score_completions(inputs)
+        fields, self._tree_rows = self._tree_rows, None
         rows, width = self._trl.completion_shape(output)
         if self.args.log_trees and getattr(self, "_last_rollout", None) is not None:
             self._log_trees(self._last_rollout, rows)
             self._last_rollout = None
-        if self.args.advantage_attribution == "hard" and "arpo_node" in inputs[0]:
-            fields = [{k[len("arpo_"):]: row[k] for k in row if k.startswith("arpo_")} for row in inputs]
+        if self.args.advantage_attribution == "hard" and fields is not None:
             owners = self._owners(fields, width)
             index, processes = self.accelerator.process_index, self.accelerator.num_processes
             scored = [not flag for flag in self._trl.unscored(rows * processes)[index * rows : (index + 1) * rows]]

@@ -98,3 +98,45 @@ def test_generation_kwargs_that_cannot_branch_are_refused_in_one_line(tmp_path, 
         config(tmp_path, generation_kwargs=kwargs)
     assert "\n" not in str(error.value)
     config(tmp_path, generation_kwargs={"num_beams": 1, "num_return_sequences": 1})  # the defaults themselves: fine
+
+
+# ---- what training_step and compute_loss receive -----------------------------------------------------------------
+def recording(base):
+    class Recording(base):
+        def training_step(self, model, inputs, *args, **kwargs):
+            loss = super().training_step(model, inputs, *args, **kwargs)  # the keys once the step has run
+            self.step_keys = getattr(self, "step_keys", []) + [sorted({k for example in inputs for k in example})]
+            return loss
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            self.loss_keys = sorted(inputs)
+            return super().compute_loss(model, inputs, *args, **kwargs)
+    return Recording
+
+
+def test_training_step_and_compute_loss_see_what_grpo_trainer_gives_them(tmp_path, tokenizer, addition_dataset):
+    from trl import GRPOConfig, GRPOTrainer
+
+    seen = {}
+
+    def reward(completions, **kwargs):
+        seen.update(kwargs)
+        return [float(len(c[0]["content"])) for c in completions]
+
+    common = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 8, "max_steps": 2,
+              "use_cpu": True, "bf16": False, "report_to": "none", "save_strategy": "no", "logging_steps": 1}
+    grpo = recording(GRPOTrainer)(model=tiny_model(tokenizer), reward_funcs=reward,
+                                  args=GRPOConfig(output_dir=str(tmp_path / "grpo"), **common),
+                                  train_dataset=addition_dataset, processing_class=tokenizer)
+    grpo.train()
+    arpo = recording(ARPOTrainer)(model=tiny_model(tokenizer), reward_funcs=reward,
+                                  args=ARPOConfig(output_dir=str(tmp_path / "arpo"), log_trees=False,
+                                                  advantage_attribution="hard", **common),
+                                  train_dataset=addition_dataset, processing_class=tokenizer)
+    seen.clear()
+    arpo.train()
+    assert arpo.step_keys == grpo.step_keys == [["ground_truth", "prompt"]] * 2
+    # documented extras, as GRPOTrainer has them with tools (tool_mask) and with vLLM (the sampler's logprobs)
+    assert set(arpo.loss_keys) - set(grpo.loss_keys) == {"tool_mask", "sampling_per_token_logps"}
+    assert {"arpo_node", "arpo_parent", "arpo_calls", "arpo_fork_position"} <= set(seen)  # rewards still get them
+    assert not any(key.startswith("arpo_") for row in addition_dataset for key in row)
