@@ -240,6 +240,7 @@ class TransformersEngine:
             logits_processor=[recorder], stopping_criteria=[criteria],
         )
         new = out[:, width:].cpu()
+        check_recorder_ran(len(recorder.entropies), new.shape[1], model)
         logprobs, entropies = recorder.finish(new[:, -1].to(device))
         return [
             self._segment(new[row].tolist(), logprobs[row].tolist(), entropies[row].tolist(), budgets[row], stop)
@@ -258,6 +259,19 @@ class TransformersEngine:
         else:
             end, reason = len(ids), "length"
         return Segment(ids[:end], logprobs[:end], entropies[:end], reason)
+
+
+def check_recorder_ran(steps: int, new_tokens: int, model) -> None:
+    """The per-token logprobs and entropies come from our logits processor; a `generate` that did not call it once
+    per new token would leave them missing or misaligned, so it is refused here, naming the likely cause."""
+    if steps != new_tokens:
+        raise RuntimeError(
+            f"TransformersEngine: {type(model).__name__}.generate returned {new_tokens} new tokens but called ARPO's "
+            f"logits processor {steps} times, so the tokens' logprobs and entropies are missing. Likely causes: a "
+            "custom or remote-code `generate` that ignores `logits_processor`, or assisted decoding (assistant_model "
+            "or prompt_lookup_num_tokens in generation_kwargs). Use the standard transformers `generate`, or a vLLM "
+            "server (use_vllm=True)."
+        )
 
 
 def normalized_entropy(entropies: Sequence[float], window: int, vocab_size: int) -> float:

@@ -140,3 +140,23 @@ def test_training_step_and_compute_loss_see_what_grpo_trainer_gives_them(tmp_pat
     assert set(arpo.loss_keys) - set(grpo.loss_keys) == {"tool_mask", "sampling_per_token_logps"}
     assert {"arpo_node", "arpo_parent", "arpo_calls", "arpo_fork_position"} <= set(seen)  # rewards still get them
     assert not any(key.startswith("arpo_") for row in addition_dataset for key in row)
+
+
+# ---- the engine's per-token statistics cannot be skipped silently ------------------------------------------------
+def test_a_generate_that_skips_the_logits_processor_is_named(tokenizer):
+    from arpo_trl.engines import TransformersEngine
+
+    model = tiny_model(tokenizer)
+    standard = model.generate
+
+    def custom_generate(*args, logits_processor=None, **kwargs):  # as a remote-code generate that drops it
+        return standard(*args, **kwargs)
+
+    model.generate = custom_generate
+    engine = TransformersEngine(model, tokenizer)
+    prefix = tokenizer.encode("What is 1+1?", add_special_tokens=False)
+    with pytest.raises(RuntimeError, match=r"called ARPO's logits processor 0 times.*custom or remote-code `generate`"):
+        engine.generate([prefix], [4], [])
+    model.generate = standard
+    (segment,) = engine.generate([prefix], [4], [])
+    assert len(segment.logprobs) == len(segment.entropies) == len(segment.token_ids) > 0
