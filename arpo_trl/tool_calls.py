@@ -93,17 +93,19 @@ class ChatTemplateFormat:
         self._check_template()
 
     # ---- prompts ------------------------------------------------------------------------------------------
-    def prompt_ids(self, conversations: Sequence[Sequence[Mapping[str, Any]]]) -> list[list[int]]:
-        """Token ids of each conversation with the tool schemas and the assistant generation prompt."""
+    def prompt_ids(self, conversations: Sequence[Sequence[Mapping[str, Any]]],
+                   schemas: Sequence[list[dict]] | None = None) -> list[list[int]]:
+        """Token ids of each conversation with the tool schemas (all tools', or `schemas[i]` for conversation i) and
+        the assistant generation prompt."""
         if conversations and isinstance(conversations[0], str):
             raise ValueError("tool_call_format='chat_template' renders the tools through the chat template, so the "
                              "prompts must be conversations (lists of {'role', 'content'} messages), not strings.")
         return [
             list(self.tokenizer.apply_chat_template(
-                list(c), tools=self.schemas or None, add_generation_prompt=True, tokenize=True, return_dict=True,
-                **self.chat_template_kwargs,
+                list(c), tools=(self.schemas if schemas is None else schemas[i]) or None, add_generation_prompt=True,
+                tokenize=True, return_dict=True, **self.chat_template_kwargs,
             )["input_ids"])
-            for c in conversations
+            for i, c in enumerate(conversations)
         ]
 
     # ---- calls --------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from trl.models.utils import unwrap_model_for_generation
 from arpo_trl.advantages import hard_advantages, owner_mask, token_owners
 from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import run_on_main_process
+from arpo_trl.dropin.environments import EnvironmentRollouts, setup_environments
 from arpo_trl.dropin.rows import TreeRows
 from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine, VLLMServerEngine
 from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
@@ -77,7 +78,7 @@ def _resolve_sync_mode(requested: str, *, is_peft: bool, tied: bool) -> str:
                              vllm_importable=importlib.util.find_spec("vllm") is not None, tied=tied)
 
 
-class ARPOTrainer(TreeRows, EntropyBalancedUpdate, GRPOTrainer):
+class ARPOTrainer(TreeRows, EnvironmentRollouts, EntropyBalancedUpdate, GRPOTrainer):
     """Train a tool-using policy with ARPO.
 
     Args:
@@ -107,7 +108,7 @@ class ARPOTrainer(TreeRows, EntropyBalancedUpdate, GRPOTrainer):
     def __init__(
         self,
         model,
-        reward_funcs,
+        reward_funcs=None,
         args: ARPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -115,6 +116,7 @@ class ARPOTrainer(TreeRows, EntropyBalancedUpdate, GRPOTrainer):
         tools: Sequence[Tool | Callable] = (),
         peft_config=None,
         engine: GenerationEngine | None = None,
+        environment_factory=None,
         **kwargs,
     ):
         if args is None:
@@ -124,7 +126,7 @@ class ARPOTrainer(TreeRows, EntropyBalancedUpdate, GRPOTrainer):
             raise TypeError(f"ARPOTrainer needs args=ARPOConfig(...), got {type(args).__name__}.")
         if "rollout_func" in kwargs:
             raise ValueError("ARPOTrainer provides its own rollout_func; pass tools= and engine= instead.")
-        tools = as_tools(tools)
+        reward_funcs, tools, environments = setup_environments(environment_factory, reward_funcs, as_tools(tools))
         silence_checkpointing_aliases()
         use_vllm = args.use_vllm
         trl_sync = use_vllm and self._wants_trl_nccl_sync(args, model, peft_config)
@@ -136,7 +138,7 @@ class ARPOTrainer(TreeRows, EntropyBalancedUpdate, GRPOTrainer):
                 eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
                 rollout_func=self._arpo_rollout, **kwargs,
             )
-        self._trl = TRLState(self)
+        self._trl, self._environments = TRLState(self), environments
         self._trl.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
         configure_math_scoring(timeout=args.reward_timeout, batch_timeout=args.reward_batch_timeout)
@@ -244,10 +246,10 @@ class ARPOTrainer(TreeRows, EntropyBalancedUpdate, GRPOTrainer):
         """TRL's `rollout_func`: `prompts` holds each prompt M times in a row; return M trajectories each."""
         training = self.model.training
         m = self._trl.group_size(training)
-        distinct = self._trl.distinct_prompts(prompts, m)
+        distinct, schemas, starts = self._start_environments(self._trl.distinct_prompts(prompts, m), m)
         if isinstance(self.sampler.call_format, ChatTemplateFormat):
             # TRL renders only its own `tools=` (unset: ARPO runs its tools itself), so the schemas are rendered here.
-            prompt_ids = self.sampler.call_format.prompt_ids(distinct)
+            prompt_ids = self.sampler.call_format.prompt_ids(distinct, schemas)
         else:
             prompt_ids = self._trl.tokenize_prompts(distinct)
         # Evaluation samples whole trajectories, as the reference's validation does (no branching).
@@ -255,8 +257,9 @@ class ARPOTrainer(TreeRows, EntropyBalancedUpdate, GRPOTrainer):
         if self._trl.use_vllm and self.accelerator.num_processes > 1:
             result, trajectories = self._sample_on_main_process(prompt_ids, m, policy)
         else:
-            result = self.sampler.sample(prompt_ids, num_generations=m, branch_policy=policy)
+            result = self.sampler.sample(prompt_ids, num_generations=m, branch_policy=policy, environments=starts)
             trajectories = result.trajectories
+        self.environments = None if starts is None else [t.environment for t in trajectories]  # for the rewards
         self._last_rollout = result if training else None  # for the tree log, once TRL has scored it
         self._tree_rows = fields = [self._tree_fields(t) for t in trajectories]  # TreeRows: never in the examples
         env_mask = [list(t.mask) for t in trajectories]
