@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from arpo_trl.dropin.grpo_fields import check_grpo_fields
 from arpo_trl.engines import check_generation_kwargs
 from arpo_trl.entropy_balance import check_aepo_args
 from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS, check_branching_args, default_initial_rollouts
@@ -269,6 +270,7 @@ class ARPOConfig(GRPOConfig):
             raise ValueError(f"entropy_top_k must be >= 1 or None, got {self.entropy_top_k}.")
         check_call_format(self.tool_call_format)
         check_generation_kwargs(self.generation_kwargs)
+        check_grpo_fields(self)
         if not self.tool_call_open or not self.tool_call_close:
             raise ValueError("tool_call_open and tool_call_close must be non-empty markers, e.g. '<tool_call>'.")
         if self.tool_timeout <= 0:

@@ -23,7 +23,7 @@ import textwrap
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 from accelerate.utils import gather_object
@@ -234,8 +234,10 @@ class ARPOTrainer(TreeRows, EnvironmentRollouts, EntropyBalancedUpdate, GRPOTrai
 
     def _transformers_engine(self) -> TransformersEngine:
         args = self.args
+        cache = {"cache_implementation": args.cache_implementation} if args.cache_implementation else {}
+        sampling = replace(self._sampling(), generation_kwargs={**cache, **(args.generation_kwargs or {})})
         return TransformersEngine(
-            None, self._trl.tokenizer, sampling=self._sampling(),
+            None, self._trl.tokenizer, sampling=sampling,
             model_context=lambda: unwrap_model_for_generation(
                 self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation,
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
