@@ -87,7 +87,9 @@ class ARPOTrainer(TreeRows, EnvironmentRollouts, EntropyBalancedUpdate, GRPOTrai
             calling (`Tool.schema()`); plain functions, sync or async, as `GRPOTrainer(tools=…)` takes them
             (`FunctionTool`), in any mix. ARPO's sampler runs them (TRL's own tool loop stays off).
         engine: a `GenerationEngine`; defaults to a `TransformersEngine` over the model being trained.
-        Everything else is `GRPOTrainer`'s.
+        environment_factory: as `GRPOTrainer`'s; every path owns an environment, a branch continues from a copy of
+            its parent's at the fork (docs/environments.md).
+        Everything else is `GRPOTrainer`'s (docs/coming_from_grpo.md).
     """
 
     # TRL 1.16: GRPOTrainer's model card and hub tags read the class attributes _tag_names, _name and _paper
