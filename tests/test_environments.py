@@ -113,6 +113,7 @@ def test_branches_continue_from_their_parents_environment(hermes, tmp_path):
             parent, parent_env = by_node[t.parent]
             inherited = sum(c.result_end is not None and c.result_end <= t.fork_position for c in t.calls)
             assert inherited >= 1 and env.history[:inherited] == parent_env.history[:inherited]
+    assert len({tuple(env.history) for env in environments}) > 1  # siblings went on alone after their fork
     prompt = hermes.decode(trainer.sampler.call_format.prompt_ids([[{"role": "user", "content": "x"}]])[0])
     assert '"name": "increment"' in prompt
 
