@@ -4,6 +4,7 @@ siblings share nothing afterwards, rewards read their own path's environment; se
 environment's own reward without `reward_funcs`; an environment that cannot be forked is told which method to add.
 The model is a scripted engine (test double) whose calls are tokenised for real; sampler and trainer are real."""
 
+import itertools
 import json
 import threading
 
@@ -60,12 +61,16 @@ def counter_reward(environments, **kwargs):
     return [float(env.counter) for env in environments]
 
 
+STEPS = itertools.count(1)
+
+
 def calls(text, rng):
-    """Two calls per path with a random step each (siblings diverge after a fork), then the answer."""
+    """Two calls per path, each increment by a step no other call uses (siblings diverge after a fork), then the
+    answer."""
     done = text.count("</tool_response>")
     if done < 2:
         name = "double" if "Start at" in text else "increment"
-        arguments = {} if name == "double" else {"step": rng.randint(1, 9)}
+        arguments = {} if name == "double" else {"step": next(STEPS)}
         return f'step {done} <tool_call>{{"name": "{name}", "arguments": {json.dumps(arguments)}}}</tool_call>', \
             rng.uniform(0.0, 2.0), "stop"
     return ANSWER, 1.0, "eos"
@@ -136,7 +141,7 @@ def test_environment_owned_reward_without_reward_funcs_and_several_classes(herme
             else:
                 assert env.counter == sum(json.loads(c.arguments)["step"] for c in t.calls)
     assert kinds == {ScoredIncrementEnv, DoubleEnv}
-    # the counter's own reward scored its rows (two increments of 1..9 each); the other class's rows have none
+    # the counter's own reward scored its rows (two increments of at least 1 each); the other class's rows have none
     means = [e.get("rewards/ScoredIncrementEnv/mean") for e in trainer.state.log_history if "reward" in e]
     assert sorted(m is None for m in means) == [False, True] and min(m for m in means if m is not None) >= 2
 
