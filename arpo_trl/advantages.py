@@ -38,22 +38,27 @@ def token_owners(
     return owners
 
 
-def hard_advantages(
-    advantages: torch.Tensor, owners: torch.Tensor, groups: Sequence[int], kept: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """(B, T) per-token advantages: the mean advantage over the rows of the group sharing each token (of those the
-    loss keeps, where `kept` (B,) bool says which)."""
+def hard_advantages(advantages: torch.Tensor, owners: torch.Tensor, groups: Sequence[int],
+                    kept: Sequence[bool] | None = None, scored: Sequence[bool] | None = None) -> torch.Tensor:
+    """(B, T) per-token advantages: the mean advantage over the rows of the group sharing each token, of the rows
+    that count: those the loss keeps (`kept[i]` False: TRL's `mask_truncated_completions` drops row i) and that
+    have a reward (`scored[i]` False: every reward function returned None, so TRL gives it advantage 0 and no
+    signal). A token that only uncounted rows share gets 0."""
     out = torch.zeros(owners.shape, dtype=advantages.dtype, device=advantages.device)
     groups_t = torch.as_tensor(list(groups))
+    counts = torch.ones(len(groups_t), dtype=torch.bool)
+    for flags in (kept, scored):
+        if flags is not None:
+            counts &= torch.as_tensor(flags, dtype=torch.bool).cpu()
+    weights = counts.to(advantages.device, advantages.dtype)
     owners = owners.to(advantages.device)
-    kept = torch.ones(len(groups_t), dtype=torch.bool) if kept is None else torch.as_tensor(kept, dtype=torch.bool)
-    kept = kept.to(advantages.device)
     for group in groups_t.unique():
         rows = (groups_t == group).nonzero().squeeze(-1).to(advantages.device)
         own = owners[rows]  # (G, T)
-        same = (own[:, None, :] == own[None, :, :]) & (own[None, :, :] >= 0) & kept[rows][None, :, None]  # (G, G, T)
-        total = (same * advantages[rows][None, :, None]).sum(1)
-        out[rows] = total / same.sum(1).clamp(min=1)
+        same = (own[:, None, :] == own[None, :, :]) & (own[None, :, :] >= 0)  # (G, G, T)
+        counted = same * weights[rows][None, :, None]
+        total = (counted * advantages[rows][None, :, None]).sum(1)
+        out[rows] = total / counted.sum(1).clamp(min=1)
     return out
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from arpo_trl.dropin.grpo_fields import check_grpo_fields
+from arpo_trl.engines import check_generation_kwargs
 from arpo_trl.entropy_balance import check_aepo_args
 from arpo_trl.preflight import adopt_checkpointing_default
 from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS, check_branching_args, default_initial_rollouts
@@ -134,14 +136,15 @@ class ARPOConfig(GRPOConfig):
         },
     )
     tool_call_format: str = field(
-        default="tags",
+        default="auto",
         metadata={
-            "help": "How the model calls tools. 'tags' (the paper's): `<python>…</python>`, answered with "
-            "` <result>…</result>`. 'chat_template': the tokenizer's native function calling for instruct models "
-            "(Hermes-style, as Qwen2.5/Qwen3): the prompt lists each tool's JSON schema (`Tool.schema()`) through the "
-            "chat template, the model writes `<tool_call>{\"name\": …, \"arguments\": {…}}</tool_call>`, and the "
-            "result is appended as the template renders a tool message. Needs conversational prompts and a template "
-            "that renders `tools`.",
+            "help": "How the model calls tools. 'auto' (default): 'chat_template' when a tool is a plain function "
+            "(as `GRPOTrainer(tools=[fn])` calls it), else 'tags'. 'tags' (the paper's): `<python>…</python>`, "
+            "answered with ` <result>…</result>`. 'chat_template': the tokenizer's native function calling for "
+            "instruct models (Hermes-style, as Qwen2.5/Qwen3): the prompt lists each tool's JSON schema "
+            "(`Tool.schema()`) through the chat template, the model writes `<tool_call>{\"name\": …, "
+            "\"arguments\": {…}}</tool_call>`, and the result is appended as the template renders a tool message. "
+            "Needs conversational prompts and a template that renders `tools`.",
             "choices": list(TOOL_CALL_FORMATS),
         },
     )
@@ -269,6 +272,8 @@ class ARPOConfig(GRPOConfig):
         if self.entropy_top_k is not None and self.entropy_top_k < 1:
             raise ValueError(f"entropy_top_k must be >= 1 or None, got {self.entropy_top_k}.")
         check_call_format(self.tool_call_format)
+        check_generation_kwargs(self.generation_kwargs)
+        check_grpo_fields(self)
         if not self.tool_call_open or not self.tool_call_close:
             raise ValueError("tool_call_open and tool_call_close must be non-empty markers, e.g. '<tool_call>'.")
         if self.tool_timeout <= 0:

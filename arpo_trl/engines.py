@@ -81,6 +81,35 @@ def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
     return list(dict.fromkeys([tokenizer.eos_token_id, *extra]))
 
 
+# generate() options that cannot work with the sampler, and why: it grows one sequence per path, forks paths itself,
+# bounds each request's tokens itself, and reads each token's logprob and entropy from its own logits processor.
+_REFUSED_GENERATION_KWARGS = {
+    "num_beams": (1, "beam search keeps several hypotheses per path; ARPO forks paths itself"),
+    "num_beam_groups": (1, "beam search keeps several hypotheses per path; ARPO forks paths itself"),
+    "num_return_sequences": (1, "the sampler asks for one continuation per path and forks them itself "
+                                "(num_generations sets how many per prompt)"),
+    "best_of": (1, "the sampler asks for one continuation per path and forks them itself"),
+    "use_beam_search": (False, "beam search keeps several hypotheses per path; ARPO forks paths itself"),
+    "max_new_tokens": (None, "the sampler sets each request's budget from max_completion_length"),
+    "max_length": (None, "the sampler sets each request's budget from max_completion_length"),
+    "stop_strings": (None, "the sampler stops at the tools' closing tags itself"),
+    "assistant_model": (None, "assisted decoding skips the logits processors that record each token's logprob "
+                              "and entropy"),
+    "prompt_lookup_num_tokens": (None, "assisted decoding skips the logits processors that record each token's "
+                                       "logprob and entropy"),
+}
+
+
+def check_generation_kwargs(generation_kwargs: dict | None) -> dict:
+    """`generation_kwargs`, or a ValueError in one line for an option that cannot work with branching."""
+    for key, value in (generation_kwargs or {}).items():
+        allowed, reason = _REFUSED_GENERATION_KWARGS.get(key, (value, ""))
+        if value != allowed and value is not None:
+            raise ValueError(f"generation_kwargs[{key!r}]={value!r} cannot work with ARPO's branching rollout: "
+                             f"{reason}.")
+    return dict(generation_kwargs or {})
+
+
 def _check_budgets(prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> None:
     if len(prefixes) != len(max_new_tokens):
         raise ValueError("generate: one max_new_tokens entry per prefix is required.")
@@ -167,16 +196,18 @@ class TransformersEngine:
         self.synced_gpus = synced_gpus  # every rank runs each call's decoding steps (sharded parameters)
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
+        extra = check_generation_kwargs(sampling.generation_kwargs)
         self.entropy_top_k = sampling.entropy_top_k
-        self.temperature = t = sampling.temperature
+        t = sampling.temperature
         self.eos_token_ids = eos = sampling.eos_ids(tokenizer, "TransformersEngine")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
         self.pad_token_id = pad
-        self.sampling = dict(
-            do_sample=t > 0, temperature=t if t > 0 else None, top_p=sampling.top_p, top_k=sampling.top_k or None,
-            min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty, eos_token_id=eos, pad_token_id=pad,
-            **(sampling.generation_kwargs or {}),
-        )
+        self.sampling = {  # generation_kwargs override these, as they override GRPOTrainer's
+            "do_sample": t > 0, "temperature": t if t > 0 else None, "top_p": sampling.top_p,
+            "top_k": sampling.top_k or None, "min_p": sampling.min_p, "repetition_penalty": sampling.repetition_penalty,
+            "eos_token_id": eos, "pad_token_id": pad, **extra,
+        }
+        self.temperature = self.sampling["temperature"] or 0.0  # the recorder's logprobs follow the sampled one
         self.model_context = model_context
         self.max_batch_size = max_batch_size
 
@@ -212,6 +243,7 @@ class TransformersEngine:
             logits_processor=[recorder], stopping_criteria=[criteria], synced_gpus=self.synced_gpus or None,
         )
         new = out[:, width:].cpu()
+        check_recorder_ran(len(recorder.entropies), new.shape[1], model)
         logprobs, entropies = recorder.finish(new[:, -1].to(device))
         return [
             self._segment(new[row].tolist(), logprobs[row].tolist(), entropies[row].tolist(), budgets[row], stop)
@@ -230,6 +262,19 @@ class TransformersEngine:
         else:
             end, reason = len(ids), "length"
         return Segment(ids[:end], logprobs[:end], entropies[:end], reason)
+
+
+def check_recorder_ran(steps: int, new_tokens: int, model) -> None:
+    """The per-token logprobs and entropies come from our logits processor; a `generate` that did not call it once
+    per new token would leave them missing or misaligned, so it is refused here, naming the likely cause."""
+    if steps != new_tokens:
+        raise RuntimeError(
+            f"TransformersEngine: {type(model).__name__}.generate returned {new_tokens} new tokens but called ARPO's "
+            f"logits processor {steps} times, so the tokens' logprobs and entropies are missing. Likely causes: a "
+            "custom or remote-code `generate` that ignores `logits_processor`, or assisted decoding (assistant_model "
+            "or prompt_lookup_num_tokens in generation_kwargs). Use the standard transformers `generate`, or a vLLM "
+            "server (use_vllm=True)."
+        )
 
 
 def normalized_entropy(entropies: Sequence[float], window: int, vocab_size: int) -> float:

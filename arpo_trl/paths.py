@@ -3,7 +3,9 @@ programs and the scheduler while it runs (`Rollout`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class Trajectory:
     fork_decisions: int = 0  # tool results whose fork decision is settled (inherited by branches)
     consecutive_forks: int = 0  # AEPO's l: the latest fork decisions on this path's line that forked, in a row
     committed: bool = True  # False: a speculative fill-up, dropped if forks take its slot
+    environment: Any = None  # environment_factory: this path's own environment (docs/environments.md)
 
     @property
     def active(self) -> bool:
@@ -129,10 +132,14 @@ class Rollout:
     segments_calling: int = 0
     fork_probabilities: list[float] = field(default_factory=list)
     monitoring: set[int] = field(default_factory=set)  # AEPO: groups whose monitoring path has not decided m yet
+    environments: list | None = None  # environment_factory: per group, the reset environment its paths start from
+    fork: Callable[[Any], Any] | None = None  # copies an environment in its current state (`fork_environment`)
 
     def start(self, g: int, prompt_ids: list[int], kind: str, creator: Trajectory | None) -> Trajectory:
         """A new path of group `g`; `creator` is the path whose step started it (None at the start)."""
         path = Trajectory(id=self.next_id, group=g, prompt_ids=prompt_ids, kind=kind)
+        if self.environments is not None:  # a branch continues from its parent's environment as it is at the fork
+            path.environment = self.fork(creator.environment if kind == "branch" else self.environments[g])
         self.next_id += 1
         self.groups[g].append(path)
         self.started.append((path, creator))

@@ -17,9 +17,8 @@ still reach), all the missing trajectories start at once as fresh global samples
 with exactly M trajectories; the records are in `arpo_trl.paths`. AEPO's rollout (`branch_policy="aepo"`):
 `arpo_trl.entropy_balance`, docs/aepo.md.
 
-A scheduler (`arpo_trl.scheduling`) drives the programs: against a server every path advances on its own; with a
-batch engine the requests that are ready together form one batch (a wave), in path order, so a seed reproduces the
-trees.
+A scheduler (`arpo_trl.scheduling`) drives the programs: against a server every path advances on its own; with a batch
+engine the requests ready together form one batch (a wave), in path order, so a seed reproduces the trees.
 
 Where we differ from the reference code, deliberately (see docs/differences.md):
   * H_initial is reset every rollout and inherited by branches (the reference keeps a per-slot dict that is
@@ -51,6 +50,7 @@ from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, Pat
 from arpo_trl.tags import cut_at_stop
 from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall
 from arpo_trl.tools.base import Tool, ToolEnvironmentError
+from arpo_trl.tools.environments import bind_call, fork_environment
 from arpo_trl.tools.runner import CallOutcome
 
 BRANCH_POLICIES = ("entropy", "random", "aepo", "none")
@@ -156,16 +156,17 @@ class BranchingSampler:
         num_generations: int | None = None,
         initial_rollouts: int | None = None,
         branch_policy: str | None = None,
+        environments: Sequence | None = None,
     ) -> RolloutResult:
         """Exactly `num_generations` trajectories for each prompt (arguments override the defaults, e.g. for
-        evaluation without branching)."""
+        evaluation without branching; `environments`: per prompt, the reset environment its paths start from)."""
         policy = branch_policy or self.branch_policy
         m = num_generations or self.num_generations
         n = initial_rollouts or (m if policy == "none" else min(self.initial_rollouts, m))
         check_branching_args(m, n, self.branch_factor, self.branch_threshold, self.entropy_window, policy,
                              self.max_tool_calls)
         start = time.perf_counter()
-        rollout = Rollout([[] for _ in prompts], m, policy)
+        rollout = Rollout([[] for _ in prompts], m, policy, environments=environments, fork=fork_environment)
         monitored = policy == "aepo" and self.pre_monitoring_beta is not None
         for g, prompt in enumerate(prompts):
             for _ in range(1 if monitored else n):  # AEPO: one monitoring path first decides m (`_end_monitoring`)
@@ -203,7 +204,7 @@ class BranchingSampler:
             while not path.committed and path.kind == "branch":  # until the parent's decision (or dropped)
                 yield CommitRequest(path)
             if isinstance(call, ToolCall):
-                outcome = yield CallRequest(path, call)
+                outcome = yield CallRequest(path, bind_call(call, path.environment))
                 self._append_result(rollout, path, call, outcome)
                 probe = path.active and self._at_tool_result(rollout, path)
         if path.group in rollout.monitoring:

@@ -20,8 +20,9 @@ from typing import Any, Protocol
 
 from arpo_trl.tags import call_start, extract_call
 from arpo_trl.tools.base import Tool, format_result
+from arpo_trl.tools.functions import has_function_tools
 
-TOOL_CALL_FORMATS = ("tags", "chat_template")
+TOOL_CALL_FORMATS = ("auto", "tags", "chat_template")
 _SENTINEL = "ARPO_TOOL_RESULT_7f3a"
 # Besides JSONDecodeError (a ValueError), json.loads raises a plain ValueError for integers over 4300 digits and
 # RecursionError for deeply nested arrays/objects: all are the model's malformed calls, never the trainer's crash.
@@ -92,17 +93,19 @@ class ChatTemplateFormat:
         self._check_template()
 
     # ---- prompts ------------------------------------------------------------------------------------------
-    def prompt_ids(self, conversations: Sequence[Sequence[Mapping[str, Any]]]) -> list[list[int]]:
-        """Token ids of each conversation with the tool schemas and the assistant generation prompt."""
+    def prompt_ids(self, conversations: Sequence[Sequence[Mapping[str, Any]]],
+                   schemas: Sequence[list[dict]] | None = None) -> list[list[int]]:
+        """Token ids of each conversation with the tool schemas (all tools', or `schemas[i]` for conversation i) and
+        the assistant generation prompt."""
         if conversations and isinstance(conversations[0], str):
             raise ValueError("tool_call_format='chat_template' renders the tools through the chat template, so the "
                              "prompts must be conversations (lists of {'role', 'content'} messages), not strings.")
         return [
             list(self.tokenizer.apply_chat_template(
-                list(c), tools=self.schemas or None, add_generation_prompt=True, tokenize=True, return_dict=True,
-                **self.chat_template_kwargs,
+                list(c), tools=(self.schemas if schemas is None else schemas[i]) or None, add_generation_prompt=True,
+                tokenize=True, return_dict=True, **self.chat_template_kwargs,
             )["input_ids"])
-            for c in conversations
+            for i, c in enumerate(conversations)
         ]
 
     # ---- calls --------------------------------------------------------------------------------------------
@@ -202,8 +205,11 @@ class ChatTemplateFormat:
 def make_call_format(name: str, tokenizer: Any, tools: Sequence[Tool], open_marker: str = "<tool_call>",
                      close_marker: str = "</tool_call>",
                      chat_template_kwargs: Mapping[str, Any] | None = None) -> CallFormat:
-    """The format named by `ARPOConfig.tool_call_format`."""
+    """The format named by `ARPOConfig.tool_call_format`; 'auto' is the chat template's function calling when a tool
+    is a plain function (as under `GRPOTrainer(tools=…)`), else tags."""
     check_call_format(name)
+    if name == "auto":
+        name = "chat_template" if has_function_tools(tools) else "tags"
     if name == "tags":
         return TagFormat(tools)
     return ChatTemplateFormat(tokenizer, tools, open_marker, close_marker, chat_template_kwargs)
@@ -212,4 +218,5 @@ def make_call_format(name: str, tokenizer: Any, tools: Sequence[Tool], open_mark
 def check_call_format(name: str) -> None:
     if name not in TOOL_CALL_FORMATS:
         raise ValueError(f"tool_call_format must be one of {TOOL_CALL_FORMATS}, got {name!r}: 'tags' for "
-                         f"<tag>…</tag> calls, 'chat_template' for the tokenizer's own function calling.")
+                         f"<tag>…</tag> calls, 'chat_template' for the tokenizer's own function calling, 'auto' for "
+                         f"the latter when a tool is a plain function.")

@@ -63,8 +63,9 @@ def curves(rows: list[dict], keys: tuple[str, ...] = CURVE_KEYS) -> dict[str, li
     """(step, value) series of the training logs (rows with a `reward`), by key, plus every `rewards/*/mean`."""
     train = [row for row in rows if "reward" in row]
     names = list(keys) + sorted({k for row in train for k in row if k.startswith("rewards/") and k.endswith("/mean")})
+    # A reward function that returned None for every row of a step logs its mean as NaN (null in the file).
     return {name: [(row["step"], float(row[name])) for row in train
-                   if name in row and not math.isnan(float(row[name]))] for name in names}
+                   if row.get(name) is not None and not math.isnan(float(row[name]))] for name in names}
 
 
 def plot_curves(metrics_path: str | os.PathLike, out: str | os.PathLike) -> Path:

@@ -21,36 +21,30 @@ import logging
 import os
 import statistics
 import textwrap
-import uuid
 import warnings
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
 
 import torch
-from accelerate.utils import gather_object
-from peft import PeftModel
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
 from arpo_trl.advantages import hard_advantages, token_owners, trained_mask
 from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import LockstepEngine, run_on_main_process
-from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine, VLLMServerEngine
+from arpo_trl.dropin.environments import EnvironmentRollouts, setup_environments
+from arpo_trl.dropin.rows import TreeRows
+from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine
 from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.scoring import configure_math_scoring
-from arpo_trl.server.client import VLLMClient, check_server_tokenizer
-from arpo_trl.server.weight_sync import (
-    LoRAAdapterSync,
-    NoSync,
-    ReloadWeightsSync,
-    has_tied_embeddings,
-    resolve_sync_mode,
-)
+from arpo_trl.server.client import VLLMClient
+from arpo_trl.server.trainer_mode import ServerMode
 from arpo_trl.tags import own_text_from_ids
 from arpo_trl.time_budget import TimeBudget
 from arpo_trl.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.tools.base import Tool
+from arpo_trl.tools.functions import as_tools
 from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
 from arpo_trl.trees import node_table, select, tree_html, tree_records, write_jsonl
 from arpo_trl.trl_state import TRLState
@@ -67,25 +61,18 @@ def silence_checkpointing_aliases() -> None:
                             r"transformers\.modeling_utils")
 
 
-def is_peft_model(model) -> bool:
-    return isinstance(model, PeftModel)
-
-
-def _resolve_sync_mode(requested: str, *, is_peft: bool, tied: bool) -> str:
-    """`resolve_sync_mode` for this machine: is there CUDA, and is `vllm` importable here."""
-    return resolve_sync_mode(requested, is_peft=is_peft, cuda=torch.cuda.is_available(),
-                             vllm_importable=importlib.util.find_spec("vllm") is not None, tied=tied)
-
-
-class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
+class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpdate, GRPOTrainer):
     """Train a tool-using policy with ARPO.
 
     Args:
         tools: tools (`PythonTool()`, `SearchTool(...)`, `Tool(tag, fn)`) the model may call by writing
             `<tag>…</tag>`, or, with `tool_call_format='chat_template'`, through the chat template's function
-            calling (`Tool.schema()`). They are ARPO's tools, not TRL's `tools=` (TRL's own tool loop stays off).
+            calling (`Tool.schema()`); plain functions, sync or async, as `GRPOTrainer(tools=…)` takes them
+            (`FunctionTool`), in any mix. ARPO's sampler runs them (TRL's own tool loop stays off).
         engine: a `GenerationEngine`; defaults to a `TransformersEngine` over the model being trained.
-        Everything else is `GRPOTrainer`'s.
+        environment_factory: as `GRPOTrainer`'s; every path owns an environment, a branch continues from a copy of
+            its parent's at the fork (docs/environments.md).
+        Everything else is `GRPOTrainer`'s (docs/coming_from_grpo.md).
     """
 
     # TRL 1.16: GRPOTrainer's model card and hub tags read the class attributes _tag_names, _name and _paper
@@ -106,14 +93,15 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
     def __init__(
         self,
         model,
-        reward_funcs,
+        reward_funcs=None,
         args: ARPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
-        tools: Sequence[Tool] = (),
+        tools: Sequence[Tool | Callable] = (),
         peft_config=None,
         engine: GenerationEngine | None = None,
+        environment_factory=None,
         **kwargs,
     ):
         if args is None:
@@ -123,8 +111,7 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             raise TypeError(f"ARPOTrainer needs args=ARPOConfig(...), got {type(args).__name__}.")
         if "rollout_func" in kwargs:
             raise ValueError("ARPOTrainer provides its own rollout_func; pass tools= and engine= instead.")
-        if not all(isinstance(tool, Tool) for tool in tools):
-            raise TypeError("ARPOTrainer tools must be arpo_trl.Tool instances (tag + callable), e.g. PythonTool().")
+        reward_funcs, tools, environments = setup_environments(environment_factory, reward_funcs, as_tools(tools))
         silence_checkpointing_aliases()
         use_vllm = args.use_vllm
         trl_sync = use_vllm and self._wants_trl_nccl_sync(args, model, peft_config)
@@ -136,7 +123,7 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
                 eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
                 rollout_func=self._arpo_rollout, **kwargs,
             )
-        self._trl = TRLState(self)
+        self._trl, self._environments = TRLState(self), environments
         self._trl.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
         configure_math_scoring(timeout=args.reward_timeout, batch_timeout=args.reward_batch_timeout)
@@ -174,70 +161,15 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             branch_penalty=args.branch_penalty, pre_monitoring_beta=args.pre_monitoring_beta,
         )
 
-    @staticmethod
-    def _wants_trl_nccl_sync(args: ARPOConfig, model, peft_config) -> bool:
-        if args.vllm_weight_sync not in ("nccl", "auto"):
-            return False
-        is_peft = peft_config is not None or is_peft_model(model)
-        return _resolve_sync_mode(args.vllm_weight_sync, is_peft=is_peft, tied=False) == "nccl"
-
-    def _server_url(self) -> str:
-        args = self.args
-        return args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-
-    def _check_server_setup(self) -> str:
-        """Resolve the weight-sync mode and reject setups it cannot serve, before waiting for any server."""
-        args, model = self.args, self.accelerator.unwrap_model(self.model)
-        if self._trl.is_sharded() and not is_peft_model(model) and args.vllm_weight_sync != "none":
-            raise NotImplementedError(
-                "vLLM server mode under DeepSpeed/FSDP syncs LoRA adapters only (gathered from the shards each step): "
-                "train with peft_config=LoraConfig(...), use DDP for full fine-tuning, or vllm_weight_sync='nccl' on "
-                "CUDA."
-            )
-        self._trl.check_vespo_sampling_mode()
-        mode = _resolve_sync_mode(args.vllm_weight_sync, is_peft=is_peft_model(model), tied=has_tied_embeddings(model))
-        if args.vllm_weight_sync == "auto":
-            logger.warning("ARPO: vllm_weight_sync='auto' chose %r.", mode)
-        return mode
-
-    def _server_engine(self) -> VLLMServerEngine | None:
-        """Only the main process talks to the server; the others receive its rollouts
-        (`_sample_on_main_process`)."""
-        if not self.accelerator.is_main_process:
-            return None
-        self.vllm_client.wait_until_ready()
-        args = self.args
-        engine = VLLMServerEngine(
-            self.vllm_client, self._trl.tokenizer, sampling=self._sampling(),
-            max_concurrency=args.vllm_max_concurrent_requests,
-        )
-        check_server_tokenizer(self.vllm_client, self._trl.tokenizer, engine.model_name)
-        engine.check_server()
-        mode = self.vllm_client.logprobs_mode()
-        if mode not in (None, "processed_logprobs"):
-            logger.warning(
-                "The vLLM server at %s runs with --logprobs-mode %s: its logprobs are taken before temperature and "
-                "top-k/top-p, which biases ARPO's entropy and TRL's importance-sampling correction. Restart it "
-                "with --logprobs-mode processed_logprobs (our launcher does).", self.vllm_client.base_url, mode,
-            )
-        return engine
-
-    def _file_weight_sync(self, mode: str):
-        args = self.args
-        if mode == "none":
-            return NoSync()
-        sync_class = {"lora": LoRAAdapterSync, "reload": ReloadWeightsSync}[mode]
-        sync_dir = args.vllm_sync_dir or os.path.join(args.output_dir, "vllm_sync")
-        run_name = f"arpo-{uuid.uuid4().hex[:8]}"  # adapter names must be new on a server shared across runs
-        return sync_class(self.vllm_client, self.engine, self.accelerator, lambda: self.model, sync_dir, run_name)
-
     def _sampling(self) -> SamplingSettings:
         return SamplingSettings.from_config(self.args, eos_token_ids=self._trl.eos_token_ids)
 
     def _transformers_engine(self) -> TransformersEngine | LockstepEngine:
         args, lockstep = self.args, self._trl.is_sharded() and self.accelerator.num_processes > 1
+        cache = {"cache_implementation": args.cache_implementation} if args.cache_implementation else {}
+        sampling = replace(self._sampling(), generation_kwargs={**cache, **(args.generation_kwargs or {})})
         engine = TransformersEngine(
-            None, self._trl.tokenizer, sampling=self._sampling(), synced_gpus=lockstep,
+            None, self._trl.tokenizer, sampling=sampling, synced_gpus=lockstep,
             model_context=lambda: unwrap_model_for_generation(
                 self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation,
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
@@ -250,10 +182,10 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
         training = self.model.training
         m = self._trl.group_size(training)
         self._trl.check_whole_groups(prompts, m, training)
-        distinct = self._trl.distinct_prompts(prompts, m)
+        distinct, schemas, starts = self._start_environments(self._trl.distinct_prompts(prompts, m), m)
         if isinstance(self.sampler.call_format, ChatTemplateFormat):
             # TRL renders only its own `tools=` (unset: ARPO runs its tools itself), so the schemas are rendered here.
-            prompt_ids = self.sampler.call_format.prompt_ids(distinct)
+            prompt_ids = self.sampler.call_format.prompt_ids(distinct, schemas)
         else:
             prompt_ids = self._trl.tokenize_prompts(distinct)
         # Evaluation samples whole trajectories, as the reference's validation does (no branching).
@@ -261,36 +193,23 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
         if self._trl.use_vllm and self.accelerator.num_processes > 1:
             result, trajectories = self._sample_on_main_process(prompt_ids, m, policy)
         else:
-            result = self.sampler.sample(prompt_ids, num_generations=m, branch_policy=policy)
+            result = self.sampler.sample(prompt_ids, num_generations=m, branch_policy=policy, environments=starts)
             if isinstance(self.engine, LockstepEngine):
                 self.engine.finish_rollout()
             trajectories = result.trajectories
+        self.environments = None if starts is None else [t.environment for t in trajectories]  # for the rewards
         self._last_rollout = result if training else None  # for the tree log, once TRL has scored it
-        fields = [self._tree_fields(t) for t in trajectories]
+        # TreeRows: the tree metadata stays in a side table, never in the user's examples; only rewards read it
+        # `model_text`: what the rewards score, the completion without its tool calls and results (docs/rewards.md)
+        self._tree_rows = [{**self._tree_fields(t), "model_text": own_text_from_ids(
+            t.completion_ids, t.calls, self.sampler._decode).text} for t in trajectories]
         self._log_rollout(result, "train" if training else "eval")
         return {  # env_mask: the true one, for TRL's length metrics; hard attribution's is applied in `_generate`
             "prompt_ids": [t.prompt_ids for t in trajectories],
             "completion_ids": [t.completion_ids for t in trajectories],
             "logprobs": [t.logprobs for t in trajectories],
             "env_mask": [list(t.mask) for t in trajectories],
-            **{f"arpo_{key}": [f[key] for f in fields] for key in fields[0]},
-            "arpo_model_text": [own_text_from_ids(t.completion_ids, t.calls, self.sampler._decode).text
-                                for t in trajectories],  # what the rewards score: no tool results (issue 33)
         }
-
-    def _sample_on_main_process(self, prompt_ids: list, m: int, policy: str | None):
-        """Server mode with several processes: as TRL does, the main process gathers every rank's prompts,
-        runs the sampler against the server and broadcasts the trees; each rank keeps its own prompts' groups
-        (a group never straddles ranks)."""
-        per_rank = gather_object([prompt_ids])
-        all_prompts = [p for rank in per_rank for p in rank]
-        result = run_on_main_process(
-            self.accelerator, lambda: self.sampler.sample(all_prompts, num_generations=m, branch_policy=policy),
-            "Rollout",
-        )
-        start = sum(len(rank) for rank in per_rank[: self.accelerator.process_index])
-        groups = result.groups[start : start + len(prompt_ids)]
-        return result, [t for group in groups for t in group]
 
     @staticmethod
     def _tree_fields(t) -> dict:
@@ -304,22 +223,24 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
     def _generate(self, prompts: list):  # TRL 1.16: GRPOTrainer's hook, (prompts) -> tuple
         # TRL logs the completion lengths inside from the rollout's env_mask, so hard attribution's mask comes after.
         generated = super()._generate(prompts)
-        completion_ids, tool_mask, tree = self._trl.generated_rollout(generated)
+        tree = self._tree_rows  # set by `_arpo_rollout`, inside `super()._generate`
+        if tree is None:
+            return generated
+        completion_ids, tool_mask, _ = self._trl.generated_rollout(generated)
         kept = [not (self.args.mask_truncated_completions and self._trl.truncated(ids)) for ids in completion_ids]
-        if self.args.advantage_attribution == "hard" and "arpo_node" in tree:  # each shared token trained once
-            keep = trained_mask(self._owners(tree, max(map(len, tool_mask))), tree["arpo_node"], kept).tolist()
+        if self.args.advantage_attribution == "hard":  # each shared token trained once
+            owners = self._owners(tree, max(map(len, tool_mask)))
+            keep = trained_mask(owners, [f["node"] for f in tree], kept).tolist()
             tool_mask = [[bit * k for bit, k in zip(row, keep[i])] for i, row in enumerate(tool_mask)]
             generated = self._trl.with_tool_mask(generated, tool_mask)
-        if "arpo_group" in tree:
-            trained = sum(sum(row) for row, k in zip(tool_mask, kept) if k) / max(len(set(tree["arpo_group"])), 1)
-            self._trl.log_metric("train" if self.model.training else "eval", "arpo/tokens_trained_per_group", trained)
+        trained = sum(sum(row) for row, k in zip(tool_mask, kept) if k) / max(len({f["group"] for f in tree}), 1)
+        self._trl.log_metric("train" if self.model.training else "eval", "arpo/tokens_trained_per_group", trained)
         return generated
 
     @staticmethod
-    def _owners(tree: dict[str, list], width: int) -> torch.Tensor:
-        """`token_owners` from the rollout's `arpo_*` columns."""
-        return token_owners(tree["arpo_node"], tree["arpo_parent"], tree["arpo_fork_position"], tree["arpo_length"],
-                            width)
+    def _owners(fields: list[dict], width: int) -> torch.Tensor:
+        return token_owners([f["node"] for f in fields], [f["parent"] for f in fields],
+                            [f["fork_position"] for f in fields], [f["length"] for f in fields], width)
 
     def _save_rng_state(self, output_dir: str) -> None:  # transformers' Trainer hook (under TRL 1.16)
         # Trainer saves the global RNGs (torch: the transformers backend's sampling); the fork decisions use
@@ -343,15 +264,17 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
     def _generate_and_score_completions(self, inputs):  # TRL 1.16: GRPOTrainer's hook, (inputs) -> dict
         # Hard attribution needs the group advantages TRL computes, then spreads them per token.
         output = super()._generate_and_score_completions(inputs)
+        fields, self._tree_rows = self._tree_rows, None
         rows, width = self._trl.completion_shape(output)
         if self.args.log_trees and getattr(self, "_last_rollout", None) is not None:
             self._log_trees(self._last_rollout, rows)
             self._last_rollout = None
-        if self.args.advantage_attribution == "hard" and "arpo_node" in inputs[0]:
-            tree = {key: [row[key] for row in inputs] for key in ("arpo_node", "arpo_parent", "arpo_fork_position",
-                                                                  "arpo_length", "arpo_group")}
-            advantages = hard_advantages(self._trl.advantages(output), self._owners(tree, width), tree["arpo_group"],
-                                         kept=self._trl.rows_in_loss(output))
+        if self.args.advantage_attribution == "hard" and fields is not None:
+            index, processes = self.accelerator.process_index, self.accelerator.num_processes
+            scored = [not flag for flag in self._trl.unscored(rows * processes)[index * rows : (index + 1) * rows]]
+            advantages = hard_advantages(self._trl.advantages(output), self._owners(fields, width),
+                                         [f["group"] for f in fields], kept=self._trl.rows_in_loss(output),
+                                         scored=scored)
             self._trl.set_token_advantages(output, advantages)
         return output
 

@@ -149,13 +149,22 @@ class TRLState:
         return list(self._trainer._logs["advantages"])[-last:]
 
     def logged_rewards(self, last: int) -> list[float]:
-        """Each of the last `last` samples' weighted reward, as TRL's `reward` metric sums it (unscored: left out)."""
+        """Each of the last `last` samples' weighted reward, as TRL's `reward` metric sums it (NaN: every reward
+        function returned None, as TRL leaves such a row out of its reward statistics)."""
+        weights = self._trainer.reward_weights.tolist()
+        return [math.nan if all(map(math.isnan, row)) else sum(w * v for w, v in zip(weights, row) if not math.isnan(v))
+                for row in self._logged_reward_rows(last)]
+
+    def unscored(self, last: int) -> list[bool]:
+        """Each of the last `last` samples: whether every reward function returned None (TRL: advantage 0)."""
+        return [all(map(math.isnan, row)) for row in self._logged_reward_rows(last)]
+
+    def _logged_reward_rows(self, last: int) -> list[tuple[float, ...]]:
         trainer = self._trainer
         # TRL 1.16: GRPOTrainer._logs["rewards"][name] is a deque of per-sample rewards (NaN: unscored), every rank's in
         # rank order, for each name of reward_func_names, whose order is reward_weights' (a tensor)
         per_func = [list(trainer._logs["rewards"][name])[-last:] for name in trainer.reward_func_names]
-        weights = trainer.reward_weights.tolist()
-        return [sum(w * v for w, v in zip(weights, row) if not math.isnan(v)) for row in zip(*per_func)]
+        return list(zip(*per_func))
 
     def log_metric(self, mode: str, key: str, value: float) -> None:
         # TRL 1.16: GRPOTrainer._metrics[mode][key] (mode "train"/"eval") is a list TRL averages into its next log()

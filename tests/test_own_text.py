@@ -148,8 +148,9 @@ def test_list_ground_truths_take_the_best_item(tmp_path):
 # ---- the print-the-answer hack under ARPOTrainer ---------------------------------------------------------------
 class RewardRecordingTrainer(ARPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        tree_rows = self._tree_rows  # what the rewards receive as `arpo_*` keyword arguments
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self.seen = getattr(self, "seen", []) + list(zip(inputs, completions, rewards[:, 0].tolist()))
+        self.seen = getattr(self, "seen", []) + list(zip(tree_rows, completions, rewards[:, 0].tolist()))
         return rewards
 
 
@@ -179,7 +180,7 @@ def test_the_print_the_answer_hack_scores_minus_one_in_training(tokenizer, tmp_p
         if "<python>" in text:
             assert "<answer>\\boxed{5}</answer>\n</result>" in text  # the tool did print it
             assert reward == -1.0, text
-            assert "<answer>" not in row["arpo_model_text"]
+            assert "<answer>" not in row["model_text"]
             kinds["hack"] += 1
         else:
             assert reward == 1.0, text

@@ -200,7 +200,7 @@ def test_tag_format_is_the_old_behaviour():
 def test_config_validates_the_format(tmp_path):
     base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_cpu=True, bf16=False,
                 report_to="none")
-    assert ARPOConfig(**base).tool_call_format == "tags"
+    assert ARPOConfig(**base).tool_call_format == "auto"
     with pytest.raises(ValueError, match="tool_call_format must be one of"):
         ARPOConfig(**base, tool_call_format="hermes")
     with pytest.raises(ValueError, match="tool_call_close"):

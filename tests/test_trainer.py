@@ -28,10 +28,12 @@ REWARDS = [arpo_math_reward, length_reward]
 
 
 class RecordingTrainer(ARPOTrainer):
-    """Keeps what TRL hands to the loss, the rows it was computed from (with the `arpo_*` tree fields TRL merges
-    into them) and the rewards, to check masks and advantages against the trees."""
+    """Keeps what TRL hands to the loss, the rows it was computed from (with the `arpo_*` tree fields the reward
+    functions receive from the side table) and the rewards, to check masks and advantages against the trees."""
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        self.tree_rows = [{**row, **{f"arpo_{k}": v for k, v in tree.items()}}
+                          for row, tree in zip(inputs, self._tree_rows)]
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self.recorded_rewards = getattr(self, "recorded_rewards", []) + [rewards.detach().clone()]
         return rewards
@@ -39,7 +41,7 @@ class RecordingTrainer(ARPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         self.recorded = getattr(self, "recorded", []) + [output]
-        self.recorded_rows = getattr(self, "recorded_rows", []) + [[dict(row) for row in inputs]]
+        self.recorded_rows = getattr(self, "recorded_rows", []) + [self.tree_rows]
         return output
 
 
@@ -250,9 +252,12 @@ def test_trainer_rejects_bad_setup(tool_model_dir, tokenizer, addition_dataset, 
     with pytest.raises(TypeError, match="ARPOConfig"):
         ARPOTrainer(model=str(tool_model_dir), reward_funcs=arpo_math_reward, args=grpo,
                     train_dataset=addition_dataset, processing_class=tokenizer)
-    with pytest.raises(TypeError, match="Tool"):
+    with pytest.raises(ValueError, match="Tool function 'print': .*type hint"):  # a function as TRL takes it: no
         ARPOTrainer(model=str(tool_model_dir), reward_funcs=arpo_math_reward, args=_args(tmp_path),
                     train_dataset=addition_dataset, processing_class=tokenizer, tools=[print])
+    with pytest.raises(TypeError, match="tools: expected arpo_trl.Tool instances or functions"):
+        ARPOTrainer(model=str(tool_model_dir), reward_funcs=arpo_math_reward, args=_args(tmp_path),
+                    train_dataset=addition_dataset, processing_class=tokenizer, tools=["python"])
 
 
 def test_model_card_names_arpo_and_cites_the_paper(tool_model_dir, tokenizer, addition_dataset, tmp_path):

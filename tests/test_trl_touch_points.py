@@ -43,6 +43,8 @@ def parameters(function) -> list[str]:
     ("GRPOTrainer._generate_and_score_completions", GRPOTrainer._generate_and_score_completions, ["self", "inputs"]),
     ("GRPOTrainer._generate", GRPOTrainer._generate, ["self", "prompts"]),
     ("GRPOTrainer._compute_loss", GRPOTrainer._compute_loss, ["self", "model", "inputs"]),
+    ("GRPOTrainer._calculate_rewards", GRPOTrainer._calculate_rewards,
+     ["self", "inputs", "prompts", "completions", "completion_ids_list"]),
     ("Trainer._save_rng_state", Trainer._save_rng_state, ["self", "output_dir"]),
     ("Trainer._load_rng_state", Trainer._load_rng_state, ["self", "checkpoint"]),
 ])

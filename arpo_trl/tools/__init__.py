@@ -1,12 +1,13 @@
 from arpo_trl.tools.base import Tool, ToolEnvironmentError, format_result
 from arpo_trl.tools.browse import BrowseTool
 from arpo_trl.tools.condense import ExtractiveCondenser, ModelCondenser, TokenCounter
+from arpo_trl.tools.functions import FunctionTool
 from arpo_trl.tools.pages import BrowseError, FetchError, HTTPBackend, Page, PageBackend, PageNotFound, PageStore
 from arpo_trl.tools.python import PythonTool
 from arpo_trl.tools.search import BM25Backend, BM25Index, SearchBackend, SearchTool
 
 __all__ = [
-    "BM25Backend", "BM25Index", "BrowseError", "BrowseTool", "ExtractiveCondenser", "FetchError", "HTTPBackend",
-    "ModelCondenser", "Page", "PageBackend", "PageNotFound", "PageStore", "PythonTool", "SearchBackend", "SearchTool",
-    "TokenCounter", "Tool", "ToolEnvironmentError", "format_result",
+    "BM25Backend", "BM25Index", "BrowseError", "BrowseTool", "ExtractiveCondenser", "FetchError", "FunctionTool",
+    "HTTPBackend", "ModelCondenser", "Page", "PageBackend", "PageNotFound", "PageStore", "PythonTool", "SearchBackend",
+    "SearchTool", "TokenCounter", "Tool", "ToolEnvironmentError", "format_result",
 ]

@@ -1,0 +1,2 @@
+"""What makes `ARPOTrainer` a drop-in for TRL's `GRPOTrainer` (docs/coming_from_grpo.md): the tree metadata kept out of
+the user's examples (`rows`) and `environment_factory` with branching (`environments`, docs/environments.md)."""

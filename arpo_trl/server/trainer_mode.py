@@ -1,0 +1,114 @@
+"""The trainer's vLLM server mode (`use_vllm=True`): which weight sync a setup gets, the engine that talks to the
+server (main process only), the file-based weight sync, and the rollout of every rank's prompts on the main process.
+A mixin of `ARPOTrainer` (docs/server_mode.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import uuid
+
+import torch
+from accelerate.utils import gather_object
+from peft import PeftModel
+
+from arpo_trl.config import ARPOConfig
+from arpo_trl.distributed import run_on_main_process
+from arpo_trl.engines import VLLMServerEngine
+from arpo_trl.server.client import check_server_tokenizer
+from arpo_trl.server.weight_sync import (
+    LoRAAdapterSync,
+    NoSync,
+    ReloadWeightsSync,
+    has_tied_embeddings,
+    resolve_sync_mode,
+)
+
+logger = logging.getLogger("arpo_trl.trainer")
+
+
+def is_peft_model(model) -> bool:
+    return isinstance(model, PeftModel)
+
+
+def _resolve_sync_mode(requested: str, *, is_peft: bool, tied: bool) -> str:
+    """`resolve_sync_mode` for this machine: is there CUDA, and is `vllm` importable here."""
+    return resolve_sync_mode(requested, is_peft=is_peft, cuda=torch.cuda.is_available(),
+                             vllm_importable=importlib.util.find_spec("vllm") is not None, tied=tied)
+
+
+class ServerMode:
+    """`ARPOTrainer`'s server-mode methods; they read the trainer's `args`, `accelerator`, `vllm_client`, `engine`,
+    `sampler` and `_trl`."""
+
+    @staticmethod
+    def _wants_trl_nccl_sync(args: ARPOConfig, model, peft_config) -> bool:
+        if args.vllm_weight_sync not in ("nccl", "auto"):
+            return False
+        is_peft = peft_config is not None or is_peft_model(model)
+        return _resolve_sync_mode(args.vllm_weight_sync, is_peft=is_peft, tied=False) == "nccl"
+
+    def _server_url(self) -> str:
+        args = self.args
+        return args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+
+    def _check_server_setup(self) -> str:
+        """Resolve the weight-sync mode and reject setups it cannot serve, before waiting for any server."""
+        args, model = self.args, self.accelerator.unwrap_model(self.model)
+        if self._trl.is_sharded() and not is_peft_model(model) and args.vllm_weight_sync != "none":
+            raise NotImplementedError(
+                "vLLM server mode under DeepSpeed/FSDP syncs LoRA adapters only (gathered from the shards each step): "
+                "train with peft_config=LoraConfig(...), use DDP for full fine-tuning, or vllm_weight_sync='nccl' on "
+                "CUDA."
+            )
+        self._trl.check_vespo_sampling_mode()
+        mode = _resolve_sync_mode(args.vllm_weight_sync, is_peft=is_peft_model(model), tied=has_tied_embeddings(model))
+        if args.vllm_weight_sync == "auto":
+            logger.warning("ARPO: vllm_weight_sync='auto' chose %r.", mode)
+        return mode
+
+    def _server_engine(self) -> VLLMServerEngine | None:
+        """Only the main process talks to the server; the others receive its rollouts
+        (`_sample_on_main_process`)."""
+        if not self.accelerator.is_main_process:
+            return None
+        self.vllm_client.wait_until_ready()
+        args = self.args
+        engine = VLLMServerEngine(
+            self.vllm_client, self._trl.tokenizer, sampling=self._sampling(),
+            max_concurrency=args.vllm_max_concurrent_requests,
+        )
+        check_server_tokenizer(self.vllm_client, self._trl.tokenizer, engine.model_name)
+        engine.check_server()
+        mode = self.vllm_client.logprobs_mode()
+        if mode not in (None, "processed_logprobs"):
+            logger.warning(
+                "The vLLM server at %s runs with --logprobs-mode %s: its logprobs are taken before temperature and "
+                "top-k/top-p, which biases ARPO's entropy and TRL's importance-sampling correction. Restart it "
+                "with --logprobs-mode processed_logprobs (our launcher does).", self.vllm_client.base_url, mode,
+            )
+        return engine
+
+    def _file_weight_sync(self, mode: str):
+        args = self.args
+        if mode == "none":
+            return NoSync()
+        sync_class = {"lora": LoRAAdapterSync, "reload": ReloadWeightsSync}[mode]
+        sync_dir = args.vllm_sync_dir or os.path.join(args.output_dir, "vllm_sync")
+        run_name = f"arpo-{uuid.uuid4().hex[:8]}"  # adapter names must be new on a server shared across runs
+        return sync_class(self.vllm_client, self.engine, self.accelerator, lambda: self.model, sync_dir, run_name)
+
+    def _sample_on_main_process(self, prompt_ids: list, m: int, policy: str | None):
+        """Server mode with several processes: as TRL does, the main process gathers every rank's prompts,
+        runs the sampler against the server and broadcasts the trees; each rank keeps its own prompts' groups
+        (a group never straddles ranks)."""
+        per_rank = gather_object([prompt_ids])
+        all_prompts = [p for rank in per_rank for p in rank]
+        result = run_on_main_process(
+            self.accelerator, lambda: self.sampler.sample(all_prompts, num_generations=m, branch_policy=policy),
+            "Rollout",
+        )
+        start = sum(len(rank) for rank in per_rank[: self.accelerator.process_index])
+        groups = result.groups[start : start + len(prompt_ids)]
+        return result, [t for group in groups for t in group]
