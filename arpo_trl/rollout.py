@@ -3,7 +3,7 @@
 Per prompt, with a budget of M trajectories, N global paths start the tree, and every path runs one program
 (`BranchingSampler.grow`):
   1. generate until a tool's closing tag, EOS or its length budget; the first k tokens of the path's first
-     segment give H_initial (entropy normalised by ln|V|);
+     segment give H_initial (`arpo_trl.entropy.segment_entropy`, normalised by ln|V|);
   2. run the tool and append ` <result>\\n…\\n</result>` (loss mask 0; with a `ChatTemplateFormat`, the chat
      template's tool message and next assistant header instead);
   3. probe: generate the next k tokens only, and measure their entropy H;
@@ -21,16 +21,15 @@ A scheduler (`arpo_trl.scheduling`) drives the programs: against a server every 
 batch engine the requests that are ready together form one batch (a wave), in path order, so a seed reproduces the
 trees.
 
-Where we differ from the reference code, deliberately (see docs/differences.md):
-  * H_initial is reset every rollout and inherited by branches (the reference keeps a per-slot dict that is
-    never cleared, so from the second step on ΔH compares with a stale, unrelated value).
-  * The fork is decided by the k tokens right after a tool result and placed at that result, as the paper
-    describes; the reference decides with the previous segment's entropy, one round late.
-  * Fill-ups start all at once, as soon as they are certain to be needed, and do not fork; the reference adds one
-    per round once every path of the prompt has ended, and lets it fork.
-  * Tokens the environment writes (tool results, the EOS after the call limit, the tail of a closing tag
-    that ended inside a token) have loss mask 0: the loss covers exactly the tokens the model sampled.
-  * Result text is encoded without special tokens (the reference's `encode` would insert a BOS on Llama).
+Where we differ from the reference code, deliberately (docs/differences.md, which says why):
+  * H_initial is reset every rollout and inherited by branches (the reference's per-slot dict is never cleared).
+  * The fork is decided by the k tokens right after a tool result and placed at that result (paper), not one round
+    late with the previous segment's entropy; entropy is exact where logits exist and a segment's is a mean.
+  * A fork takes its slots from its global line's share of the budget, not from whoever arrives first
+    (`arpo_trl.budget.ForkShares`).
+  * Fill-ups start all at once, as soon as they are certain to be needed, and do not fork.
+  * Tokens the environment writes (tool results, the EOS after the call limit, the tail of a closing tag that ended
+    inside a token) have loss mask 0; result text is encoded without special tokens.
 """
 
 from __future__ import annotations
@@ -44,7 +43,8 @@ from dataclasses import replace
 from transformers import PreTrainedTokenizerBase
 
 from arpo_trl.budget import FillUps
-from arpo_trl.engines import GenerationEngine, Segment, normalized_entropy
+from arpo_trl.engines import GenerationEngine, Segment
+from arpo_trl.entropy import check_entropy_args, segment_entropy
 from arpo_trl.entropy_balance import aepo_fork_probability, check_aepo_args, global_samples
 from arpo_trl.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory, committed_count
 from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
@@ -122,6 +122,7 @@ class BranchingSampler:
         speculative_fill_ups: bool = True,
         branch_penalty: float = 0.05,
         pre_monitoring_beta: float | None = 0.5,
+        segment_statistic: str = "mean",
     ):
         tags = [tool.tag for tool in tools]
         if len(set(tags)) != len(tags):
@@ -131,6 +132,7 @@ class BranchingSampler:
         check_branching_args(num_generations, initial_rollouts, branch_factor, branch_threshold, entropy_window,
                              branch_policy, max_tool_calls)
         check_aepo_args(branch_penalty, pre_monitoring_beta)
+        check_entropy_args("auto", None, segment_statistic)
         if tool_timeout <= 0 or max_tool_workers < 1:
             raise ValueError(f"tool_timeout must be > 0 and max_tool_workers >= 1, got {tool_timeout}, "
                              f"{max_tool_workers}.")
@@ -138,7 +140,8 @@ class BranchingSampler:
         self.call_format = call_format if call_format is not None else TagFormat(tools)
         self.num_generations, self.initial_rollouts = num_generations, initial_rollouts
         self.branch_factor, self.branch_threshold, self.entropy_weight = branch_factor, branch_threshold, entropy_weight
-        self.entropy_window, self.branch_policy = entropy_window, branch_policy
+        self.entropy_window, self.segment_statistic = entropy_window, segment_statistic
+        self.branch_policy = branch_policy
         self.branch_penalty, self.pre_monitoring_beta = branch_penalty, pre_monitoring_beta
         self.max_tool_calls, self.max_completion_length = max_tool_calls, max_completion_length
         self.tool_timeout, self.max_tool_workers = tool_timeout, max_tool_workers
@@ -191,7 +194,8 @@ class BranchingSampler:
             request = GenerateRequest(path, min(room, self.entropy_window) if probe or short else room)
             segment = yield request
             if not continued:
-                entropy = normalized_entropy(segment.entropies, self.entropy_window, self.engine.vocab_size)
+                entropy = segment_entropy(segment.entropies, self.entropy_window, self.engine.vocab_size,
+                                          self.segment_statistic)
                 if probe:  # the k tokens after the tool result decide the fork at that result, right now
                     self._decide_fork(rollout, path, entropy - path.initial_entropy)
                 path.segment_entropies.append(entropy)

@@ -167,6 +167,7 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
             scheduler=args.rollout_scheduler if self.engine is not None else "waves",
             speculative_fill_ups=args.speculative_fill_ups,
             branch_penalty=args.branch_penalty, pre_monitoring_beta=args.pre_monitoring_beta,
+            segment_statistic=args.segment_entropy,
         )
 
     @staticmethod
