@@ -49,6 +49,7 @@ class Trajectory:
     fork_decisions: int = 0  # tool results whose fork decision is settled (inherited by branches)
     consecutive_forks: int = 0  # AEPO's l: the latest fork decisions on this path's line that forked, in a row
     committed: bool = True  # False: a speculative fill-up, dropped if forks take its slot
+    line: int | None = None  # the id of the global path this one descends from (itself if global; None: fill-up)
 
     @property
     def active(self) -> bool:
@@ -129,10 +130,12 @@ class Rollout:
     segments_calling: int = 0
     fork_probabilities: list[float] = field(default_factory=list)
     monitoring: set[int] = field(default_factory=set)  # AEPO: groups whose monitoring path has not decided m yet
+    fork_shares: dict[int, dict[int, int]] = field(default_factory=dict)  # group -> line -> branch slots it owns
 
     def start(self, g: int, prompt_ids: list[int], kind: str, creator: Trajectory | None) -> Trajectory:
         """A new path of group `g`; `creator` is the path whose step started it (None at the start)."""
         path = Trajectory(id=self.next_id, group=g, prompt_ids=prompt_ids, kind=kind)
+        path.line = path.id if kind == "global" else creator.line if kind == "branch" else None
         self.next_id += 1
         self.groups[g].append(path)
         self.started.append((path, creator))

@@ -25,11 +25,9 @@ Where we differ from the reference code, deliberately (docs/differences.md, whic
   * H_initial is reset every rollout and inherited by branches (the reference's per-slot dict is never cleared).
   * The fork is decided by the k tokens right after a tool result and placed at that result (paper), not one round
     late with the previous segment's entropy; entropy is exact where logits exist and a segment's is a mean.
-  * A fork takes its slots from its global line's share of the budget, not from whoever arrives first
-    (`arpo_trl.budget.ForkShares`).
-  * Fill-ups start all at once, as soon as they are certain to be needed, and do not fork.
-  * Tokens the environment writes (tool results, the EOS after the call limit, the tail of a closing tag that ended
-    inside a token) have loss mask 0; result text is encoded without special tokens.
+  * A fork takes its slots from its line's share of the budget, not whoever arrives first (`budget.ForkShares`).
+  * Fill-ups start all at once, as soon as they are certain to be needed, and do not fork. Tokens the environment
+    writes (results, the EOS after the call limit) have loss mask 0; results are encoded without special tokens.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ from arpo_trl.budget import FillUps
 from arpo_trl.engines import GenerationEngine, Segment
 from arpo_trl.entropy import check_entropy_args, segment_entropy
 from arpo_trl.entropy_balance import aepo_fork_probability, check_aepo_args, global_samples
-from arpo_trl.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory, committed_count
+from arpo_trl.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory
 from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
 from arpo_trl.tags import cut_at_stop
 from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall
@@ -114,15 +112,14 @@ class BranchingSampler:
         branch_policy: str = "entropy",
         max_tool_calls: int = 3,
         max_completion_length: int = 512,
-        tool_timeout: float = 30.0,
-        max_tool_workers: int = 8,
+        tool_timeout: float = 30.0, max_tool_workers: int = 8,
         seed: int | None = None,
         call_format: CallFormat | None = None,
         scheduler: str = "auto",
         speculative_fill_ups: bool = True,
-        branch_penalty: float = 0.05,
-        pre_monitoring_beta: float | None = 0.5,
-        segment_statistic: str = "mean",
+        branch_penalty: float = 0.05,  # AEPO (`arpo_trl.entropy_balance`)
+        pre_monitoring_beta: float | None = 0.5,  # AEPO
+        segment_statistic: str = "mean",  # `arpo_trl.entropy.segment_entropy`
     ):
         tags = [tool.tag for tool in tools]
         if len(set(tags)) != len(tags):
@@ -147,7 +144,7 @@ class BranchingSampler:
         self.tool_timeout, self.max_tool_workers = tool_timeout, max_tool_workers
         self.rng = random.Random(seed)
         self.scheduler = make_scheduler(scheduler, engine)
-        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups)
+        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups, self.rng)
         eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
         self.eos_token_id = eos[0]
         self._max_token_chars: int | None = None
@@ -244,7 +241,7 @@ class BranchingSampler:
         if not self._may_fork(rollout, path):
             self._decide_fork(rollout, path, None)
             return False
-        copies = min(self.branch_factor - 1, rollout.num_generations - committed_count(rollout.groups[path.group]))
+        copies = min(self.branch_factor - 1, self.fill_ups.shares.free(rollout, path))
         rollout.pending_branches[path.id] = [self._branch(rollout, path) for _ in range(copies)]
         return True
 
@@ -260,8 +257,7 @@ class BranchingSampler:
 
     def _may_fork(self, rollout: Rollout, path: Trajectory) -> bool:
         return rollout.policy != "none" and self.branch_factor > 1 and path.kind != "fill" and \
-            path.group not in rollout.monitoring and \
-            committed_count(rollout.groups[path.group]) < rollout.num_generations
+            path.group not in rollout.monitoring and self.fill_ups.shares.free(rollout, path) > 0
 
     def _end_monitoring(self, rollout: Rollout, monitor: Trajectory) -> None:
         """AEPO's entropy pre-monitoring: the group's first path, which does not fork, measured the question's entropy
@@ -282,7 +278,7 @@ class BranchingSampler:
             probability = self.fork_probability(delta, rollout.policy, path.consecutive_forks)
             rollout.fork_probabilities.append(probability)
             if self.rng.random() < probability:
-                kept = rollout.num_generations - committed_count(rollout.groups[path.group])
+                kept = self.fill_ups.shares.free(rollout, path)
                 for child in copies[:kept]:
                     child.committed, child.fork_delta = True, delta
                     child.consecutive_forks = path.consecutive_forks + 1
