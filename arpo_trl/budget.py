@@ -31,20 +31,25 @@ class ForkShares:
     def __init__(self, rng: random.Random):
         self.rng = rng
 
+    def split(self, rollout: Rollout, g: int, lines: list[int]) -> None:
+        """Share the slots the prompt's global paths leave among `lines`."""
+        globals_ = sum(path.kind == "global" for path in rollout.groups[g])
+        base, extra = divmod(max(0, rollout.num_generations - globals_), max(1, len(lines)))
+        lucky = set(self.rng.sample(lines, extra)) if lines and extra else set()
+        rollout.fork_shares[g] = {line: base + (line in lucky) for line in lines}
+
     def shares(self, rollout: Rollout, g: int) -> dict[int, int]:
-        if (shares := rollout.fork_shares.get(g)) is None:
-            lines = [path.id for path in rollout.groups[g] if path.kind == "global"]
-            base, extra = divmod(max(0, rollout.num_generations - len(lines)), len(lines))
-            lucky = set(self.rng.sample(lines, extra)) if extra else set()
-            shares = rollout.fork_shares[g] = {line: base + (line in lucky) for line in lines}
-        return shares
+        """The prompt's shares, split among all its global paths at first use (AEPO splits when monitoring ends)."""
+        if g not in rollout.fork_shares:
+            self.split(rollout, g, [path.id for path in rollout.groups[g] if path.kind == "global"])
+        return rollout.fork_shares[g]
 
     def remaining(self, rollout: Rollout, g: int, line: int | None) -> int:
         """Branch slots `line` may still take."""
         if line is None:
             return 0
         used = sum(path.committed for path in rollout.groups[g] if path.kind == "branch" and path.line == line)
-        return self.shares(rollout, g)[line] - used
+        return self.shares(rollout, g).get(line, 0) - used
 
     def free(self, rollout: Rollout, path: Trajectory) -> int:
         """Branch slots a fork of `path` may take now: its line's remaining share, within the prompt's M."""

@@ -267,8 +267,8 @@ class BranchingSampler:
         m = global_samples(rollout.num_generations, monitor.initial_entropy or 0.0, monitor.segment_entropies,
                            self.pre_monitoring_beta)
         rollout.stats.global_samples[monitor.group] = m
-        for _ in range(m - 1):
-            rollout.start(monitor.group, monitor.prompt_ids, "global", monitor)
+        lines = [rollout.start(monitor.group, monitor.prompt_ids, "global", monitor).id for _ in range(m - 1)]
+        self.fill_ups.shares.split(rollout, monitor.group, lines)  # the monitor has ended: it owns no branch slot
 
     def _decide_fork(self, rollout: Rollout, path: Trajectory, delta: float | None) -> None:
         """Settle the fork at the path's latest tool result: Z-1 copies with probability P (paper §3.1 step 3)."""
