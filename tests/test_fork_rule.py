@@ -183,3 +183,21 @@ def test_fork_slots_do_not_go_to_whoever_reaches_a_tool_result_first(tokenizer, 
         assert len(group) == 4 and sorted(branches) == sorted(lines), [(p.kind, p.parent) for p in group]
         mixed += len({"quick" in sampler.tokenizer.decode(by_id[line].completion_ids) for line in lines}) == 2
     assert mixed >= 3  # groups where the two lines differ in speed
+
+
+@pytest.mark.parametrize("statistic,same", [("mean", True), ("sum", False)])
+def test_a_short_segment_reads_at_its_tokens_entropy_not_its_length(tokenizer, statistic, same):
+    """Issue 28 point 3: every token has the same entropy; the first segment is long (more than k tokens), the one
+    after the tool result a short answer. By default (k × the mean) both segments read alike, so ΔH = 0; the
+    reference's sum (`segment_statistic='sum'`) reads the short one as lower entropy."""
+    def script(text, rng):
+        if "</result>" not in text:
+            return "let me think about it step by step " * 3 + CALL, 0.7, "stop"
+        return ANSWER, 0.7, "eos"
+    kw = {} if statistic == "mean" else {"segment_statistic": statistic}
+    sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=0.5,
+                       entropy_window=20, max_tool_calls=1, **kw)
+    path = sampler.sample(_prompts(tokenizer, 1)).groups[0][0]
+    assert len(tokenizer.encode(ANSWER)) + 1 < 20 < len(tokenizer.encode("let me think about it step by step " * 3))
+    first, after = path.segment_entropies[:2]
+    assert (after == pytest.approx(first)) is same
