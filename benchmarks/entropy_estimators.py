@@ -83,11 +83,14 @@ def collect(model, tokenizer, args) -> list[dict]:
     torch.manual_seed(args.seed)
     first = engine.generate(prefixes, [args.window] * len(prefixes), stop=["</python>", "</answer>"])
     continued = []
-    for prefix, segment, ((a, b), kind) in zip(prefixes, first, kinds):
-        code = CALLS[kind](a, b)
-        result = tool(code).strip()
-        text = f"\n<python>{code}</python> <result>\n{result}\n</result>"
-        continued.append(prefix + segment.token_ids + tokenizer.encode(text, add_special_tokens=False))
+    try:
+        for prefix, segment, ((a, b), kind) in zip(prefixes, first, kinds):
+            code = CALLS[kind](a, b)
+            result = tool(code).strip()
+            text = f"\n<python>{code}</python> <result>\n{result}\n</result>"
+            continued.append(prefix + segment.token_ids + tokenizer.encode(text, add_special_tokens=False))
+    finally:
+        tool.close()
     second = engine.generate(continued, [args.window] * len(continued), stop=["</python>", "</answer>"])
     records = []
     for prefix, seg1, after, seg2, (_, kind) in zip(prefixes, first, continued, second, kinds):
