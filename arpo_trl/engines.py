@@ -145,8 +145,8 @@ class TransformersEngine:
         self.pad_token_id = pad
         self.warper_settings = (t, sampling.top_k, sampling.top_p, sampling.min_p)  # run by the recorder
         self.sampling = dict(
-            do_sample=t > 0, **NEUTRAL_WARPERS, repetition_penalty=sampling.repetition_penalty, eos_token_id=eos,
-            pad_token_id=pad, **(sampling.generation_kwargs or {}),
+            do_sample=t > 0, **(NEUTRAL_WARPERS if t > 0 else {}), repetition_penalty=sampling.repetition_penalty,
+            eos_token_id=eos, pad_token_id=pad, **(sampling.generation_kwargs or {}),
         )
         self.model_context = model_context
         self.max_batch_size = max_batch_size

@@ -144,23 +144,32 @@ class SlowTool(Tool):
         return "2"
 
 
-def class_counts(tokenizer, result) -> dict[str, dict[str, int]]:
-    """Per class of path: its global paths (fill-ups included) and its branches (a branch has its line's class)."""
-    counts = {"population": {"fast": 0, "slow": 0}, "branches": {"fast": 0, "slow": 0}}
+def class_counts(tokenizer, result) -> dict[str, dict]:
+    """Per class of path: its global paths (the N lines; fill-ups, which never fork, are left out), its branches (a
+    branch has its line's class), and the ΔH of the global paths' decisions (each segment after a tool result against
+    the path's first)."""
+    counts = {"population": {"fast": 0, "slow": 0}, "branches": {"fast": 0, "slow": 0},
+              "deltas": {"fast": [], "slow": []}}
     for path in result.trajectories:
-        fast = FAST_FILLER in tokenizer._decode(path.completion_ids)
-        counts["branches" if path.kind == "branch" else "population"]["fast" if fast else "slow"] += 1
+        name = "fast" if FAST_FILLER in tokenizer._decode(path.completion_ids) else "slow"
+        if path.kind != "fill":
+            counts["branches" if path.kind == "branch" else "population"][name] += 1
+        if path.kind == "global" and path.initial_entropy is not None:
+            counts["deltas"][name] += [h - path.initial_entropy for h in path.segment_entropies[1:]]
     return counts
 
 
-def order_bias(counts: dict[str, dict[str, int]]) -> dict:
+def order_bias(counts: dict[str, dict]) -> dict:
     """The bias metric: the fast class's share of branches minus its share of global paths (0 when fork slots do
-    not depend on who reaches a tool result first), pooled over the rollouts."""
-    population, branches = counts["population"], counts["branches"]
+    not depend on who reaches a tool result first), pooled over the rollouts; and each class's mean ΔH (equal when
+    the segment statistic does not depend on segment length)."""
+    population, branches, deltas = counts["population"], counts["branches"], counts["deltas"]
     fast_population = population["fast"] / max(1, sum(population.values()))
     fast_branches = branches["fast"] / max(1, sum(branches.values()))
     return {"fast_population_share": round(fast_population, 4), "fast_branch_share": round(fast_branches, 4),
-            "gap": round(fast_branches - fast_population, 4), "branches": sum(branches.values())}
+            "gap": round(fast_branches - fast_population, 4), "branches": sum(branches.values()),
+            **{f"mean_delta_{name}": round(statistics.fmean(values), 3) if values else None
+               for name, values in deltas.items()}}
 
 
 def run_method(tokenizer, regime: Regime, method: str, scheduler: str, args, threshold: float = 0.5) -> dict:
@@ -179,7 +188,8 @@ def run_method(tokenizer, regime: Regime, method: str, scheduler: str, args, thr
         seed=args.seed, scheduler=scheduler.split("/")[-1], max_tool_workers=64, tool_timeout=60.0,
         speculative_fill_ups=not args.no_speculation, branch_threshold=threshold, **extra,
     )
-    runs, counts = [], {"population": {"fast": 0, "slow": 0}, "branches": {"fast": 0, "slow": 0}}
+    runs, counts = [], {"population": {"fast": 0, "slow": 0}, "branches": {"fast": 0, "slow": 0},
+                        "deltas": {"fast": [], "slow": []}}
     for rollout in range(args.rollouts):
         prompts = [tokenizer.encode(f"<|im_start|>user\nWhat is {i}+{rollout}?<|im_end|>\n<|im_start|>assistant\n")
                    for i in range(args.prompts)]
@@ -189,8 +199,8 @@ def run_method(tokenizer, regime: Regime, method: str, scheduler: str, args, thr
         if any(len(group) != m for group in result.groups):
             raise AssertionError(f"a group does not hold exactly M={m} trajectories")
         for role, by_class in class_counts(tokenizer, result).items():
-            for name, count in by_class.items():
-                counts[role][name] += count
+            for name, value in by_class.items():
+                counts[role][name] += value
         runs.append({
             "critical_path_tokens": stats.critical_path_tokens, "waves": stats.waves,
             "unique_tokens_per_group": sum(t.own_tokens() for t in result.trajectories) / groups,
@@ -254,12 +264,12 @@ def print_tables(report: dict) -> None:
                   f"{100 * r['overhead_fraction']:.1f} % |")
         print()
         if "order_bias" in section:
-            print("| run | fast share of global paths | fast share of branches | gap | branches |")
-            print("|---|---|---|---|---|")
+            print("| run | fast share of global paths | fast share of branches | gap | branches | mean ΔH fast / slow|")
+            print("|---|---|---|---|---|---|")
             for name, r in section["runs"].items():
                 b = r["order_bias"]
                 print(f"| {name} | {b['fast_population_share']:.3f} | {b['fast_branch_share']:.3f} | "
-                      f"{b['gap']:+.3f} | {b['branches']} |")
+                      f"{b['gap']:+.3f} | {b['branches']} | {b['mean_delta_fast']} / {b['mean_delta_slow']} |")
             print(f"\nall gaps within ±{BIAS_LIMIT}: {section['order_bias']['within']}")
         for name, value in section["ratios"].items():
             print(f"- {name}: {value}")
