@@ -95,7 +95,8 @@ def check_masks(trainer, tokenizer, before, hard=False):
             ids, bits = ids[start:length], bits[start:length]
             spans, blocks = masked_spans(ids, bits, 0), 0
             for k, span in enumerate(spans):  # every masked span is a result block (or the EOS after the call limit)
-                text = tokenizer.decode(span)
+                # a closing tag that ended inside a token: its rewritten tail is the environment's too (mask 0)
+                text = re.sub(r"^[\w/]*>(?= <result>\n)", "", tokenizer.decode(span))
                 blocks += text.startswith(" <result>\n")
                 if k == len(spans) - 1 and ids[len(ids) - len(span):] == span and not text.endswith(
                         ("</result>", "<|im_end|>")):  # cut by the token budget
