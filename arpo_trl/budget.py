@@ -12,18 +12,59 @@ confirmation never looks at a fill-up's content, so the trees are those of the c
 from __future__ import annotations
 
 import math
+import random
+from collections.abc import Callable
 
 from arpo_trl.paths import Rollout, Trajectory, committed_count, speculative_fills
 
 PRIOR_WEIGHT = 8  # segments (fork decisions) the previous rollouts' rates weigh in this rollout's estimates
 
 
+class ForkShares:
+    """Who may take a prompt's branch slots (docs/differences.md, "Fork slots"). The M - n slots that its n global
+    paths leave are split into equal shares, one per line (a global path and every branch below it); the (M - n) mod n
+    slots left over go to lines drawn at random. A fork takes its copies from its own line's share, so which lines get
+    branches follows their fork decisions (entropy), never which path reaches a tool result first, and no path waits
+    for another's decision; a share its line can no longer use goes to fill-ups (`FillUps.update`). The split is made
+    once a prompt's global paths are known (AEPO: after its monitoring path)."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+
+    def split(self, rollout: Rollout, g: int, lines: list[int]) -> None:
+        """Share the slots the prompt's global paths leave among `lines`."""
+        globals_ = sum(path.kind == "global" for path in rollout.groups[g])
+        base, extra = divmod(max(0, rollout.num_generations - globals_), max(1, len(lines)))
+        lucky = set(self.rng.sample(lines, extra)) if lines and extra else set()
+        rollout.fork_shares[g] = {line: base + (line in lucky) for line in lines}
+
+    def shares(self, rollout: Rollout, g: int) -> dict[int, int]:
+        """The prompt's shares, split among all its global paths at first use (AEPO splits when monitoring ends)."""
+        if g not in rollout.fork_shares:
+            self.split(rollout, g, [path.id for path in rollout.groups[g] if path.kind == "global"])
+        return rollout.fork_shares[g]
+
+    def remaining(self, rollout: Rollout, g: int, line: int | None) -> int:
+        """Branch slots `line` may still take."""
+        if line is None:
+            return 0
+        used = sum(path.committed for path in rollout.groups[g] if path.kind == "branch" and path.line == line)
+        return self.shares(rollout, g).get(line, 0) - used
+
+    def free(self, rollout: Rollout, path: Trajectory) -> int:
+        """Branch slots a fork of `path` may take now: its line's remaining share, within the prompt's M."""
+        open_slots = rollout.num_generations - committed_count(rollout.groups[path.group])
+        return min(open_slots, self.remaining(rollout, path.group, path.line))
+
+
 class FillUps:
     """Decides, for one prompt at a time, which fill-ups to start, confirm or drop (`update`, `make_room`)."""
 
-    def __init__(self, max_tool_calls: int, branch_factor: int, branch_threshold: float, speculative: bool = True):
+    def __init__(self, max_tool_calls: int, branch_factor: int, branch_threshold: float, speculative: bool = True,
+                 rng: random.Random | None = None):
         self.max_tool_calls, self.branch_factor, self.speculative = max_tool_calls, branch_factor, speculative
         self.call_rate, self.fork_rate = 0.5, branch_threshold  # priors, learned from each rollout
+        self.shares = ForkShares(rng or random.Random(0))
 
     def capacity(self, rollout: Rollout, path: Trajectory) -> int:
         """The most paths forking can still add below a live path: Z-1 copies at each tool result it may still
@@ -40,17 +81,55 @@ class FillUps:
         decision happens surely."""
         if not self.forking(rollout, path):
             return 0.0
-        c = (rollout.segments_calling + PRIOR_WEIGHT * self.call_rate) / (rollout.segments + PRIOR_WEIGHT)
-        p = (sum(rollout.fork_probabilities) + PRIOR_WEIGHT * self.fork_rate) / \
-            (len(rollout.fork_probabilities) + PRIOR_WEIGHT)
+        c, p = self._rates(rollout)
         growth, expected = 1 + (self.branch_factor - 1) * p, 1.0
         pending = path.tool_calls > path.fork_decisions
         for _ in range(max(0, self.max_tool_calls - path.fork_decisions - pending)):
             expected = (1 - c) + c * growth * expected
         return (growth if pending else 1.0) * expected - 1
 
+    def never_forks(self, rollout: Rollout, path: Trajectory) -> float:
+        """The probability that a live path forks at none of its remaining tool results (same rates as `expected`):
+        each segment ends the path (1 - c) or reaches a decision that does not fork (c·(1 - p))."""
+        if not self.forking(rollout, path):
+            return 1.0
+        c, p = self._rates(rollout)
+        pending = path.tool_calls > path.fork_decisions
+        r = max(0, self.max_tool_calls - path.fork_decisions - pending)
+        q = sum((c * (1 - p)) ** j * (1 - c) for j in range(r)) + (c * (1 - p)) ** r
+        return (1 - p) * q if pending else q
+
+    def _rates(self, rollout: Rollout) -> tuple[float, float]:
+        """c, the share of segments that end with a tool call, and p, the mean fork probability: this rollout's,
+        shrunk towards the previous rollouts'."""
+        c = (rollout.segments_calling + PRIOR_WEIGHT * self.call_rate) / (rollout.segments + PRIOR_WEIGHT)
+        p = (sum(rollout.fork_probabilities) + PRIOR_WEIGHT * self.fork_rate) / \
+            (len(rollout.fork_probabilities) + PRIOR_WEIGHT)
+        return c, p
+
     def forking(self, rollout: Rollout, path: Trajectory) -> bool:
         return path.active and path.kind != "fill" and rollout.policy != "none" and self.branch_factor > 1
+
+    def forkable(self, rollout: Rollout, g: int, per_path: Callable[[Rollout, Trajectory], float]) -> float:
+        """What forking can still add to prompt `g`: per line, `per_path` summed over its live paths, capped by the
+        line's remaining share."""
+        by_line: dict[int | None, float] = {}
+        for path in rollout.groups[g]:
+            if path.committed and self.forking(rollout, path):
+                by_line[path.line] = by_line.get(path.line, 0) + per_path(rollout, path)
+        return sum(min(total, self.shares.remaining(rollout, g, line)) for line, total in by_line.items())
+
+    def expected_slots(self, rollout: Rollout, g: int) -> float:
+        """Branch slots forking is expected to take in prompt `g`: per line, its paths' `expected` sum, capped by the
+        remaining share times the chance that the line forks at all (a line that ends without forking leaves its
+        whole share to fill-ups, which the mean alone would hide)."""
+        total = 0.0
+        for line in {path.line for path in rollout.groups[g] if path.committed and self.forking(rollout, path)}:
+            paths = [p for p in rollout.groups[g] if p.line == line and p.committed and self.forking(rollout, p)]
+            forks = 1 - math.prod(self.never_forks(rollout, path) for path in paths)
+            total += min(sum(self.expected(rollout, path) for path in paths),
+                         self.shares.remaining(rollout, g, line) * forks)
+        return total
 
     def update(self, rollout: Rollout, g: int, creator: Trajectory | None) -> None:
         """Commit (oldest first), or start, every fill-up the prompt is now certain to need: the slots forking cannot
@@ -62,7 +141,7 @@ class FillUps:
             return
         group, m = rollout.groups[g], rollout.num_generations
         committed = [path for path in group if path.committed]
-        certain = m - len(committed) - sum(self.capacity(rollout, path) for path in committed)
+        certain = m - len(committed) - self.forkable(rollout, g, self.capacity)
         if certain > 0:
             speculative = speculative_fills(group)[:certain]
             for path in speculative:
@@ -74,7 +153,7 @@ class FillUps:
         if not self.speculative:
             return
         missing = m - committed_count(group)
-        expected = sum(self.expected(rollout, path) for path in group if path.committed)
+        expected = self.expected_slots(rollout, g)
         wanted = min(missing, math.ceil(missing - expected))
         for _ in range(wanted - len(speculative_fills(group))):
             rollout.start(g, group[0].prompt_ids, "fill", creator).committed = False

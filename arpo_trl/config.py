@@ -1,7 +1,7 @@
 """`ARPOConfig`: TRL's `GRPOConfig` plus the knobs of ARPO's entropy-based adaptive rollout.
 
 Defaults follow the authors' released scripts (docs/reference.md#defaults): M=16, N=8, Z=2, τ=0.5,
-β=0.2, k=20 tokens, top-10 logprobs, call limit 3.
+β=0.2, k=20 tokens, call limit 3; entropy is exact where the backend has logits (docs/differences.md).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from trl import GRPOConfig
 
 from arpo_trl.dropin.grpo_fields import check_grpo_fields
 from arpo_trl.engines import check_generation_kwargs
+from arpo_trl.entropy import check_entropy_args, resolve_estimator
 from arpo_trl.entropy_balance import check_aepo_args
 from arpo_trl.preflight import adopt_checkpointing_default
 from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS, check_branching_args, default_initial_rollouts
@@ -57,12 +58,31 @@ class ARPOConfig(GRPOConfig):
         default=20,
         metadata={"help": "k: number of tokens at the start of a segment whose entropy is measured (>= 1)."},
     )
-    entropy_top_k: int | None = field(
-        default=10,
+    entropy_estimator: str = field(
+        default="auto",
         metadata={
-            "help": "Per-token entropy estimate from the top-k probabilities (Σ -p·log p over the top k, not "
-            "renormalised, as the reference computes it from vLLM's top-10 logprobs). `None` = exact "
-            "full-vocabulary entropy where the backend has logits."
+            "help": "Per-token entropy estimator (arpo_trl/entropy/estimators.py). 'exact': -Σ p·log p over the "
+            "vocabulary (needs logits: the transformers backend). 'top_k_tail': from the top-k logprobs plus their "
+            "tail mass 1-Σp spread evenly over the tokens not returned (the largest entropy consistent with them; "
+            "monotone under flattening). 'top_k': the reference's Σ -p·log p over the top k, not renormalised, no "
+            "tail (not monotone in the true entropy). 'auto': 'exact' on transformers, 'top_k_tail' on a vLLM server."
+        },
+    )
+    entropy_top_k: int | None = field(
+        default=None,
+        metadata={
+            "help": "k of the top-k estimators: logprobs requested per token from a vLLM server (its "
+            "`--max-logprobs` must allow it). `None`: 20, vLLM's default `--max-logprobs`, the most a server "
+            "started without that flag allows (the reference used 10); ignored by 'exact'."
+        },
+    )
+    segment_entropy: str = field(
+        default="mean",
+        metadata={
+            "help": "Segment statistic of the fork rule over its first k tokens, normalised by ln|V|. 'mean': k × "
+            "the mean over the tokens generated (the reference's value for segments of k tokens or more; a shorter "
+            "segment, e.g. a quick call, reads at its own tokens' level). 'sum': the reference's sum of the first k "
+            "entropies, which reads a segment shorter than k as low entropy for its length alone."
         },
     )
     max_tool_calls: int = field(
@@ -269,8 +289,7 @@ class ARPOConfig(GRPOConfig):
                              self.entropy_window, self.branch_policy, self.max_tool_calls)
         check_aepo_args(self.branch_penalty, self.pre_monitoring_beta)
         self._validate_entropy_balanced_update()
-        if self.entropy_top_k is not None and self.entropy_top_k < 1:
-            raise ValueError(f"entropy_top_k must be >= 1 or None, got {self.entropy_top_k}.")
+        check_entropy_args(self.entropy_estimator, self.entropy_top_k, self.segment_entropy)
         check_call_format(self.tool_call_format)
         check_generation_kwargs(self.generation_kwargs)
         check_grpo_fields(self)
@@ -337,6 +356,4 @@ class ARPOConfig(GRPOConfig):
                 f"vllm_mode={self.vllm_mode!r}: ARPOTrainer generates through a vLLM server only; set "
                 "vllm_mode='server' and start one (python -m arpo_trl.server serve --model ...)."
             )
-        if self.entropy_top_k is None:
-            raise ValueError("entropy_top_k=None (exact entropy) needs logits, which a vLLM server does not return; "
-                             "set entropy_top_k >= 1 with use_vllm=True.")
+        resolve_estimator(self.entropy_estimator, False, "a vLLM server")

@@ -16,8 +16,17 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, Protocol
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
+from transformers import GenerationConfig, StoppingCriteria
 
+from arpo_trl.entropy import (
+    DEFAULT_SERVER_TOP_K,
+    SampledDistributionRecorder,
+    check_entropy_args,
+    resolve_estimator,
+    sampling_warpers,
+    top_k_entropies,
+)
+from arpo_trl.entropy.recorder import NEUTRAL_WARPERS
 from arpo_trl.server.responses import CompletionRequest, VLLMServerError, Where, read_completion
 from arpo_trl.tags import first_stop
 
@@ -31,7 +40,7 @@ class Segment:
 
     token_ids: list[int]
     logprobs: list[float]
-    entropies: list[float]  # nats per token, by the engine's estimator (exact or top-k)
+    entropies: list[float]  # nats per token, by the engine's estimator (`arpo_trl.entropy`)
     finish_reason: FinishReason
 
 
@@ -57,7 +66,8 @@ class SamplingSettings:
     top_k: int = 0  # 0: off
     min_p: float | None = None
     repetition_penalty: float = 1.0
-    entropy_top_k: int | None = 10  # entropy over the top-k probabilities (the reference's estimator); None: exact
+    entropy_estimator: str = "auto"  # arpo_trl.entropy: 'auto' (exact with logits, else 'top_k_tail'), ...
+    entropy_top_k: int | None = None  # k of the top-k estimators; None: DEFAULT_SERVER_TOP_K
     eos_token_ids: Sequence[int] | None = None  # None: the tokenizer's EOS
     generation_kwargs: dict | None = field(default=None, hash=False)  # passed on to generate() / the request
 
@@ -117,44 +127,6 @@ def _check_budgets(prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[i
         raise ValueError(f"generate: every max_new_tokens must be >= 1, got {list(max_new_tokens)}.")
 
 
-def token_entropy(logprobs: torch.Tensor, top_k: int | None) -> torch.Tensor:
-    """-Σ p·log p over the last dim: exact, or over the top-k probabilities without renormalising (the
-    reference's estimator from vLLM's top-10 logprobs)."""
-    if top_k is not None and top_k < logprobs.shape[-1]:
-        logprobs = logprobs.topk(top_k, dim=-1).values
-    return torch.special.entr(logprobs.exp()).sum(-1)
-
-
-class _TokenStatsRecorder(LogitsProcessor):
-    """Records, at each decoding step, the entropy of the next-token distribution and (one step later,
-    once the token is known) the sampled token's logprob. Keeps O(batch·vocab) memory, unlike
-    `output_logits=True`. HF runs custom processors before the temperature warper, so we scale here."""
-
-    def __init__(self, temperature: float, top_k: int | None):
-        self.temperature = temperature if temperature > 0 else 1.0
-        self.top_k = top_k
-        self.entropies: list[torch.Tensor] = []
-        self.logprobs: list[torch.Tensor] = []
-        self._previous: torch.Tensor | None = None
-
-    def _record_previous(self, sampled: torch.Tensor) -> None:
-        if self._previous is not None:
-            self.logprobs.append(self._previous.gather(-1, sampled[:, None]).squeeze(-1))
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._previous is not None:
-            self._record_previous(input_ids[:, -1])
-        logprobs = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        self.entropies.append(token_entropy(logprobs, self.top_k))
-        self._previous = logprobs
-        return scores
-
-    def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._record_previous(last_tokens)
-        self._previous = None
-        return torch.stack(self.logprobs, 1), torch.stack(self.entropies, 1)
-
-
 class _StopPerRow(StoppingCriteria):
     """Marks a row done when it reaches its own token budget or its recent text contains a stop string."""
 
@@ -197,17 +169,25 @@ class TransformersEngine:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         extra = check_generation_kwargs(sampling.generation_kwargs)
-        self.entropy_top_k = sampling.entropy_top_k
-        t = sampling.temperature
+        check_entropy_args(sampling.entropy_estimator, sampling.entropy_top_k)
+        self.entropy_estimator = resolve_estimator(sampling.entropy_estimator, True, "TransformersEngine")
+        self.entropy_top_k = sampling.entropy_top_k or DEFAULT_SERVER_TOP_K
         self.eos_token_ids = eos = sampling.eos_ids(tokenizer, "TransformersEngine")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
         self.pad_token_id = pad
-        self.sampling = {  # generation_kwargs override these, as they override GRPOTrainer's
-            "do_sample": t > 0, "temperature": t if t > 0 else None, "top_p": sampling.top_p,
-            "top_k": sampling.top_k or None, "min_p": sampling.min_p, "repetition_penalty": sampling.repetition_penalty,
-            "eos_token_id": eos, "pad_token_id": pad, **extra,
-        }
-        self.temperature = self.sampling["temperature"] or 0.0  # the recorder's logprobs follow the sampled one
+        # generation_kwargs override our settings, as they override GRPOTrainer's; the warpers among them are run by
+        # the recorder (HF's own stay neutral), so that the recorded logprobs are those of the distribution sampled
+        warp = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                "min_p": sampling.min_p}
+        warp.update({key: extra.pop(key) for key in list(warp) if key in extra})
+        greedy = extra.pop("do_sample", True) is False
+        self.temperature = t = 0.0 if greedy else float(warp["temperature"] or 0.0)
+        top_p = 1.0 if warp["top_p"] is None else warp["top_p"]
+        self.warper_settings = (t, warp["top_k"] or 0, top_p, warp["min_p"])
+        self.sampling = dict(
+            do_sample=t > 0, **(NEUTRAL_WARPERS if t > 0 else {}), repetition_penalty=sampling.repetition_penalty,
+            eos_token_id=eos, pad_token_id=pad, **extra,
+        )
         self.model_context = model_context
         self.max_batch_size = max_batch_size
 
@@ -234,13 +214,14 @@ class TransformersEngine:
         for row, prefix in enumerate(prefixes):  # left padding
             input_ids[row, width - len(prefix) :] = torch.tensor(prefix)
             attention[row, width - len(prefix) :] = 1
-        recorder = _TokenStatsRecorder(self.temperature, self.entropy_top_k)
+        recorder = SampledDistributionRecorder(sampling_warpers(*self.warper_settings), self.temperature,
+                                               self.entropy_estimator, self.entropy_top_k, self.vocab_size)
         window = max([len(self.tokenizer.encode(s, add_special_tokens=False)) for s in stop] + [1]) + 4
         criteria = _StopPerRow(width, budgets, stop, self._decode, window)
         config = GenerationConfig(max_new_tokens=max(budgets), **self.sampling)
         out = model.generate(
             input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=config,
-            logits_processor=[recorder], stopping_criteria=[criteria], synced_gpus=self.synced_gpus or None,
+            logits_processor=recorder.processors(), stopping_criteria=[criteria], synced_gpus=self.synced_gpus or None,
         )
         new = out[:, width:].cpu()
         check_recorder_ran(len(recorder.entropies), new.shape[1], model)
@@ -277,19 +258,13 @@ def check_recorder_ran(steps: int, new_tokens: int, model) -> None:
         )
 
 
-def normalized_entropy(entropies: Sequence[float], window: int, vocab_size: int) -> float:
-    """Segment entropy as the reference measures it: the SUM of the first `window` per-token entropies,
-    divided by ln|V| (VRT L284-305)."""
-    return float(sum(entropies[:window])) / math.log(vocab_size)
-
-
 class VLLMServerEngine:
     """Generates through a running vLLM server (``vllm serve`` / ``trl vllm-serve`` / `arpo_trl.server.launcher`).
 
     One `/v1/completions` request per prefix (token ids in, token ids out), all in flight at once, so that vLLM
     batches them and its prefix cache serves the prefix a branch shares with its parent: a fork costs only its
-    new tokens. Per-token entropy is the reference's estimator, Σ -p·log p over the server's top-`entropy_top_k`
-    (processed) logprobs, not renormalised; with `entropy_top_k` >= |V| (and `--max-logprobs -1`) it is exact.
+    new tokens. Per-token entropy comes from the server's top-`entropy_top_k` (processed) logprobs: by default with
+    the tail term (`arpo_trl.entropy`, 'top_k_tail'), or the reference's sum over them ('top_k').
     Sampled-token logprobs are the server's own, so TRL's importance-sampling correction sees the real
     sampler (bf16 servers differ from fp32 trainers by up to ~0.2 nats, docs/server_mode.md#traps).
     No per-request `seed` is sent: on vLLM-CPU it crashes the engine together with chunked prefill (same section).
@@ -306,12 +281,9 @@ class VLLMServerEngine:
         sampling: SamplingSettings = SamplingSettings(),
         max_concurrency: int = 64,
     ):
-        entropy_top_k, extra = sampling.entropy_top_k, sampling.generation_kwargs or {}
-        if entropy_top_k is None or entropy_top_k < 1:
-            raise ValueError(
-                "entropy_top_k: the vLLM server returns top-k logprobs, not logits, so exact entropy "
-                f"(entropy_top_k=None) is not available; set entropy_top_k >= 1 (got {entropy_top_k})."
-            )
+        check_entropy_args(sampling.entropy_estimator, sampling.entropy_top_k)
+        self.entropy_estimator = resolve_estimator(sampling.entropy_estimator, False, "a vLLM server")
+        entropy_top_k, extra = sampling.entropy_top_k or DEFAULT_SERVER_TOP_K, sampling.generation_kwargs or {}
         self.client = client
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
@@ -390,12 +362,12 @@ class VLLMServerEngine:
         """The text vLLM matched stop strings against (the request sets skip_special_tokens=False)."""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _top_k_entropies(self, tops: list[dict | None]) -> list[float]:
-        """`token_entropy` over each position's returned logprobs (top-k, plus the sampled token when it is
-        outside them; padding with -inf adds nothing)."""
-        rows = [[v for v in (top or {}).values() if v is not None] for top in tops]
-        width = max(map(len, rows), default=0)
-        if width == 0:
-            return [0.0] * len(rows)
+    def _top_k_entropies(self, tops: list[dict[int, float]]) -> list[float]:
+        """The estimator over each position's returned logprobs (top-k, plus the sampled token when it is
+        outside them; padding with -inf adds nothing). `read_completion` checked every row: non-empty, no nulls."""
+        if not tops:
+            return []
+        rows = [list(top.values()) for top in tops]
+        width = max(map(len, rows))
         padded = torch.tensor([row + [-math.inf] * (width - len(row)) for row in rows], dtype=torch.float64)
-        return token_entropy(padded, self.entropy_top_k).tolist()
+        return top_k_entropies(padded, self.entropy_estimator, self.entropy_top_k, self.vocab_size).tolist()

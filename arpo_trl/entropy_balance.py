@@ -1,8 +1,8 @@
 """AEPO's entropy-balanced rollout rules (Dong et al., "Agentic Entropy-Balanced Policy Optimization", arXiv
 2510.14545, §"Dynamic Entropy-Balanced Rollout"), with the constants and rounding of the authors' released code
 (`AEPO/verl_aepo_entropy/verl/workers/rollout/vllm_rollout/vllm_rollout_with_tools.py`). docs/aepo.md gives each
-formula with its source. Entropies here are segment entropies as ARPO measures them (`engines.normalized_entropy`:
-the first k tokens' entropies summed, over ln|V|), as both papers' code does.
+formula with its source. Entropies here are segment entropies as ARPO measures them (`entropy.segment_entropy`:
+over the first k tokens, over ln|V|; the papers' code sums them, `segment_entropy='sum'`).
 """
 
 from __future__ import annotations

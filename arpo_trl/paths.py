@@ -52,6 +52,7 @@ class Trajectory:
     consecutive_forks: int = 0  # AEPO's l: the latest fork decisions on this path's line that forked, in a row
     committed: bool = True  # False: a speculative fill-up, dropped if forks take its slot
     environment: Any = None  # environment_factory: this path's own environment (docs/environments.md)
+    line: int | None = None  # the id of the global path this one descends from (itself if global; None: fill-up)
 
     @property
     def active(self) -> bool:
@@ -134,12 +135,14 @@ class Rollout:
     monitoring: set[int] = field(default_factory=set)  # AEPO: groups whose monitoring path has not decided m yet
     environments: list | None = None  # environment_factory: per group, the reset environment its paths start from
     fork: Callable[[Any], Any] | None = None  # copies an environment in its current state (`fork_environment`)
+    fork_shares: dict[int, dict[int, int]] = field(default_factory=dict)  # group -> line -> branch slots it owns
 
     def start(self, g: int, prompt_ids: list[int], kind: str, creator: Trajectory | None) -> Trajectory:
         """A new path of group `g`; `creator` is the path whose step started it (None at the start)."""
         path = Trajectory(id=self.next_id, group=g, prompt_ids=prompt_ids, kind=kind)
         if self.environments is not None:  # a branch continues from its parent's environment as it is at the fork
             path.environment = self.fork(creator.environment if kind == "branch" else self.environments[g])
+        path.line = path.id if kind == "global" else creator.line if kind == "branch" else None
         self.next_id += 1
         self.groups[g].append(path)
         self.started.append((path, creator))

@@ -3,7 +3,7 @@
 Per prompt, with a budget of M trajectories, N global paths start the tree, and every path runs one program
 (`BranchingSampler.grow`):
   1. generate until a tool's closing tag, EOS or its length budget; the first k tokens of the path's first
-     segment give H_initial (entropy normalised by ln|V|);
+     segment give H_initial (`arpo_trl.entropy.segment_entropy`, normalised by ln|V|);
   2. run the tool and append ` <result>\\n…\\n</result>` (loss mask 0; with a `ChatTemplateFormat`, the chat
      template's tool message and next assistant header instead);
   3. probe: generate the next k tokens only, and measure their entropy H;
@@ -20,16 +20,13 @@ with exactly M trajectories; the records are in `arpo_trl.paths`. AEPO's rollout
 A scheduler (`arpo_trl.scheduling`) drives the programs: against a server every path advances on its own; with a batch
 engine the requests ready together form one batch (a wave), in path order, so a seed reproduces the trees.
 
-Where we differ from the reference code, deliberately (see docs/differences.md):
-  * H_initial is reset every rollout and inherited by branches (the reference keeps a per-slot dict that is
-    never cleared, so from the second step on ΔH compares with a stale, unrelated value).
-  * The fork is decided by the k tokens right after a tool result and placed at that result, as the paper
-    describes; the reference decides with the previous segment's entropy, one round late.
-  * Fill-ups start all at once, as soon as they are certain to be needed, and do not fork; the reference adds one
-    per round once every path of the prompt has ended, and lets it fork.
-  * Tokens the environment writes (tool results, the EOS after the call limit, the tail of a closing tag
-    that ended inside a token) have loss mask 0: the loss covers exactly the tokens the model sampled.
-  * Result text is encoded without special tokens (the reference's `encode` would insert a BOS on Llama).
+Where we differ from the reference code, deliberately (docs/differences.md, which says why):
+  * H_initial is reset every rollout and inherited by branches (the reference's per-slot dict is never cleared).
+  * The fork is decided by the k tokens right after a tool result and placed at that result (paper), not one round
+    late with the previous segment's entropy; entropy is exact where logits exist and a segment's is a mean.
+  * A fork takes its slots from its line's share of the budget, not whoever arrives first (`budget.ForkShares`).
+  * Fill-ups start all at once, as soon as they are certain to be needed, and do not fork. Tokens the environment
+    writes (results, the EOS after the call limit) have loss mask 0; results are encoded without special tokens.
 """
 
 from __future__ import annotations
@@ -43,9 +40,10 @@ from dataclasses import replace
 from transformers import PreTrainedTokenizerBase
 
 from arpo_trl.budget import FillUps
-from arpo_trl.engines import GenerationEngine, Segment, normalized_entropy
+from arpo_trl.engines import GenerationEngine, Segment
+from arpo_trl.entropy import check_entropy_args, segment_entropy
 from arpo_trl.entropy_balance import aepo_fork_probability, check_aepo_args, global_samples
-from arpo_trl.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory, committed_count
+from arpo_trl.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory
 from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
 from arpo_trl.tags import cut_at_stop
 from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall
@@ -114,14 +112,14 @@ class BranchingSampler:
         branch_policy: str = "entropy",
         max_tool_calls: int = 3,
         max_completion_length: int = 512,
-        tool_timeout: float = 30.0,
-        max_tool_workers: int = 8,
+        tool_timeout: float = 30.0, max_tool_workers: int = 8,
         seed: int | None = None,
         call_format: CallFormat | None = None,
         scheduler: str = "auto",
         speculative_fill_ups: bool = True,
-        branch_penalty: float = 0.05,
-        pre_monitoring_beta: float | None = 0.5,
+        branch_penalty: float = 0.05,  # AEPO (`arpo_trl.entropy_balance`)
+        pre_monitoring_beta: float | None = 0.5,  # AEPO
+        segment_statistic: str = "mean",  # `arpo_trl.entropy.segment_entropy`
     ):
         tags = [tool.tag for tool in tools]
         if len(set(tags)) != len(tags):
@@ -131,6 +129,7 @@ class BranchingSampler:
         check_branching_args(num_generations, initial_rollouts, branch_factor, branch_threshold, entropy_window,
                              branch_policy, max_tool_calls)
         check_aepo_args(branch_penalty, pre_monitoring_beta)
+        check_entropy_args("auto", None, segment_statistic)
         if tool_timeout <= 0 or max_tool_workers < 1:
             raise ValueError(f"tool_timeout must be > 0 and max_tool_workers >= 1, got {tool_timeout}, "
                              f"{max_tool_workers}.")
@@ -138,13 +137,14 @@ class BranchingSampler:
         self.call_format = call_format if call_format is not None else TagFormat(tools)
         self.num_generations, self.initial_rollouts = num_generations, initial_rollouts
         self.branch_factor, self.branch_threshold, self.entropy_weight = branch_factor, branch_threshold, entropy_weight
-        self.entropy_window, self.branch_policy = entropy_window, branch_policy
+        self.entropy_window, self.segment_statistic = entropy_window, segment_statistic
+        self.branch_policy = branch_policy
         self.branch_penalty, self.pre_monitoring_beta = branch_penalty, pre_monitoring_beta
         self.max_tool_calls, self.max_completion_length = max_tool_calls, max_completion_length
         self.tool_timeout, self.max_tool_workers = tool_timeout, max_tool_workers
         self.rng = random.Random(seed)
         self.scheduler = make_scheduler(scheduler, engine)
-        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups)
+        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups, self.rng)
         eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
         self.eos_token_id = eos[0]
         self._max_token_chars: int | None = None
@@ -192,7 +192,8 @@ class BranchingSampler:
             request = GenerateRequest(path, min(room, self.entropy_window) if probe or short else room)
             segment = yield request
             if not continued:
-                entropy = normalized_entropy(segment.entropies, self.entropy_window, self.engine.vocab_size)
+                entropy = segment_entropy(segment.entropies, self.entropy_window, self.engine.vocab_size,
+                                          self.segment_statistic)
                 if probe:  # the k tokens after the tool result decide the fork at that result, right now
                     self._decide_fork(rollout, path, entropy - path.initial_entropy)
                 path.segment_entropies.append(entropy)
@@ -241,7 +242,7 @@ class BranchingSampler:
         if not self._may_fork(rollout, path):
             self._decide_fork(rollout, path, None)
             return False
-        copies = min(self.branch_factor - 1, rollout.num_generations - committed_count(rollout.groups[path.group]))
+        copies = min(self.branch_factor - 1, self.fill_ups.shares.free(rollout, path))
         rollout.pending_branches[path.id] = [self._branch(rollout, path) for _ in range(copies)]
         return True
 
@@ -257,8 +258,7 @@ class BranchingSampler:
 
     def _may_fork(self, rollout: Rollout, path: Trajectory) -> bool:
         return rollout.policy != "none" and self.branch_factor > 1 and path.kind != "fill" and \
-            path.group not in rollout.monitoring and \
-            committed_count(rollout.groups[path.group]) < rollout.num_generations
+            path.group not in rollout.monitoring and self.fill_ups.shares.free(rollout, path) > 0
 
     def _end_monitoring(self, rollout: Rollout, monitor: Trajectory) -> None:
         """AEPO's entropy pre-monitoring: the group's first path, which does not fork, measured the question's entropy
@@ -268,8 +268,8 @@ class BranchingSampler:
         m = global_samples(rollout.num_generations, monitor.initial_entropy or 0.0, monitor.segment_entropies,
                            self.pre_monitoring_beta)
         rollout.stats.global_samples[monitor.group] = m
-        for _ in range(m - 1):
-            rollout.start(monitor.group, monitor.prompt_ids, "global", monitor)
+        lines = [rollout.start(monitor.group, monitor.prompt_ids, "global", monitor).id for _ in range(m - 1)]
+        self.fill_ups.shares.split(rollout, monitor.group, lines)  # the monitor has ended: it owns no branch slot
 
     def _decide_fork(self, rollout: Rollout, path: Trajectory, delta: float | None) -> None:
         """Settle the fork at the path's latest tool result: Z-1 copies with probability P (paper §3.1 step 3)."""
@@ -279,7 +279,7 @@ class BranchingSampler:
             probability = self.fork_probability(delta, rollout.policy, path.consecutive_forks)
             rollout.fork_probabilities.append(probability)
             if self.rng.random() < probability:
-                kept = rollout.num_generations - committed_count(rollout.groups[path.group])
+                kept = self.fill_ups.shares.free(rollout, path)
                 for child in copies[:kept]:
                     child.committed, child.fork_delta = True, delta
                     child.consecutive_forks = path.consecutive_forks + 1

@@ -159,6 +159,7 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
             scheduler=args.rollout_scheduler if self.engine is not None else "waves",
             speculative_fill_ups=args.speculative_fill_ups,
             branch_penalty=args.branch_penalty, pre_monitoring_beta=args.pre_monitoring_beta,
+            segment_statistic=args.segment_entropy,
         )
 
     def _sampling(self) -> SamplingSettings:

@@ -14,6 +14,11 @@ Cost models, both labelled in the output:
 
     python benchmarks/rollout_shape.py                         # all regimes; JSON + tables
     python benchmarks/rollout_shape.py --regimes quickstart --rollouts 4
+    python benchmarks/rollout_shape.py --regimes bias --thresholds 0.3 1.0   # order bias of fork slots
+
+The bias regime reports the order-bias metric: two classes of global path differ in segment length and tool
+latency, not in entropy; a fork-slot rule that does not depend on arrival order gives each class the share of
+branches it has of global paths (|gap| <= 0.05 is the target).
 
 Each rollout samples `--prompts` prompts; every method sees the same agent and fork seeds per rollout index
 (paired), and ratios are of means over rollouts.
@@ -53,6 +58,10 @@ class Regime:
     max_completion_length: int
     tool_seconds: tuple[float, float]  # latency uniform in [lo, hi]
     token_entropy: tuple[float, float] = (0.0, 1.0)  # nats per token, drawn per segment
+    # A second class of global path (drawn per global path with this probability, inherited by its branches):
+    # (probability, segment_tokens, tool_seconds). Its segments are written with another filler token, and its calls
+    # with another argument, so that the agent and the tool know a path's class; entropy does not depend on it.
+    fast_class: tuple[float, tuple[int, int], tuple[float, float]] | None = None
 
 
 REGIMES = {
@@ -61,7 +70,11 @@ REGIMES = {
     "quickstart": Regime("quickstart-like: <=2 calls, 15-45-token segments, M=8 N=4", 8, 4, 2, (15, 45), 0.4, 192,
                          (0.0, 0.0)),
     "jitter": Regime("paper-like with tool latency U(0.2 s, 2 s)", 16, 8, 3, (150, 450), 0.9, 2048, (0.2, 2.0)),
+    "bias": Regime("two classes of path: half fast (5-25-token segments, tools U(0, 20 ms)), half slow (150-450, "
+                   "U(0.2 s, 0.6 s)); entropy independent of class; M=16 N=8", 16, 8, 3, (150, 450), 0.9, 2048,
+                   (0.2, 0.6), fast_class=(0.5, (5, 25), (0.0, 0.02))),
 }
+FAST_FILLER, SLOW_FILLER = "z", "x"  # the tokens a path of each class writes its segments with
 METHODS = {"arpo": "entropy", "grpo": "none", "random": "random"}
 
 
@@ -73,8 +86,10 @@ class SyntheticAgent:
         self.vocab_size = QWEN_VOCAB
         self.eos_token_ids = [tokenizer.eos_token_id]
         self.rng = random.Random(seed)
-        self.filler = tokenizer.encode("x", add_special_tokens=False)
+        self.filler = tokenizer.encode(SLOW_FILLER, add_special_tokens=False)
+        self.fast_filler = tokenizer.encode(FAST_FILLER, add_special_tokens=False)
         self.call = tokenizer.encode("<python>1</python>", add_special_tokens=False)
+        self.fast_call = tokenizer.encode("<python>0</python>", add_special_tokens=False)
         self.answer = tokenizer.encode("<answer>\\boxed{2}</answer>", add_special_tokens=False) + self.eos_token_ids
         self.pending: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}
         self.generated = 0.0  # tokens the engine generated, also for requests cancelled midway (pro rata)
@@ -82,10 +97,14 @@ class SyntheticAgent:
     def _plan(self, prefix: list[int]) -> tuple[list[int], list[float]]:
         if (rest := self.pending.pop(tuple(prefix), None)) is not None:
             return rest
-        calls = self.tokenizer._decode(prefix).count("</result>")  # no per-id type checks (benchmark speed)
-        r = self.regime
-        tail = self.call if calls < r.max_calls and self.rng.random() < r.call_probability else self.answer
-        ids = self.filler * self.rng.randint(*r.segment_tokens) + tail
+        text = self.tokenizer._decode(prefix)  # no per-id type checks (benchmark speed)
+        calls, r = text.count("</result>"), self.regime
+        fast = r.fast_class is not None and (FAST_FILLER in text or (SLOW_FILLER not in text and
+                                                                     self.rng.random() < r.fast_class[0]))
+        filler, call, lengths = (self.fast_filler, self.fast_call, r.fast_class[1]) if fast else \
+            (self.filler, self.call, r.segment_tokens)
+        tail = call if calls < r.max_calls and self.rng.random() < r.call_probability else self.answer
+        ids = filler * self.rng.randint(*lengths) + tail
         return ids, [self.rng.uniform(*r.token_entropy)] * len(ids)
 
     def _segment(self, prefix: list[int], budget: int) -> Segment:
@@ -114,35 +133,74 @@ class SyntheticAgent:
 
 
 class SlowTool(Tool):
-    def __init__(self, latency: tuple[float, float], seed: int):
+    """Sleeps a latency drawn uniformly from its range; a fast-class path's call ('0') from the fast range."""
+
+    def __init__(self, latency: tuple[float, float], seed: int, fast_latency: tuple[float, float] | None = None):
         super().__init__("python")
-        self.latency, self.rng = latency, random.Random(seed)
+        self.latency, self.fast_latency, self.rng = latency, fast_latency or latency, random.Random(seed)
 
     def __call__(self, content: str) -> str:
-        time.sleep(self.rng.uniform(*self.latency))
+        time.sleep(self.rng.uniform(*(self.fast_latency if content.strip() == "0" else self.latency)))
         return "2"
 
 
-def run_method(tokenizer, regime: Regime, method: str, scheduler: str, args) -> dict:
+def class_counts(tokenizer, result) -> dict[str, dict]:
+    """Per class of path: its global paths (the N lines; fill-ups, which never fork, are left out), its branches (a
+    branch has its line's class), and the ΔH of the global paths' decisions (each segment after a tool result against
+    the path's first)."""
+    counts = {"population": {"fast": 0, "slow": 0}, "branches": {"fast": 0, "slow": 0},
+              "deltas": {"fast": [], "slow": []}}
+    for path in result.trajectories:
+        name = "fast" if FAST_FILLER in tokenizer._decode(path.completion_ids) else "slow"
+        if path.kind != "fill":
+            counts["branches" if path.kind == "branch" else "population"][name] += 1
+        if path.kind == "global" and path.initial_entropy is not None:
+            counts["deltas"][name] += [h - path.initial_entropy for h in path.segment_entropies[1:]]
+    return counts
+
+
+def order_bias(counts: dict[str, dict]) -> dict:
+    """The bias metric: the fast class's share of branches minus its share of global paths (0 when fork slots do
+    not depend on who reaches a tool result first), pooled over the rollouts; and each class's mean ΔH (equal when
+    the segment statistic does not depend on segment length)."""
+    population, branches, deltas = counts["population"], counts["branches"], counts["deltas"]
+    fast_population = population["fast"] / max(1, sum(population.values()))
+    fast_branches = branches["fast"] / max(1, sum(branches.values()))
+    return {"fast_population_share": round(fast_population, 4), "fast_branch_share": round(fast_branches, 4),
+            "gap": round(fast_branches - fast_population, 4), "branches": sum(branches.values()),
+            **{f"mean_delta_{name}": round(statistics.fmean(values), 3) if values else None
+               for name, values in deltas.items()}}
+
+
+def run_method(tokenizer, regime: Regime, method: str, scheduler: str, args, threshold: float = 0.5) -> dict:
     """`args.rollouts` successive rollouts of one sampler, as in training (its speculation learns the rates)."""
     policy = METHODS[method]
     token_seconds = args.token_ms / 1000 if scheduler.startswith("server") else 0.0
     engine = SyntheticAgent(tokenizer, regime, args.seed, token_seconds)
     m = regime.num_generations
+    fast_latency = regime.fast_class[2] if regime.fast_class else None
+    tool = SlowTool(regime.tool_seconds, args.seed, fast_latency) if token_seconds else SlowTool((0.0, 0.0), args.seed)
+    extra = {"segment_statistic": args.segment_statistic} if args.segment_statistic else {}
     sampler = BranchingSampler(
-        engine, tokenizer, [SlowTool(regime.tool_seconds if token_seconds else (0.0, 0.0), args.seed)],
+        engine, tokenizer, [tool],
         num_generations=m, initial_rollouts=m if policy == "none" else regime.initial_rollouts,
         branch_policy=policy, max_tool_calls=regime.max_calls, max_completion_length=regime.max_completion_length,
         seed=args.seed, scheduler=scheduler.split("/")[-1], max_tool_workers=64, tool_timeout=60.0,
-        speculative_fill_ups=not args.no_speculation,
+        speculative_fill_ups=not args.no_speculation, branch_threshold=threshold, **extra,
     )
-    runs = []
+    runs, counts = [], {"population": {"fast": 0, "slow": 0}, "branches": {"fast": 0, "slow": 0},
+                        "deltas": {"fast": [], "slow": []}}
     for rollout in range(args.rollouts):
         prompts = [tokenizer.encode(f"<|im_start|>user\nWhat is {i}+{rollout}?<|im_end|>\n<|im_start|>assistant\n")
                    for i in range(args.prompts)]
         generated = engine.generated
         result = sampler.sample(prompts)
         stats, groups = result.stats, len(result.groups)
+        if any(len(group) != m for group in result.groups):
+            raise AssertionError(f"a group does not hold exactly M={m} trajectories")
+        for role, by_class in class_counts(tokenizer, result).items():
+            for name, value in by_class.items():
+                counts[role][name] += value
         runs.append({
             "critical_path_tokens": stats.critical_path_tokens, "waves": stats.waves,
             "unique_tokens_per_group": sum(t.own_tokens() for t in result.trajectories) / groups,
@@ -152,7 +210,22 @@ def run_method(tokenizer, regime: Regime, method: str, scheduler: str, args) -> 
             "forks_per_group": stats.forks / groups, "fill_ups_per_group": stats.fill_ups / groups,
             "wall_s": stats.seconds, "overhead_fraction": stats.overhead_seconds / stats.seconds,
         })
-    return {key: statistics.fmean(r[key] for r in runs) for key in runs[0]}
+    means = {key: statistics.fmean(r[key] for r in runs) for key in runs[0]}
+    return {**means, "order_bias": order_bias(counts)} if regime.fast_class else means
+
+
+BIAS_LIMIT = 0.05  # |fast share of branches - fast share of global paths| (issue 28)
+
+
+def measure_bias(tokenizer, schedulers: list[str], args) -> dict:
+    """The order-bias regime: ARPO at each τ of `--thresholds`, per scheduler; the gap must stay within BIAS_LIMIT."""
+    regime = REGIMES["bias"]
+    out = {f"{scheduler}/arpo/tau={tau}": run_method(tokenizer, regime, "arpo", scheduler, args, tau)
+           for scheduler in schedulers for tau in args.thresholds}
+    gaps = {name: run["order_bias"]["gap"] for name, run in out.items()}
+    within = all(abs(gap) <= BIAS_LIMIT for gap in gaps.values())
+    return {"regime": regime.name, "runs": out, "ratios": {},
+            "order_bias": {"gaps": gaps, "limit": BIAS_LIMIT, "within": within}}
 
 
 RATIO_KEYS = ("critical_path_tokens", "wall_s", "unique_tokens_per_group", "generated_tokens_per_group",
@@ -190,6 +263,14 @@ def print_tables(report: dict) -> None:
                   f"{r['forks_per_group']:.2f} | {r['fill_ups_per_group']:.2f} | "
                   f"{100 * r['overhead_fraction']:.1f} % |")
         print()
+        if "order_bias" in section:
+            print("| run | fast share of global paths | fast share of branches | gap | branches | mean ΔH fast / slow|")
+            print("|---|---|---|---|---|---|")
+            for name, r in section["runs"].items():
+                b = r["order_bias"]
+                print(f"| {name} | {b['fast_population_share']:.3f} | {b['fast_branch_share']:.3f} | "
+                      f"{b['gap']:+.3f} | {b['branches']} | {b['mean_delta_fast']} / {b['mean_delta_slow']} |")
+            print(f"\nall gaps within ±{BIAS_LIMIT}: {section['order_bias']['within']}")
         for name, value in section["ratios"].items():
             print(f"- {name}: {value}")
 
@@ -203,15 +284,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--token-ms", type=float, default=0.5, help="simulated server: milliseconds per token")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-speculation", action="store_true", help="fill-ups only once certain (ablation)")
+    parser.add_argument("--thresholds", nargs="+", type=float, default=[0.3, 1.0], help="τ values of the bias regime")
+    parser.add_argument("--segment-statistic", choices=["mean", "sum"], default=None,
+                        help="the sampler's segment entropy statistic (default: the sampler's own)")
     parser.add_argument("--out", default=None, help="also write the JSON report here")
     args = parser.parse_args(argv)
     tokenizer = build_tokenizer()
     schedulers = {"paper": ["steps/waves", "steps/events", "server/events"],
                   "quickstart": ["steps/waves", "steps/events", "server/events"],
-                  "jitter": ["server/waves", "server/events"]}
+                  "jitter": ["server/waves", "server/events"], "bias": ["steps/waves", "server/events"]}
     report = {"token_ms": args.token_ms, "rollouts": args.rollouts, "prompts": args.prompts,
-              "speculative_fill_ups": not args.no_speculation,
-              "regimes": {key: measure(tokenizer, key, schedulers[key], args) for key in args.regimes}}
+              "speculative_fill_ups": not args.no_speculation, "segment_statistic": args.segment_statistic,
+              "regimes": {key: measure_bias(tokenizer, schedulers[key], args) if key == "bias"
+                          else measure(tokenizer, key, schedulers[key], args) for key in args.regimes}}
     print(json.dumps(report, indent=2))
     print_tables(report)
     if args.out:

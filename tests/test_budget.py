@@ -3,6 +3,8 @@ could still add, how many it is expected to add, and which fill-ups start, are c
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from arpo_trl.budget import FillUps
@@ -141,3 +143,18 @@ def test_each_rollouts_rates_become_the_next_ones_priors():
     r.segments, r.segments_calling, r.fork_probabilities = 4, 1, [0.2, 0.6]
     fills.learn(r)
     assert fills.call_rate == 0.25 and fills.fork_rate == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("m,n", [(16, 8), (8, 3), (5, 2), (4, 4), (12, 1)])
+def test_line_shares_split_the_branch_slots_evenly(m, n):
+    """Each global path's line owns (M - N) // N branch slots, the odd ones drawn at random: no line's share depends
+    on when it reaches a tool result. A branch takes its slot from its own line; a fill-up belongs to no line."""
+    fills, r = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5, rng=random.Random(0)), rollout(m, n)
+    shares = fills.shares.shares(r, 0)
+    assert sorted(shares) == [path.id for path in r.groups[0]]
+    assert sum(shares.values()) == m - n and max(shares.values()) - min(shares.values()) <= 1
+    line = r.groups[0][0]
+    before = fills.shares.remaining(r, 0, line.id)
+    branch = r.start(0, list(PROMPT), "branch", line)
+    assert branch.line == line.id and fills.shares.remaining(r, 0, line.id) == before - 1
+    assert r.start(0, list(PROMPT), "fill", line).line is None and fills.shares.remaining(r, 0, None) == 0

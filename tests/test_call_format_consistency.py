@@ -108,7 +108,8 @@ def conversations() -> list[list[dict]]:
 def sample(hermes, tools, fmt: str, **kw):
     call_format = make_call_format(fmt, hermes, tools)
     sampler = BranchingSampler(FormatEngine(hermes, fmt), hermes, tools, max_tool_calls=MAX_TOOL_CALLS,
-                               max_completion_length=1024, call_format=call_format, seed=3, **kw)
+                               max_completion_length=1024, call_format=call_format, seed=3,
+                               segment_statistic="sum", **kw)  # FormatEngine's [h, 0, …]: the same sum in both
     if fmt == "chat_template":
         prompts = call_format.prompt_ids(conversations())
     else:

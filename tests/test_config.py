@@ -16,7 +16,8 @@ def test_defaults_follow_the_reference(tmp_path):
     config = _config(tmp_path)
     assert config.initial_rollouts == 4
     assert (config.branch_factor, config.branch_threshold, config.entropy_weight) == (2, 0.5, 0.2)
-    assert (config.entropy_window, config.entropy_top_k, config.max_tool_calls) == (20, 10, 3)
+    assert (config.entropy_window, config.entropy_top_k, config.max_tool_calls) == (20, None, 3)
+    assert (config.entropy_estimator, config.segment_entropy) == ("auto", "mean")
     assert (config.branch_policy, config.advantage_attribution) == ("entropy", "soft")
     assert _config(tmp_path, branch_policy="none").initial_rollouts == 8
     assert (config.vllm_mode, config.vllm_weight_sync) == ("server", "auto")  # ARPO's vLLM path is server mode
@@ -38,7 +39,9 @@ def test_defaults_follow_the_reference(tmp_path):
     ({"vllm_request_timeout": 0}, "vllm_request_timeout"),
     ({"vllm_max_concurrent_requests": 0}, "vllm_max_concurrent_requests"),
     ({"use_vllm": True, "vllm_mode": "colocate"}, "vllm_mode"),
-    ({"use_vllm": True, "entropy_top_k": None}, "entropy_top_k"),
+    ({"use_vllm": True, "entropy_estimator": "exact"}, "entropy_estimator"),
+    ({"entropy_estimator": "top10"}, "entropy_estimator"),
+    ({"segment_entropy": "max"}, "segment_entropy"),
 ])
 def test_invalid_values_name_the_field(tmp_path, kw, field):
     with pytest.raises(ValueError, match=field):

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from arpo_trl.engines import SamplingSettings, TransformersEngine, normalized_entropy, token_entropy
+from arpo_trl.engines import SamplingSettings, TransformersEngine
+from arpo_trl.entropy import segment_entropy, token_entropy
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def _prompt(tokenizer, text):
 
 
 def test_per_prefix_budgets_are_respected(random_model, tokenizer):
-    engine = TransformersEngine(random_model, tokenizer, sampling=SamplingSettings(entropy_top_k=None))
+    engine = TransformersEngine(random_model, tokenizer, sampling=SamplingSettings())
     torch.manual_seed(0)
     prefixes = [_prompt(tokenizer, "What is 1+2?"), _prompt(tokenizer, "hello")[:5], [5, 6, 7]]
     budgets = [3, 9, 1]
@@ -41,7 +42,7 @@ def test_per_prefix_budgets_are_respected(random_model, tokenizer):
 
 
 def test_logprobs_and_exact_entropy_match_a_forward_pass(random_model, tokenizer):
-    engine = TransformersEngine(random_model, tokenizer, sampling=SamplingSettings(entropy_top_k=None, temperature=0.7))
+    engine = TransformersEngine(random_model, tokenizer, sampling=SamplingSettings(temperature=0.7))
     torch.manual_seed(1)
     prefixes = [_prompt(tokenizer, "What is 3+4?"), _prompt(tokenizer, "hi")]
     segments = engine.generate(prefixes, [12, 12], stop=[])
@@ -52,17 +53,17 @@ def test_logprobs_and_exact_entropy_match_a_forward_pass(random_model, tokenizer
         logprobs = torch.log_softmax(logits, -1)
         expected = logprobs.gather(-1, torch.tensor(seg.token_ids)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(seg.logprobs), expected, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(torch.tensor(seg.entropies), token_entropy(logprobs, None), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(seg.entropies), token_entropy(logprobs), atol=1e-4, rtol=1e-4)
 
 
 def test_top_k_entropy_is_the_reference_estimator():
     logprobs = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]]), -1)
     p = logprobs.exp()[0]
     top2 = -(p[:2] * p[:2].log()).sum()
-    assert token_entropy(logprobs, 2).item() == pytest.approx(top2.item())
-    assert token_entropy(logprobs, None).item() == pytest.approx(-(p * p.log()).sum().item())
-    assert token_entropy(logprobs, 2).item() < token_entropy(logprobs, None).item()
-    assert normalized_entropy([1.0] * 30, 20, 100) == pytest.approx(20 / math.log(100))
+    assert token_entropy(logprobs, "top_k", 2).item() == pytest.approx(top2.item())
+    assert token_entropy(logprobs, "exact").item() == pytest.approx(-(p * p.log()).sum().item())
+    assert token_entropy(logprobs, "top_k", 2).item() < token_entropy(logprobs, "exact").item()
+    assert segment_entropy([1.0] * 30, 20, 100, "sum") == pytest.approx(20 / math.log(100))
 
 
 def test_stops_at_the_tool_tag(tool_model, tokenizer):

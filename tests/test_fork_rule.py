@@ -31,8 +31,8 @@ def test_n_defaults_to_half_of_m_as_the_released_scripts(m, policy, n):
 
 
 @pytest.mark.parametrize("m,copies_started,expected_kinds", [
-    (3, 2, ["global", "global", "branch"]),  # one slot left: each result starts one copy (not Z-1 = 2)
-    (5, 4, ["global", "global", "branch", "branch", "branch"]),  # the first fork keeps 2, the second 1 of its 2
+    (3, 1, ["global", "global", "branch"]),  # one slot: the line that owns it starts one copy (not Z-1 = 2)
+    (5, 3, ["global", "global", "branch", "branch", "branch"]),  # shares of 2 and 1 slots (the odd one drawn)
 ])
 def test_forks_never_exceed_the_budget(tokenizer, m, copies_started, expected_kinds):
     """N = 2 globals call a tool at once; every decision forks (τ = 1), Z = 3."""
@@ -112,15 +112,16 @@ def test_a_branch_inherits_its_parents_settled_decisions(tokenizer):
 
 def test_decisions_at_a_full_prompt_do_not_count_in_the_fork_rate(tokenizer):
     """M = 3, N = 2, τ = 1, β = 0.2: the first global's probe entropy rises (P = 1: it forks and fills the prompt),
-    the second's falls (P < 1) but its decision comes once the prompt is full. The fork-rate estimate the next
-    rollout's speculation starts from (`state_dict`) holds the decisions that could fork only."""
+    the second's falls (P < 1) but its line owns no branch slot (seed 1 gives the prompt's one slot to the first
+    line, `ForkShares`). The fork-rate estimate the next rollout's speculation starts from (`state_dict`) holds the
+    decisions that could fork only."""
     entropies = iter([1.0, 1.0, 5.0, 0.0])  # per request, in path order: the two calls, then the two probes
 
     def script(text, rng):
         return (CALL if "</result>" not in text else ANSWER), next(entropies, 1.0), \
             "stop" if "</result>" not in text else "eos"
     sampler = _sampler(tokenizer, script, num_generations=3, initial_rollouts=2, branch_threshold=1.0,
-                       entropy_weight=0.2, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False)
+                       entropy_weight=0.2, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False, seed=1)
     result = sampler.sample(_prompts(tokenizer, 1))
     assert kinds(result) == [["global", "global", "branch"]] and result.groups[0][2].parent == result.groups[0][0].id
     assert sampler.state_dict()["fork_rate"] == 1.0
@@ -152,3 +153,51 @@ def test_a_branchs_chain_continues_its_parents_at_the_fork(tokenizer):
     result, call, answer = _one_call_event_rollout(tokenizer, branch_threshold=1.0)
     assert kinds(result) == [["global", "branch"]]
     assert result.stats.critical_path_tokens == call + 2 + answer  # the branch's: the global's call, then its own
+
+
+def _line(path, by_id) -> int:
+    while path.parent is not None and path.kind == "branch":
+        path = by_id[path.parent]
+    return path.id
+
+
+@pytest.mark.parametrize("scheduler", ["events", "waves"])
+def test_fork_slots_do_not_go_to_whoever_reaches_a_tool_result_first(tokenizer, scheduler):
+    """Issue 28 point 2. Half the global paths write one-word segments, half hundred-word ones; every decision forks
+    (τ = 1) and every path reaches three tool results. With M = 4, N = 2 each line owns one branch slot, whichever
+    reaches its tool results first; first-come allocation gave both slots to the quick line."""
+    def script(text, rng):
+        quick = "quick" in text or ("slow" not in text and rng.random() < 0.5)
+        words = "quick " if quick else "slow " * 100
+        return (words + CALL, 0.1, "stop") if text.count("</result>") < 3 else (ANSWER, 0.1, "eos")
+    engine = AsyncScriptedEngine if scheduler == "events" else None
+    sampler = _sampler(tokenizer, script, engine_class=engine, num_generations=4, initial_rollouts=2, seed=0,
+                       branch_threshold=1.0, entropy_weight=0.0, entropy_window=2, scheduler=scheduler,
+                       max_completion_length=1024)
+    result = sampler.sample(_prompts(tokenizer, 12))
+    mixed = 0
+    for group in result.groups:
+        by_id = {path.id: path for path in group}
+        lines = [path.id for path in group if path.kind == "global"]
+        branches = [_line(path, by_id) for path in group if path.kind == "branch"]
+        assert len(group) == 4 and sorted(branches) == sorted(lines), [(p.kind, p.parent) for p in group]
+        mixed += len({"quick" in sampler.tokenizer.decode(by_id[line].completion_ids) for line in lines}) == 2
+    assert mixed >= 3  # groups where the two lines differ in speed
+
+
+@pytest.mark.parametrize("statistic,same", [("mean", True), ("sum", False)])
+def test_a_short_segment_reads_at_its_tokens_entropy_not_its_length(tokenizer, statistic, same):
+    """Issue 28 point 3: every token has the same entropy; the first segment is long (more than k tokens), the one
+    after the tool result a short answer. By default (k × the mean) both segments read alike, so ΔH = 0; the
+    reference's sum (`segment_statistic='sum'`) reads the short one as lower entropy."""
+    def script(text, rng):
+        if "</result>" not in text:
+            return "let me think about it step by step " * 3 + CALL, 0.7, "stop"
+        return ANSWER, 0.7, "eos"
+    kw = {} if statistic == "mean" else {"segment_statistic": statistic}
+    sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=0.5,
+                       entropy_window=20, max_tool_calls=1, **kw)
+    path = sampler.sample(_prompts(tokenizer, 1)).groups[0][0]
+    assert len(tokenizer.encode(ANSWER)) + 1 < 20 < len(tokenizer.encode("let me think about it step by step " * 3))
+    first, after = path.segment_entropies[:2]
+    assert (after == pytest.approx(first)) is same

@@ -76,9 +76,10 @@ def test_generation_kwargs_override_the_defaults_as_in_grpo_trainer(tmp_path, to
                                                                 "temperature": 0.7, "no_repeat_ngram_size": 3})
     trainer = ARPOTrainer(model=tiny_model(tokenizer), reward_funcs=length_reward, args=args,
                           train_dataset=addition_dataset, processing_class=tokenizer)
-    sampling = trainer.engine.sampling
-    assert (sampling["top_k"], sampling["top_p"], sampling["temperature"]) == (50, 0.9, 0.7)
-    assert sampling["no_repeat_ngram_size"] == 3 and trainer.engine.temperature == 0.7
+    engine = trainer.engine  # the warpers run in ARPO's recorder, so that its logprobs are those sampled from
+    assert engine.warper_settings == (0.7, 50, 0.9, None) and engine.temperature == 0.7
+    assert (engine.sampling["top_k"], engine.sampling["top_p"], engine.sampling["temperature"]) == (0, 1.0, 1.0)
+    assert engine.sampling["no_repeat_ngram_size"] == 3 and engine.sampling["do_sample"]
     trainer.train()
     assert trainer.state.global_step == 1
 

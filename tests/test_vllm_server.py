@@ -24,7 +24,8 @@ from tiny import build_tokenizer, question
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from arpo_trl import ARPOTrainer, PythonTool, Tool
-from arpo_trl.engines import SamplingSettings, VLLMServerEngine, token_entropy
+from arpo_trl.engines import SamplingSettings, VLLMServerEngine
+from arpo_trl.entropy import token_entropy
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.server.client import VLLMClient, VLLMServerError, check_server_tokenizer
 from arpo_trl.server.launcher import VLLMServer, free_port
@@ -50,9 +51,10 @@ def test_engine_logprobs_and_entropy_match_transformers(vllm_server, tool_model_
     client = VLLMClient(vllm_server.base_url)
     model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
     prompts = [_prompt(tokenizer, a, b) for a, b in [(3, 4), (12, 30), (55, 21)]]
-    estimators = {k: VLLMServerEngine(client, tokenizer, sampling=SamplingSettings(entropy_top_k=k))
-                  for k in (10, len(tokenizer))}
-    for top_k, engine in estimators.items():
+    estimators = {(name, k): VLLMServerEngine(client, tokenizer, sampling=SamplingSettings(
+        entropy_estimator=name, entropy_top_k=k)) for name, k in [("top_k", 10), ("top_k_tail", 10),
+                                                                   ("top_k_tail", len(tokenizer))]}
+    for (name, top_k), engine in estimators.items():
         segments = engine.generate(prompts, [40, 40, 5], ["</python>"])
         assert len(segments[2].token_ids) <= 5 and segments[2].finish_reason in ("length", "stop", "eos")
         for prompt, seg in zip(prompts, segments):
@@ -61,8 +63,8 @@ def test_engine_logprobs_and_entropy_match_transformers(vllm_server, tool_model_
             logprobs = _hf_logprobs(model, prompt + seg.token_ids, len(prompt))
             sampled = logprobs.gather(-1, torch.tensor(seg.token_ids)[:, None]).squeeze(-1)
             assert torch.allclose(torch.tensor(seg.logprobs), sampled, atol=1e-4)
-            # Our estimator: Σ -p·log p over the server's top-k; k = |V| is the exact entropy.
-            expected = token_entropy(logprobs, None if top_k >= len(tokenizer) else top_k)
+            # The estimator over the server's top-k (k = |V|: exact), as over the model's full distribution.
+            expected = token_entropy(logprobs, name, top_k, len(tokenizer))
             assert torch.allclose(torch.tensor(seg.entropies), expected, atol=1e-4)
 
 
@@ -225,8 +227,8 @@ def test_bad_server_mode_input_is_refused_clearly(tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"generation_kwargs: \['logprobs', 'stop'\]"):
         VLLMServerEngine(client, tokenizer, model_name="m", sampling=SamplingSettings(
             generation_kwargs={"stop": ["x"], "logprobs": 3}))
-    with pytest.raises(ValueError, match="entropy_top_k"):
-        VLLMServerEngine(client, tokenizer, model_name="m", sampling=SamplingSettings(entropy_top_k=None))
+    with pytest.raises(ValueError, match="entropy_estimator='exact' needs logits"):
+        VLLMServerEngine(client, tokenizer, model_name="m", sampling=SamplingSettings(entropy_estimator="exact"))
     args = VLLMServer("m", lora_rank=4).args  # vLLM only accepts some ranks: rounded up
     assert args[args.index("--max-lora-rank") + 1] == "8"
     with pytest.raises(ValueError, match="lora_rank must be between 1 and 512"):
