@@ -50,6 +50,7 @@ from arpo_trl.time_budget import TimeBudget
 from arpo_trl.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.tools.base import Tool
 from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
+from arpo_trl.training import TreePackedTraining
 from arpo_trl.trees import node_table, select, tree_html, tree_records, write_jsonl
 from arpo_trl.trl_state import TRLState
 
@@ -75,7 +76,7 @@ def _resolve_sync_mode(requested: str, *, is_peft: bool, tied: bool) -> str:
                              vllm_importable=importlib.util.find_spec("vllm") is not None, tied=tied)
 
 
-class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
+class ARPOTrainer(EntropyBalancedUpdate, TreePackedTraining, GRPOTrainer):
     """Train a tool-using policy with ARPO.
 
     Args:

@@ -125,6 +125,16 @@ class TRLState:
         weights = trainer.reward_weights.tolist()
         return [sum(w * v for w, v in zip(weights, row) if not math.isnan(v)) for row in zip(*per_func)]
 
+    @property
+    def buffered_inputs(self) -> list[dict] | None:
+        # TRL 1.16: GRPOTrainer._prepare_inputs shuffles a new generation batch row by row, splits it into
+        # steps_per_generation micro-batches and keeps them in _buffered_inputs (None before the first generation)
+        return self._trainer._buffered_inputs
+
+    @buffered_inputs.setter
+    def buffered_inputs(self, batches: list[dict]) -> None:
+        self._trainer._buffered_inputs = batches
+
     def log_metric(self, mode: str, key: str, value: float) -> None:
         # TRL 1.16: GRPOTrainer._metrics[mode][key] (mode "train"/"eval") is a list TRL averages into its next log()
         self._trainer._metrics[mode][key].append(float(value))

@@ -22,7 +22,7 @@ LAYERS: dict[str, list[str]] = {
     "sampler": ["budget", "scheduling", "entropy_balance", "rollout", "advantages", "rewards", "data", "eval_metrics",
                 "trees", "trees.analysis", "trees.render"],
     "trainer": ["config", "trainer", "entropy_balanced_update", "trl_state", "tracking", "time_budget",
-                "server.weight_sync", "server.launcher", "server.__main__"],
+                "server.weight_sync", "server.launcher", "server.__main__", "training", "training.*"],
     "commands": ["commands", "commands.*"],
     "top": ["__init__", "cli"],
 }

@@ -1,0 +1,161 @@
+"""Tree-packed training (arpo_trl/training/, docs/tree_packing.md): packed against unpacked forwards of the same
+micro-batch, fp32 on CPU, through TRL's own loss code. Loss within 1e-5 relative and every parameter gradient
+allclose (rtol 1e-4) over loss types, attribution, beta, old log-probs (num_iterations 2), LoRA and full fine-tuning,
+gradient checkpointing, Llama/Qwen2/Qwen3 and SDPA/eager, trees with 0, 1 and several forks, tool results inside
+shared prefixes, truncated rows and GRPO groups."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+from packed_batches import micro_batch
+from peft import LoraConfig
+
+from arpo_trl import ARPOConfig, ARPOTrainer
+from arpo_trl.rewards import completion_text
+from arpo_trl.training import packing
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+M = 4
+
+
+def length_reward(completions, **kwargs):
+    return [len(completion_text(c)) / 100 for c in completions]
+
+
+def _save_tiny(tokenizer, path, architecture: str):
+    from tiny import save_random_model
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    if architecture == "llama":
+        return save_random_model(tokenizer, path, seed=4)
+    config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[architecture]
+    torch.manual_seed(5)
+    config = config_class(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+                          tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tokenizer, tmp_path_factory):
+    return {arch: _save_tiny(tokenizer, tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
+            for arch in ("llama", "qwen2", "qwen3")}
+
+
+def make_trainer(model_dir, tokenizer, dataset, tmp_path, *, lora=False, beta=0.0, checkpointing=False,
+                 attention="sdpa", **kw):
+    args = ARPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=M, max_completion_length=48,
+        use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0, beta=beta, log_trees=False,
+        gradient_checkpointing=checkpointing, model_init_kwargs={"attn_implementation": attention}, **kw,
+    )
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]) if lora else None
+    trainer = ARPOTrainer(model=str(model_dir), reward_funcs=length_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=peft_config)
+    trainer.current_gradient_accumulation_steps = 1
+    if checkpointing:  # what transformers' Trainer does when training starts
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+    trainer.model.train()
+    return trainer
+
+
+def _base(trainer):
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _reference_model(trainer):
+    if trainer.ref_model is not None:
+        return trainer.ref_model, contextlib.nullcontext()
+    return trainer.model, trainer.model.disable_adapter()
+
+
+def loss_and_grads(trainer, batch: dict, *, packed: bool, old_logps: bool) -> tuple[torch.Tensor, dict]:
+    """TRL's `compute_loss` and backward on `batch`, with the old and reference log-probabilities computed by the
+    same forward (packed or not) as TRL computes them in `_generate_and_score_completions`."""
+    trainer.args.tree_packing = packed
+    model, inputs = trainer.model, dict(batch)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].size(1)
+    with torch.no_grad():
+        if old_logps:  # num_iterations 2: TRL's old-logprob pass; shifted so that ratios leave 1 and some clip
+            old = trainer._get_per_token_logps_and_entropies(model, ids, mask, width, batch_size=4)[0]
+            inputs["old_per_token_logps"] = old + 0.15 * torch.sin(torch.arange(old.numel()).view_as(old) * 1.3)
+        if trainer.beta:
+            reference, context = _reference_model(trainer)
+            with context:
+                inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+                    reference, ids, mask, width, batch_size=4)[0]
+    model.zero_grad()
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    model.zero_grad()
+    return loss.detach(), grads
+
+
+def forwarded(trainer) -> float:
+    return trainer._metrics["train"]["arpo/tokens_forwarded_per_group"][-1]
+
+
+def assert_packed_matches_unpacked(trainer, batch: dict, old_logps: bool, what: str) -> None:
+    loss, grads = loss_and_grads(trainer, batch, packed=False, old_logps=old_logps)
+    unpacked_tokens = forwarded(trainer)
+    packed_loss, packed_grads = loss_and_grads(trainer, batch, packed=True, old_logps=old_logps)
+    assert forwarded(trainer) < unpacked_tokens, f"{what}: the packed pass forwarded no fewer tokens"
+    assert math.isclose(packed_loss.item(), loss.item(), rel_tol=1e-5, abs_tol=1e-7), \
+        f"{what}: packed loss {packed_loss.item()} vs unpacked {loss.item()}"
+    assert grads.keys() == packed_grads.keys() and grads, what
+    for name, grad in grads.items():
+        assert torch.allclose(packed_grads[name], grad, rtol=1e-4, atol=1e-6), \
+            f"{what}: gradient of {name} differs by {(packed_grads[name] - grad).abs().max().item():.3g}"
+
+
+SETUPS = [  # (architecture, attention, lora, beta, gradient checkpointing): together every value of each
+    ("llama", "sdpa", False, 0.0, False),
+    ("llama", "sdpa", True, 0.04, True),
+    ("llama", "eager", False, 0.04, True),
+    ("qwen3", "sdpa", True, 0.0, False),
+    ("qwen3", "sdpa", False, 0.04, False),
+    ("qwen2", "eager", True, 0.04, False),
+]
+
+
+@pytest.mark.parametrize("architecture,attention,lora,beta,checkpointing", SETUPS)
+def test_packed_loss_and_gradients_equal_unpacked(architecture, attention, lora, beta, checkpointing, model_dirs,
+                                                  tokenizer, addition_dataset, tmp_path):
+    trainer = make_trainer(model_dirs[architecture], tokenizer, addition_dataset, tmp_path, lora=lora, beta=beta,
+                           checkpointing=checkpointing, attention=attention)
+    assert trainer._packing_fallback(trainer.model) is None
+    assert _base(trainer).is_gradient_checkpointing == checkpointing
+    vocab, pad = len(tokenizer), tokenizer.pad_token_id
+    for step, loss_type in enumerate(LOSS_TYPES):
+        trainer.loss_type = loss_type
+        for attribution in ("soft", "hard"):
+            trees = [("grpo", "several_forks"), ("one_fork", "grpo"), ("several_forks", "one_fork")][step % 3]
+            batch = micro_batch(list(trees), vocab, pad, attribution, truncate_row=step % 8, seed=step)
+            for old_logps in (False, True):
+                what = f"{loss_type}/{attribution}/{trees}/old={old_logps}"
+                assert_packed_matches_unpacked(trainer, batch, old_logps, what)
+
+
+def _causal(pack, length):
+    """A wrong mask: plain causal over the packed slots, so a branch's tokens see its sibling branches."""
+    return torch.ones(length, length, dtype=torch.bool).tril()
+
+
+def test_a_token_seeing_a_sibling_branch_is_caught(model_dirs, tokenizer, addition_dataset, tmp_path, monkeypatch):
+    trainer = make_trainer(model_dirs["llama"], tokenizer, addition_dataset, tmp_path)
+    batch = micro_batch(["several_forks", "grpo"], len(tokenizer), tokenizer.pad_token_id)
+    assert_packed_matches_unpacked(trainer, batch, old_logps=True, what="tree mask")
+    monkeypatch.setattr(packing, "visibility", _causal)
+    with pytest.raises(AssertionError, match="packed loss|gradient"):
+        assert_packed_matches_unpacked(trainer, batch, old_logps=True, what="causal mask")
