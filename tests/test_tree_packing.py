@@ -17,6 +17,8 @@ from peft import LoraConfig
 from arpo_trl import ARPOConfig, ARPOTrainer
 from arpo_trl.rewards import completion_text
 from arpo_trl.training import packing
+from arpo_trl.training.grouping import ROW_INDEX, regroup
+from arpo_trl.training.packing import IGNORE, pack_rows
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 M = 4
@@ -159,3 +161,91 @@ def test_a_token_seeing_a_sibling_branch_is_caught(model_dirs, tokenizer, additi
     monkeypatch.setattr(packing, "visibility", _causal)
     with pytest.raises(AssertionError, match="packed loss|gradient"):
         assert_packed_matches_unpacked(trainer, batch, old_logps=True, what="causal mask")
+
+
+def test_a_tree_split_by_the_length_cap_stays_exact(model_dirs, tokenizer, addition_dataset, tmp_path):
+    """Packs of at most 24 slots: the micro-batch's trees are split, each pack repeating the ancestors it needs;
+    log-probabilities and entropies (entropy bonus on) still equal the unpacked ones."""
+    trainer = make_trainer(model_dirs["qwen3"], tokenizer, addition_dataset, tmp_path, tree_packing_max_length=24,
+                           entropy_coef=0.01)
+    batch = micro_batch(["several_forks", "one_fork"], len(tokenizer), tokenizer.pad_token_id, "hard")
+    assert_packed_matches_unpacked(trainer, batch, old_logps=True, what="cap 24")
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].size(1)
+    results = []
+    for packed in (False, True):
+        trainer.args.tree_packing = packed
+        with torch.no_grad():
+            results.append(trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, width,
+                                                                      compute_entropy=True)[:2])
+    (logps, entropies), (packed_logps, packed_entropies) = results
+    assert torch.allclose(packed_logps, logps, atol=1e-5) and torch.allclose(packed_entropies, entropies, atol=1e-5)
+
+
+def _rows(batch):
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1).bool()
+    return [row[m].tolist() for row, m in zip(ids, mask)], batch["prompt_mask"].sum(1).tolist()
+
+
+def test_packs_hold_each_distinct_prefix_once_and_split_at_the_cap(tokenizer):
+    batch = micro_batch(["several_forks"], len(tokenizer), tokenizer.pad_token_id)
+    rows, prompt_lengths = _rows(batch)
+    width = batch["completion_ids"].size(1)
+    whole = pack_rows(rows, prompt_lengths, width, None)
+    distinct = len({tuple(row[:k]) for row in rows for k in range(1, len(row) + 1)})
+    labelled_parents = {tuple(row[:j]) for row, p in zip(rows, prompt_lengths) for j in range(p, len(row))}
+    children = {tuple(row[:j + 1]) for row, p in zip(rows, prompt_lengths) for j in range(p, len(row))}
+    assert whole.input_ids.shape[0] == 1
+    assert whole.real_tokens == distinct + len(children) - len(labelled_parents)  # one copy per extra child
+    assert (whole.labels != IGNORE).sum() == len(children)  # one label per distinct (context, next token)
+    for k, row in enumerate(rows):  # each needed label sits where its row reads it
+        for t in range(len(row) - prompt_lengths[k]):
+            assert whole.labels.view(-1)[whole.gather_index[k, t]] == row[prompt_lengths[k] + t]
+    split = pack_rows(rows, prompt_lengths, width, 22)
+    assert split.input_ids.shape[0] > 1 and split.real_tokens > whole.real_tokens  # ancestors repeated
+    assert max(split.lengths) <= 22  # every pack within the cap (no row here is longer)
+    visible = whole.visible[0, 0]
+    assert torch.equal(visible, visible.tril())  # preorder: ancestors come first
+
+
+def test_regroup_keeps_groups_together_and_row_counts(tokenizer):
+    rows, group_size, splits = 16, 4, 2
+    batch = {"completion_ids": torch.arange(rows)[:, None].repeat(1, 3), "names": [f"r{i}" for i in range(rows)],
+             "num_items_in_batch": torch.tensor(7), "old_per_token_logps": None, ROW_INDEX: torch.arange(rows)}
+    torch.manual_seed(0)
+    order = torch.randperm(rows)
+    shuffled = {k: (v[order] if isinstance(v, torch.Tensor) and v.ndim else
+                    [v[i] for i in order] if isinstance(v, list) else v) for k, v in batch.items()}
+    chunks = [{k: (v[i * 8:(i + 1) * 8] if isinstance(v, list) or (isinstance(v, torch.Tensor) and v.ndim) else v)
+               for k, v in shuffled.items()} for i in range(splits)]
+    regrouped = regroup(chunks, group_size)
+    assert [len(c[ROW_INDEX]) for c in regrouped] == [8, 8]
+    for chunk in regrouped:
+        groups = (chunk[ROW_INDEX] // group_size).tolist()
+        assert all(groups.count(g) == group_size for g in groups)
+        assert chunk["names"] == [f"r{i}" for i in chunk[ROW_INDEX].tolist()]
+        assert torch.equal(chunk["completion_ids"][:, 0], chunk[ROW_INDEX]) and chunk["num_items_in_batch"] == 7
+    first_groups = [int(order[i]) // group_size for i in range(rows)]
+    assert (regrouped[0][ROW_INDEX][0] // group_size).item() == first_groups[0]  # TRL's shuffle sets group order
+
+
+def test_an_architecture_without_tree_masks_falls_back_with_one_warning(model_dirs, tokenizer, addition_dataset,
+                                                                        tmp_path, monkeypatch, caplog):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from arpo_trl.training import compatibility
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
+    assert "absolute position" in compatibility.packing_blocker(gpt2)
+    monkeypatch.setattr(compatibility, "TREE_MASK_ARCHITECTURES", ("qwen3",))
+    trainer = make_trainer(model_dirs["llama"], tokenizer, addition_dataset, tmp_path, beta=0.04)
+    batch = micro_batch(["one_fork"], len(tokenizer), tokenizer.pad_token_id)
+    with caplog.at_level("WARNING", logger="arpo_trl.training.packed_logps"):
+        loss, _ = loss_and_grads(trainer, batch, packed=True, old_logps=True)
+        loss_and_grads(trainer, batch, packed=True, old_logps=True)
+    warnings = [r for r in caplog.records if "falls back to unpacked rows" in r.getMessage()]
+    assert len(warnings) == 1 and "'llama'" in warnings[0].getMessage()
+    unpacked_loss, _ = loss_and_grads(trainer, batch, packed=False, old_logps=True)
+    assert torch.equal(loss, unpacked_loss)

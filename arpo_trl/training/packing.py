@@ -93,7 +93,11 @@ class PackedBatch:
     visible: torch.Tensor  # (P, 1, L, L) bool: query slot i may attend to key slot j
     labels: torch.Tensor  # (P, L): the token whose log-probability is read at each slot, or IGNORE
     gather_index: torch.Tensor  # (B, T) into the flattened (P*L) outputs, P*L = an always-zero slot
-    real_tokens: int  # slots holding a node or a copy (the rest is padding)
+    lengths: list[int]  # slots of each pack holding a node or a copy (the rest is padding)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(self.lengths)
 
     def gather(self, per_slot: torch.Tensor) -> torch.Tensor:
         """(P, L) per-slot values -> TRL's (B, T) layout, 0 where no log-probability is read (as TRL's own)."""
@@ -183,5 +187,4 @@ def pack_rows(rows: Sequence[Sequence[int]], prompt_lengths: Sequence[int], widt
         label_slots = packs[p][1]
         slots = [p * length + label_slots[(id(node), k)] for node, k in row_readers]
         gather_index[r, : len(slots)] = torch.tensor(slots, dtype=torch.long)
-    real = sum(len(pack.tokens) for pack, _ in packs)
-    return PackedBatch(input_ids, position_ids, visible, labels, gather_index, real)
+    return PackedBatch(input_ids, position_ids, visible, labels, gather_index, [len(pack.tokens) for pack, _ in packs])
