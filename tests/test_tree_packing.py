@@ -249,3 +249,30 @@ def test_an_architecture_without_tree_masks_falls_back_with_one_warning(model_di
     assert len(warnings) == 1 and "'llama'" in warnings[0].getMessage()
     unpacked_loss, _ = loss_and_grads(trainer, batch, packed=False, old_logps=True)
     assert torch.equal(loss, unpacked_loss)
+
+
+class LossInputsTrainer(ARPOTrainer):
+    def _compute_loss(self, model, inputs):
+        self.loss_rows = getattr(self, "loss_rows", []) + [inputs[ROW_INDEX].tolist()]
+        self.loss_width = inputs["prompt_ids"].size(1)  # unpacked, a group forwards M * (prompt + completion width)
+        return super()._compute_loss(model, inputs)
+
+
+def test_training_keeps_groups_in_micro_batches_and_logs_packing_metrics(tool_model_dir, tokenizer,
+                                                                         addition_dataset, tmp_path):
+    from arpo_trl import PythonTool, arpo_math_reward
+
+    args = ARPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=M,
+        initial_rollouts=2, max_completion_length=48, max_steps=1, learning_rate=1e-3, logging_steps=1,
+        use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0, beta=0.0, log_trees=False,
+    )
+    trainer = LossInputsTrainer(model=str(tool_model_dir), reward_funcs=[arpo_math_reward, length_reward], args=args,
+                                train_dataset=addition_dataset, processing_class=tokenizer, tools=[PythonTool()])
+    trainer.train()
+    assert len(trainer.loss_rows) == 2
+    for rows in trainer.loss_rows:  # one whole group per micro-batch, in tree order
+        assert rows == sorted(rows) and len({row // M for row in rows}) == 1
+    logged = trainer.state.log_history[0]
+    assert logged["arpo/training_seconds"] > 0
+    assert 0 < logged["arpo/tokens_forwarded_per_group"] < M * trainer.loss_width + M * 48
