@@ -45,11 +45,14 @@ def build_group(rng: random.Random, vocab: int, prompt_length: int, paths) -> Gr
     return group
 
 
-def micro_batch(trees: list[str], vocab: int, pad: int, attribution: str = "soft", truncate_row: int | None = None,
-                seed: int = 0) -> dict:
-    """One micro-batch holding a group per tree name (prompts of different lengths), TRL's loss-input keys."""
+def micro_batch(trees: list, vocab: int, pad: int, attribution: str = "soft", truncate_row: int | None = None,
+                seed: int = 0, prompt_lengths: list[int] | None = None) -> dict:
+    """One micro-batch holding a group per tree (a name of `TREES` or a list of paths), TRL's loss-input keys.
+    Prompts are 5, 7, 9, ... tokens unless `prompt_lengths` says otherwise."""
     rng = random.Random(seed)
-    groups = [build_group(rng, vocab, 5 + 2 * i, TREES[name]) for i, name in enumerate(trees)]
+    prompt_lengths = prompt_lengths or [5 + 2 * i for i in range(len(trees))]
+    groups = [build_group(rng, vocab, prompt_lengths[i], TREES[tree] if isinstance(tree, str) else tree)
+              for i, tree in enumerate(trees)]
     prompts = [g.prompt for g in groups for _ in g.completions]
     completions = [c for g in groups for c in g.completions]
     bits = [b for g in groups for b in g.tool_bits]
