@@ -276,3 +276,29 @@ def test_training_keeps_groups_in_micro_batches_and_logs_packing_metrics(tool_mo
     logged = trainer.state.log_history[0]
     assert logged["arpo/training_seconds"] > 0
     assert 0 < logged["arpo/tokens_forwarded_per_group"] < M * trainer.loss_width + M * 48
+
+
+def test_trl_touch_points_of_tree_packing(tiny_model_dir, tokenizer, addition_dataset, tmp_path):
+    """What `TreePackedTraining` relies on in TRL 1.16 (as tests/test_trl_touch_points.py does for the trainer)."""
+    import inspect
+
+    from test_trl_touch_points import check, parameters
+    from transformers import Trainer
+    from trl import GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head, split_tensor_dict  # noqa: F401 (regroup splits with it)
+
+    hook = parameters(GRPOTrainer._get_per_token_logps_and_entropies)
+    check(hook[:8] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
+                       "compute_entropy", "compute_aux_loss"], "GRPOTrainer._get_per_token_logps_and_entropies",
+          f"parameters start {hook[:8]}")
+    check(all(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters[name].default is None
+              for name in hook[8:]), "GRPOTrainer._get_per_token_logps_and_entropies",
+          "a keyword after compute_aux_loss no longer defaults to None (packing falls back on any set one)")
+    check(parameters(GRPOTrainer._prepare_inputs) == ["self", "generation_batch"], "GRPOTrainer._prepare_inputs",
+          "signature changed")
+    check(parameters(Trainer.training_step)[:4] == ["self", "model", "inputs", "num_items_in_batch"],
+          "Trainer.training_step", "signature changed")
+    check("shift_labels" in inspect.getsource(add_fused_lm_head), "trl.trainer.utils.add_fused_lm_head",
+          "the fused forward no longer takes shift_labels")
+    trainer = make_trainer(tiny_model_dir, tokenizer, addition_dataset, tmp_path)
+    check(trainer._trl.buffered_inputs is None, "GRPOTrainer._buffered_inputs", "not None after __init__")

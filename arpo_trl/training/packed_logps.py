@@ -19,8 +19,6 @@ from arpo_trl.training.grouping import ROW_INDEX, regroup
 from arpo_trl.training.packing import PackedBatch, pack_rows
 
 logger = logging.getLogger(__name__)
-MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-                   "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
 def real_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -72,7 +70,7 @@ class TreePackedTraining:
         started = time.perf_counter()
         rows = None
         if (self.args.tree_packing and not compute_aux_loss and self._packing_fallback(model) is None
-                and all(multimodal.get(key) is None for key in MULTIMODAL_KEYS)):
+                and all(value is None for value in multimodal.values())):  # images, token types: TRL's rows
             rows = real_rows(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
         if rows is None:
             out = super()._get_per_token_logps_and_entropies(
