@@ -264,13 +264,15 @@ def test_training_keeps_groups_in_micro_batches_and_logs_packing_metrics(tool_mo
 
     args = ARPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=M,
-        initial_rollouts=2, max_completion_length=48, max_steps=1, learning_rate=1e-3, logging_steps=1,
+        initial_rollouts=2, max_completion_length=48, max_steps=2, num_iterations=2, learning_rate=1e-3,
+        logging_steps=1,
         use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0, beta=0.0, log_trees=False,
     )
     trainer = LossInputsTrainer(model=str(tool_model_dir), reward_funcs=[arpo_math_reward, length_reward], args=args,
                                 train_dataset=addition_dataset, processing_class=tokenizer, tools=[PythonTool()])
     trainer.train()
-    assert len(trainer.loss_rows) == 2
+    assert len(trainer.loss_rows) == 4  # one generation, trained on twice (num_iterations 2) from TRL's buffer
+    assert trainer.loss_rows[:2] == trainer.loss_rows[2:]
     for rows in trainer.loss_rows:  # one whole group per micro-batch, in tree order
         assert rows == sorted(rows) and len({row // M for row in rows}) == 1
     logged = trainer.state.log_history[0]

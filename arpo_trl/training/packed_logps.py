@@ -52,6 +52,7 @@ class TreePackedTraining:
     _logp_seconds = 0.0  # time in this hook so far (old/reference passes inside generation count as training)
     _rollout_seconds = 0.0  # time in generation and scoring so far, those passes excluded
     _training_seconds = 0.0  # training time of the optimizer step under way
+    _warned_rows = False
 
     def _packing_fallback(self, model) -> str | None:
         if self._packing_checked is None:
@@ -72,6 +73,10 @@ class TreePackedTraining:
         if (self.args.tree_packing and not compute_aux_loss and self._packing_fallback(model) is None
                 and all(value is None for value in multimodal.values())):  # images, token types: TRL's rows
             rows = real_rows(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
+            if rows is None and not self._warned_rows:
+                self._warned_rows = True
+                logger.warning("ARPO: tree_packing falls back to unpacked rows for a micro-batch with a row whose "
+                               "attended tokens are not one contiguous run, or that has no prompt token.")
         if rows is None:
             out = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
