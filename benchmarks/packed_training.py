@@ -51,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per run (after one warm-up step)")
     parser.add_argument("--max-length", type=int, default=None, help="tree_packing_max_length (default: ARPOConfig's)")
     parser.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M: 30)")
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny Llama instead (checks the script only)")
     parser.add_argument("--bootstrap", type=int, default=2000)
     parser.add_argument("--out", default="runs/packed_training")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -85,9 +86,12 @@ def worker(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     m, n = spec["setting"]
     shape = SETTINGS[(m, n)]
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=spec["layers"],
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                         rope_theta=100000.0, tie_word_embeddings=True, attn_implementation="sdpa")
+    dims = (dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=32) if spec["tiny"] else
+            dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                 num_key_value_heads=3, head_dim=64))  # SmolLM2-135M's
+    config = LlamaConfig(num_hidden_layers=spec["layers"], max_position_embeddings=8192, rope_theta=100000.0,
+                         tie_word_embeddings=True, attn_implementation="sdpa", **dims)
     model = LlamaForCausalLM(config)
     tokenizer = build_tokenizer()
     extra = {} if spec["max_length"] is None else {"tree_packing_max_length": spec["max_length"]}
@@ -128,7 +132,7 @@ def worker(spec: dict) -> dict:
 
 def run_config(args, setting, seed: int, method: str, packed: bool) -> dict:
     spec = {"setting": list(setting), "seed": seed, "method": method, "packed": packed, "steps": args.steps,
-            "max_length": args.max_length, "layers": args.layers, "threads": 2, "out": args.out}
+            "max_length": args.max_length, "layers": args.layers, "tiny": args.tiny, "threads": 2, "out": args.out}
     done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
                           cwd=ROOT)
     if done.returncode != 0:
@@ -190,7 +194,8 @@ def main(argv=None) -> dict:
                    for s in args.settings for mine, base in PAIRS}
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     report = {"settings": [_label(s) for s in args.settings], "seeds": args.seeds, "steps": args.steps,
-              "uptime": uptime, "runs": runs, "summary": summarize(runs), "comparisons": comparisons}
+              "layers": args.layers, "tiny": args.tiny, "uptime": uptime, "runs": runs, "summary": summarize(runs),
+              "comparisons": comparisons}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=1))
