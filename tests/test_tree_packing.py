@@ -221,6 +221,8 @@ def test_regroup_keeps_groups_together_and_row_counts(tokenizer):
     chunks = [{k: (v[i * 8:(i + 1) * 8] if isinstance(v, list) or (isinstance(v, torch.Tensor) and v.ndim) else v)
                for k, v in shuffled.items()} for i in range(splits)]
     regrouped = regroup(chunks, group_size)
+    halves = regroup(chunks, 2 * rows)  # one group larger than a micro-batch: rows in trie (token) order
+    assert [c["completion_ids"][:, 0].tolist() for c in halves] == [list(range(8)), list(range(8, 16))]
     assert [len(c[ROW_INDEX]) for c in regrouped] == [8, 8]
     for chunk in regrouped:
         groups = (chunk[ROW_INDEX] // group_size).tolist()
@@ -273,8 +275,8 @@ def test_training_keeps_groups_in_micro_batches_and_logs_packing_metrics(tool_mo
     trainer.train()
     assert len(trainer.loss_rows) == 4  # one generation, trained on twice (num_iterations 2) from TRL's buffer
     assert trainer.loss_rows[:2] == trainer.loss_rows[2:]
-    for rows in trainer.loss_rows:  # one whole group per micro-batch, in tree order
-        assert rows == sorted(rows) and len({row // M for row in rows}) == 1
+    for rows in trainer.loss_rows:  # one whole group per micro-batch
+        assert len(rows) == M and len({row // M for row in rows}) == 1
     logged = trainer.state.log_history[0]
     assert logged["arpo/training_seconds"] > 0
     assert 0 < logged["arpo/tokens_forwarded_per_group"] < M * trainer.loss_width + M * 48

@@ -4,7 +4,8 @@ TRL 1.16's `_prepare_inputs` permutes the generation batch row by row and splits
 micro-batches of equal row counts. Packing computes a shared prefix once per micro-batch, so rows of one tree
 scattered over several micro-batches would forward it several times. `regroup` re-orders TRL's shuffled rows so
 that groups are contiguous, in the random order TRL's permutation put their first rows, and splits again into the
-same number of micro-batches: the row counts, hence the accumulated gradient's normalisation, are unchanged.
+same number of micro-batches: the row counts, hence the accumulated gradient's normalisation, are unchanged. Within
+a group the rows are in trie order, so a micro-batch holding part of a large tree holds neighbouring branches.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def regroup(batches: list[dict], group_size: int) -> list[dict]:
     first_seen: dict[int, int] = {}
     for row in rows:
         first_seen.setdefault(row // group_size, len(first_seen))
-    order = sorted(range(len(rows)), key=lambda i: (first_seen[rows[i] // group_size], rows[i]))
+    # Within a group, rows in trie order (by their completion tokens): when a micro-batch holds part of a group,
+    # the rows it holds share the longest prefixes.
+    tokens = whole["completion_ids"].tolist() if "completion_ids" in whole else [[] for _ in rows]
+    order = sorted(range(len(rows)), key=lambda i: (first_seen[rows[i] // group_size], tokens[i], rows[i]))
     index = torch.tensor(order)
 
     def permute(value):
