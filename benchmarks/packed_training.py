@@ -12,8 +12,9 @@ recipes/quickstart.yaml): per prompt, `arpo` has N global paths and M-N branches
 or 60 % of a path, so about 0.75 of GRPO's unique tokens), `grpo` M global paths sharing only the prompt; a path is
 60-100 % of max_completion_length long. Every configuration sees the same trees for a (setting, seed, step).
 
-Per step: tokens forwarded per group (padding included), training-phase seconds, and the peak resident memory the
-training phase adds to the process (ru_maxrss after the steps minus before them). Ratios get the two-level paired
+Per step: tokens forwarded per group (padding included), training-phase seconds (wall clock, and the process's CPU
+seconds, which other jobs on a shared machine disturb less), and the peak resident memory the training phase adds to
+the process (ru_maxrss after the steps minus before them). Ratios get the two-level paired
 bootstrap intervals of `arpo_trl.eval_metrics.paired_bootstrap` (seeds, then steps), as benchmarks/arpo_vs_grpo.py.
 Step seconds (rollout included) come from the multi-call benchmark's runs with `--tree_packing true/false`; this
 script measures the phase packing changes. Writes `<out>/results.json` and `<out>/results.md`.
@@ -39,7 +40,7 @@ from benchmarks.arpo_vs_grpo import _interval, _label, _setting  # noqa: E402
 
 SETTINGS = {(16, 8): {"prompts": 1, "max_completion_length": 160}, (4, 2): {"prompts": 2, "max_completion_length": 80}}
 PROMPT_TOKENS = 110  # the multi-call recipe's system prompt and question, chat template applied
-METRICS = ("tokens_forwarded_per_group", "training_seconds", "peak_memory_mb")
+METRICS = ("tokens_forwarded_per_group", "training_seconds", "training_cpu_seconds", "peak_memory_mb")
 PAIRS = (("arpo_packed", "arpo_unpacked"), ("grpo_packed", "grpo_unpacked"), ("arpo_packed", "grpo_unpacked"),
          ("arpo_packed", "grpo_packed"))
 
@@ -116,14 +117,15 @@ def worker(spec: dict) -> dict:
                             prompt_lengths=[PROMPT_TOKENS + 3 * i for i in range(len(trees))])
         if baseline is None:
             baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         loss = trainer.compute_loss(trainer.model, batch)
         loss.backward()
-        seconds = time.perf_counter() - started
+        seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
         trainer.model.zero_grad(set_to_none=True)
         tokens = trainer._metrics["train"]["arpo/tokens_forwarded_per_group"][-1]
         if step:
-            steps.append({"tokens_forwarded_per_group": tokens, "training_seconds": seconds})
+            steps.append({"tokens_forwarded_per_group": tokens, "training_seconds": seconds,
+                          "training_cpu_seconds": cpu_seconds})
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024
     for record in steps:
         record["peak_memory_mb"] = peak
