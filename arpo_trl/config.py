@@ -146,6 +146,25 @@ class ARPOConfig(GRPOConfig):
             "choices": list(ATTRIBUTIONS),
         },
     )
+    tree_packing: bool = field(
+        default=True,
+        metadata={
+            "help": "Forward each micro-batch tree-packed: the rows' shared token prefixes (a group's prompt, an ARPO "
+            "tree's trunk and branches) are computed once, in the policy pass with its backward and in the old-logprob "
+            "and reference passes, with the same log-probabilities and gradients as unpacked rows; prompt groups stay "
+            "together in micro-batches. Falls back to unpacked rows, with a warning, where a tree mask is not exact "
+            "(architectures other than Llama/Qwen2/Qwen3/Mistral without sliding windows, attention other than "
+            "sdpa/eager). docs/tree_packing.md.",
+        },
+    )
+    tree_packing_max_length: int | None = field(
+        default=4096,
+        metadata={
+            "help": "Most slots in one packed sequence (tree_packing): a micro-batch whose tree is larger is split "
+            "into several packs, each repeating the ancestors it needs, so the L x L attention mask stays bounded. A "
+            "row longer than this gets a pack of its own. None: one pack per micro-batch.",
+        },
+    )
     log_trees: bool = field(
         default=True,
         metadata={
@@ -337,6 +356,8 @@ class ARPOConfig(GRPOConfig):
     def _validate_limits(self) -> None:
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ValueError(f"max_minutes must be > 0 (minutes) or None, got {self.max_minutes}.")
+        if self.tree_packing_max_length is not None and self.tree_packing_max_length < 1:
+            raise ValueError(f"tree_packing_max_length must be >= 1 or None, got {self.tree_packing_max_length}.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
         for name in ("reward_timeout", "reward_batch_timeout"):

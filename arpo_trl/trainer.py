@@ -46,6 +46,7 @@ from arpo_trl.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.functions import as_tools
 from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
+from arpo_trl.training import TreePackedTraining
 from arpo_trl.trees import node_table, select, tree_html, tree_records, write_jsonl
 from arpo_trl.trl_state import TRLState
 
@@ -61,7 +62,8 @@ def silence_checkpointing_aliases() -> None:
                             r"transformers\.modeling_utils")
 
 
-class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpdate, GRPOTrainer):
+class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpdate, TreePackedTraining,
+                  GRPOTrainer):
     """Train a tool-using policy with ARPO.
 
     Args:

@@ -166,6 +166,16 @@ class TRLState:
         per_func = [list(trainer._logs["rewards"][name])[-last:] for name in trainer.reward_func_names]
         return list(zip(*per_func))
 
+    @property
+    def buffered_inputs(self) -> list[dict] | None:
+        # TRL 1.16: GRPOTrainer._prepare_inputs shuffles a new generation batch row by row, splits it into
+        # steps_per_generation micro-batches and keeps them in _buffered_inputs (None before the first generation)
+        return self._trainer._buffered_inputs
+
+    @buffered_inputs.setter
+    def buffered_inputs(self, batches: list[dict]) -> None:
+        self._trainer._buffered_inputs = batches
+
     def log_metric(self, mode: str, key: str, value: float) -> None:
         # TRL 1.16: GRPOTrainer._metrics[mode][key] (mode "train"/"eval") is a list TRL averages into its next log()
         self._trainer._metrics[mode][key].append(float(value))

@@ -22,8 +22,9 @@ LAYERS: dict[str, list[str]] = {
                       "server.responses"],
     "sampler": ["budget", "scheduling", "entropy_balance", "rollout", "advantages", "rewards", "data", "eval_metrics",
                 "trees", "trees.analysis", "trees.render"],
-    "trainer": ["config", "trainer", "dropin", "dropin.*", "entropy_balanced_update", "trl_state", "tracking",
-                "time_budget", "server.weight_sync", "server.trainer_mode", "server.launcher", "server.__main__"],
+    "trainer": ["config", "trainer", "dropin", "dropin.*", "training", "training.*", "entropy_balanced_update",
+                "trl_state", "tracking", "time_budget", "server.weight_sync", "server.trainer_mode", "server.launcher",
+                "server.__main__"],
     "commands": ["commands", "commands.*"],
     "top": ["__init__", "cli"],
 }

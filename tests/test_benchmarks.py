@@ -216,3 +216,21 @@ def test_merged_adapter_is_the_adapted_model(tiny_model_dir, tokenizer, tmp_path
         assert torch.allclose(merged, reference(ids).logits, atol=1e-5)
         assert not torch.allclose(merged, base, atol=1e-3)  # the adapter did change the model
     assert (merged_dir / "tokenizer_config.json").is_file()
+
+
+def test_packed_training_reports_what_its_runs_measured(tmp_path, capsys):
+    """benchmarks/packed_training.py on the tiny Llama: every configuration ran, packing forwarded fewer tokens per
+    group than unpacked rows for both methods, and the report's ratios are those of its runs."""
+    bench = load("packed_training")
+    report = bench.main(["--settings", "4:2", "--seeds", "0", "1", "--steps", "1", "--layers", "1", "--tiny",
+                         "--bootstrap", "20", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "results.json").read_text()) == json.loads(json.dumps(report))
+    summary = report["summary"]["M4N2"]
+    assert set(summary) == {"arpo_packed", "arpo_unpacked", "grpo_packed", "grpo_unpacked"}
+    for method in ("arpo", "grpo"):
+        assert summary[f"{method}_packed"]["tokens_forwarded_per_group"] < \
+            summary[f"{method}_unpacked"]["tokens_forwarded_per_group"]
+    ratio = report["comparisons"]["arpo_packed / arpo_unpacked (M4N2)"]["tokens_forwarded_per_group"]["estimate"]
+    assert ratio == pytest.approx(summary["arpo_packed"]["tokens_forwarded_per_group"]
+                                  / summary["arpo_unpacked"]["tokens_forwarded_per_group"])
+    assert "| M4N2 | arpo_packed |" in capsys.readouterr().out

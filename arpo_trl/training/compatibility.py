@@ -1,0 +1,37 @@
+"""Where a tree mask gives the same log-probabilities as unpacked rows, and why not elsewhere."""
+
+from __future__ import annotations
+
+from peft import PeftModel
+
+# Decoder-only architectures whose attention reads positions only through RoPE (a row's constant position offset under
+# TRL's left padding cancels) and takes a prepared 4D mask as is (transformers >= 5). Packed against unpacked
+# exactness is tested for llama and qwen2/qwen3 (tests/test_tree_packing.py).
+TREE_MASK_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+TREE_MASK_ATTENTION = ("sdpa", "eager")  # flash-attention varlen and paged kernels take no 4D mask
+
+
+def base_model(model):
+    """The transformers model under DDP/accelerate and PEFT wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def packing_blocker(model, use_liger_kernel: bool = False) -> str | None:
+    """Why `model` cannot run on a tree mask (a sentence for the fallback warning), or None when it can."""
+    config = base_model(model).config.get_text_config()
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TREE_MASK_ARCHITECTURES:
+        return (f"architecture {model_type!r} is not one of {TREE_MASK_ARCHITECTURES} (RoPE models whose attention "
+                "takes a 4D mask; absolute position embeddings would see packed depths differently)")
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in TREE_MASK_ATTENTION:
+        return (f"attn_implementation={implementation!r} takes no 4D tree mask (use one of {TREE_MASK_ATTENTION})")
+    layer_types = getattr(config, "layer_types", None) or ()
+    windowed = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None) is not None
+    if windowed or any(kind != "full_attention" for kind in layer_types):
+        return "sliding-window attention is not expressed by a tree mask"
+    if use_liger_kernel:
+        return "Liger kernels are not checked against tree masks"
+    return None

@@ -1,0 +1,163 @@
+"""`TreePackedTraining`: TRL's per-token log-probabilities computed on tree-packed micro-batches.
+
+Mixed into `ARPOTrainer` before `GRPOTrainer`. Every training-side forward of TRL 1.16 (the policy pass of
+`_compute_loss` with its backward, the old-logprob pass and the reference pass of `_generate_and_score_completions`)
+goes through `_get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, ...)`, so that
+is the one hook overridden here: it packs the rows, runs the model once on the packs and gathers the results back
+into the (B, T) layout TRL's loss code reads, which then runs unchanged (docs/tree_packing.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from arpo_trl.training.compatibility import base_model, packing_blocker
+from arpo_trl.training.grouping import ROW_INDEX, regroup
+from arpo_trl.training.packing import PackedBatch, pack_rows
+
+logger = logging.getLogger(__name__)
+
+
+def real_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              prompt_width: int) -> tuple[list[list[int]], list[int]] | None:
+    """Each row's real tokens and prompt length, or None when a row's attended tokens are not one contiguous run
+    (a hole would shift positions differently than a tree can) or a row has no prompt token."""
+    mask = attention_mask.bool()
+    counts = mask.sum(1)
+    first = mask.int().argmax(1)
+    last = mask.size(1) - 1 - mask.flip(1).int().argmax(1)
+    prompt_lengths = mask[:, :prompt_width].sum(1)
+    if bool(((last - first + 1) != counts).any()) or bool((prompt_lengths == 0).any()):
+        return None
+    ids = input_ids.tolist()
+    rows = [ids[r][f:f + n] for r, (f, n) in enumerate(zip(first.tolist(), counts.tolist()))]
+    return rows, prompt_lengths.tolist()
+
+
+def tree_mask(visible: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """The 4D mask in the form the attention implementation reads: bool for SDPA, additive float for eager."""
+    if attn_implementation == "sdpa":
+        return visible
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+
+
+class TreePackedTraining:
+    """Active with `ARPOConfig.tree_packing`; falls back to TRL's unpacked rows (warning once) where a tree mask is
+    not exact: see `arpo_trl.training.compatibility`."""
+
+    _packing_checked: dict[int, str | None] | None = None  # per model object: why it falls back, or None
+    _logp_seconds = 0.0  # time in this hook so far (old/reference passes inside generation count as training)
+    _rollout_seconds = 0.0  # time in generation and scoring so far, those passes excluded
+    _training_seconds = 0.0  # training time of the optimizer step under way
+    _warned_rows = False
+
+    def _packing_fallback(self, model) -> str | None:
+        if self._packing_checked is None:
+            self._packing_checked = {}
+        checked = self._packing_checked
+        if id(model) not in checked:
+            reason = packing_blocker(model, self.args.use_liger_kernel)
+            if reason is not None and not any(checked.values()):  # one warning, not one per model (policy, ref)
+                logger.warning("ARPO: tree_packing falls back to unpacked rows: %s.", reason)
+            checked[id(model)] = reason
+        return checked[id(model)]
+
+    # TRL 1.16: every training-side forward (policy, old, reference) calls this; the narrowest hook to pack rows
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        started = time.perf_counter()
+        rows = None
+        if (self.args.tree_packing and not compute_aux_loss and self._packing_fallback(model) is None
+                and all(value is None for value in multimodal.values())):  # images, token types: TRL's rows
+            rows = real_rows(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
+            if rows is None and not self._warned_rows:
+                self._warned_rows = True
+                logger.warning("ARPO: tree_packing falls back to unpacked rows for a micro-batch with a row whose "
+                               "attended tokens are not one contiguous run, or that has no prompt token.")
+        if rows is None:
+            out = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+            forwarded = input_ids.numel()
+        else:
+            out, forwarded = self._packed_logps(model, *rows, logits_to_keep, batch_size or input_ids.size(0),
+                                                compute_entropy)
+        self._record_forward(input_ids.size(0), forwarded, compute_entropy, time.perf_counter() - started)
+        return out
+
+    def _packed_logps(self, model, rows: list[list[int]], prompt_lengths: list[int], width: int, batch_size: int,
+                      compute_entropy: bool):
+        logps, entropies, forwarded = [], [], 0
+        for start in range(0, len(rows), batch_size):  # TRL's chunks, so the memory peak stays where TRL puts it
+            packed = pack_rows(rows[start:start + batch_size], prompt_lengths[start:start + batch_size], width,
+                               self.args.tree_packing_max_length)
+            chunk_logps, chunk_entropies = self._forward_packed(model, packed, compute_entropy)
+            logps.append(chunk_logps)
+            entropies.append(chunk_entropies)
+            forwarded += packed.input_ids.numel()
+        return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None), forwarded
+
+    def _forward_packed(self, model, packed: PackedBatch, compute_entropy: bool):
+        device = self.accelerator.device
+        config = self._packing_config(model)
+        mask = tree_mask(packed.visible, config._attn_implementation, self._packing_dtype(model))
+        with self.accelerator.autocast():
+            # TRL 1.16's fused LM head (trl.trainer.utils.add_fused_lm_head) scores `shift_labels` as given, one
+            # label per slot, with TRL's temperature and head options: the same numbers as its unpacked forward.
+            outputs = model(input_ids=packed.input_ids.to(device), attention_mask=mask.to(device),
+                            position_ids=packed.position_ids.to(device), shift_labels=packed.labels.to(device),
+                            fused_lm_head=True)
+        packed.gather_index = packed.gather_index.to(device)
+        entropies = packed.gather(outputs.entropy) if compute_entropy else None
+        return packed.gather(outputs.log_probs), entropies
+
+    @staticmethod
+    def _packing_config(model):
+        return base_model(model).config.get_text_config()
+
+    @staticmethod
+    def _packing_dtype(model) -> torch.dtype:
+        return base_model(model).get_input_embeddings().weight.dtype
+
+    def _record_forward(self, rows: int, forwarded: int, is_loss_pass: bool, seconds: float) -> None:
+        """`arpo/tokens_forwarded_per_group`: positions the policy pass of `_compute_loss` forwards (padding
+        included: it is computed too), per prompt group of M rows."""
+        self._logp_seconds += seconds
+        if is_loss_pass and self.model.training:
+            groups = rows / self._trl.group_size(True)
+            self._trl.log_metric("train", "arpo/tokens_forwarded_per_group", forwarded / groups)
+
+    def _generate_and_score_completions(self, inputs):  # TRL 1.16: (inputs) -> the generation batch's dict
+        started, logp_before = time.perf_counter(), self._logp_seconds
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training and self.args.tree_packing:
+            output[ROW_INDEX] = torch.arange(self._trl.completion_shape(output)[0], device=self.accelerator.device)
+        logp_seconds = self._logp_seconds - logp_before  # old/ref passes: training work
+        self._rollout_seconds += time.perf_counter() - started - logp_seconds
+        return output
+
+    def _prepare_inputs(self, generation_batch):  # TRL 1.16: shuffles and splits a new generation batch here
+        before = self._trl.buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        fresh = self._trl.buffered_inputs
+        if self.model.training and self.args.tree_packing and fresh is not before and fresh:
+            position = next(i for i, batch in enumerate(fresh) if batch is inputs)
+            self._trl.buffered_inputs = regroup(fresh, self._trl.group_size(True))
+            inputs = self._trl.buffered_inputs[position]
+        return inputs
+
+    def training_step(self, model, inputs, num_items_in_batch):  # transformers: one micro-batch's forward+backward
+        """`arpo/training_seconds`: per optimizer step, the time of its micro-batches' training steps less the
+        rollout and scoring inside them (the old-logprob and reference passes count as training)."""
+        started, rollout_before = time.perf_counter(), self._rollout_seconds
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        rollout = self._rollout_seconds - rollout_before
+        spent = self._training_seconds + time.perf_counter() - started - rollout
+        self._training_seconds = spent
+        if self.accelerator.sync_gradients:
+            self._trl.log_metric("train", "arpo/training_seconds", spent)
+            self._training_seconds = 0.0
+        return loss
