@@ -36,6 +36,7 @@ from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import run_on_main_process
 from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine, VLLMServerEngine
 from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
+from arpo_trl.generation.cached_engine import CachedTransformersEngine, cache_budget
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.scoring import configure_math_scoring
 from arpo_trl.server.client import VLLMClient, check_server_tokenizer
@@ -232,8 +233,13 @@ class ARPOTrainer(EntropyBalancedUpdate, GRPOTrainer):
 
     def _transformers_engine(self) -> TransformersEngine:
         args = self.args
-        return TransformersEngine(
-            None, self._trl.tokenizer, sampling=self._sampling(),
+        # TRL's continuous-batching knob selects the event-driven engine with a persistent KV cache
+        engine_class, extra = TransformersEngine, {}
+        if args.use_transformers_continuous_batching:
+            engine_class = CachedTransformersEngine
+            extra = {"max_cached_tokens": cache_budget(args.transformers_continuous_batching_config)}
+        return engine_class(
+            None, self._trl.tokenizer, sampling=self._sampling(), **extra,
             model_context=lambda: unwrap_model_for_generation(
                 self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation,
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
