@@ -167,3 +167,37 @@ def test_unsupported_generation_kwargs_are_refused(tokenizer, tool_model64):
     with pytest.raises(ValueError, match="generation_kwargs"):
         CachedTransformersEngine(tool_model64, tokenizer,
                                  sampling=SamplingSettings(generation_kwargs={"typical_p": .5}))
+
+
+def test_trainer_selects_it_with_trls_knob_and_samples_the_current_lora_weights(tool_model_dir, tokenizer,
+                                                                                addition_dataset, tmp_path):
+    """`use_transformers_continuous_batching=True` (TRL's knob) picks the cached engine; after the adapter changes,
+    its logprobs are the adapted model's (the cache is rebuilt per rollout, through TRL's unwrap context)."""
+    from peft import LoraConfig
+
+    from arpo_trl import ARPOConfig, ARPOTrainer, arpo_math_reward
+
+    args = ARPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, initial_rollouts=2,
+                      max_completion_length=16, max_steps=1, use_cpu=True, bf16=False, report_to="none",
+                      save_strategy="no", beta=0.0, gradient_checkpointing=False,
+                      use_transformers_continuous_batching=True,
+                      transformers_continuous_batching_config={"num_blocks": 64, "block_size": 32})
+    trainer = ARPOTrainer(model=str(tool_model_dir), reward_funcs=[arpo_math_reward], args=args,
+                          train_dataset=addition_dataset, processing_class=tokenizer,
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 task_type="CAUSAL_LM"))
+    engine = trainer.engine
+    assert isinstance(engine, CachedTransformersEngine) and engine.prefix_cache.max_tokens == 64 * 32
+    model = trainer.model
+    prompt = _prompt(tokenizer, "What is 12+30?")
+    for scale in (0.0, 0.3):
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.fill_(scale)
+        torch.manual_seed(0)
+        segment = engine.generate([prompt], [8], [])[0]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + segment.token_ids])).logits[0, len(prompt) - 1: -1].float()
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(segment.token_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(segment.logprobs), expected, atol=1e-4, rtol=1e-4)

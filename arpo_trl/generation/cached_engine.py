@@ -86,6 +86,7 @@ class CachedTransformersEngine(TransformersEngine):
         self._pending: list[_Request] = []
         self._rows: list[_Request] = []
         self._kv: KV | None = None  # the running rows, left-padded: [rows, heads, width, head_dim] per layer
+        self._cache: DynamicCache | None = None  # the same tensors as the model's cache, until the rows change
         self._mask: torch.Tensor | None = None  # [rows, width], 0 on padding
         self._positions: torch.Tensor | None = None  # [rows] next position
         self._logits: torch.Tensor | None = None  # [rows, vocab] next-token logits
@@ -166,7 +167,7 @@ class CachedTransformersEngine(TransformersEngine):
             if not request.future.done():
                 request.future.set_exception(error)
         self._pending, self._rows = [], []
-        self._kv = self._mask = self._positions = self._logits = None
+        self._kv = self._cache = self._mask = self._positions = self._logits = None
 
     def _model(self):
         if self._model_in_use is None:
@@ -178,9 +179,9 @@ class CachedTransformersEngine(TransformersEngine):
     @torch.no_grad()
     def _step(self, model) -> None:
         pending, self._pending = self._pending, []
-        for request in pending:
-            if not request.future.done():  # a cancelled path's request is dropped
-                self._admit(model, request)
+        joining = [self._admit(model, request) for request in pending if not request.future.done()]  # not cancelled
+        if joining:
+            self._join(joining)
         if not self._rows:
             return
         finished = self._sample()
@@ -189,8 +190,8 @@ class CachedTransformersEngine(TransformersEngine):
         if self._rows:
             self._decode_step(model)
 
-    def _admit(self, model, request: _Request) -> None:
-        """Prefill what the cache does not hold, then join the batch."""
+    def _admit(self, model, request: _Request) -> tuple[_Request, KV, torch.Tensor]:
+        """Prefill what the cache does not hold; returns the row to join the batch."""
         entry, shared = self.prefix_cache.lookup(request.prefix)
         if entry is not None and shared == len(request.prefix) == len(entry.tokens) and entry.logits is not None:
             kv, logits = entry.kv, entry.logits
@@ -202,7 +203,7 @@ class CachedTransformersEngine(TransformersEngine):
         self.counters.reused_tokens += shared
         self.counters.prefill_tokens += len(request.prefix) - shared
         self.counters.requests += 1
-        self._join(request, kv, logits)
+        return request, kv, logits
 
     def _prefill(self, model, kv: KV | None, prefix: list[int], start: int) -> tuple[KV, torch.Tensor]:
         device = next(model.parameters()).device
@@ -213,20 +214,24 @@ class CachedTransformersEngine(TransformersEngine):
         cache = out.past_key_values
         return [(layer.keys, layer.values) for layer in cache.layers], out.logits[:, -1].float()
 
-    def _join(self, request: _Request, kv: KV, logits: torch.Tensor) -> None:
-        length = kv[0][0].shape[2]
-        mask = torch.ones(1, length, dtype=torch.long, device=logits.device)
-        position = torch.tensor([length], device=logits.device)
-        if self._kv is None:
-            self._rows, self._kv, self._mask, self._positions, self._logits = [request], kv, mask, position, logits
-            return
-        width = max(length, self._mask.shape[1])
-        self._kv = [(torch.cat([_pad_left(bk, width), _pad_left(k, width)]),
-                     torch.cat([_pad_left(bv, width), _pad_left(v, width)])) for (bk, bv), (k, v) in zip(self._kv, kv)]
-        self._mask = torch.cat([_pad_left(self._mask, width, dim=1), _pad_left(mask, width, dim=1)])
-        self._positions = torch.cat([self._positions, position])
-        self._logits = torch.cat([self._logits, logits])
-        self._rows.append(request)
+    def _join(self, joining: list[tuple[_Request, KV, torch.Tensor]]) -> None:
+        """Add the admitted rows to the batch, everything left-padded to one width (one concatenation per step)."""
+        self._cache = None
+        device = joining[0][2].device
+        lengths = [kv[0][0].shape[2] for _, kv, _ in joining]
+        parts = [] if self._kv is None else [(self._kv, self._mask)]
+        parts += [(kv, torch.ones(1, length, dtype=torch.long, device=device))
+                  for (_, kv, _), length in zip(joining, lengths)]
+        width = max(mask.shape[1] for _, mask in parts)
+        layers = range(len(parts[0][0]))
+        self._kv = [(torch.cat([_pad_left(kv[layer][0], width) for kv, _ in parts]),
+                     torch.cat([_pad_left(kv[layer][1], width) for kv, _ in parts])) for layer in layers]
+        self._mask = torch.cat([_pad_left(mask, width, dim=1) for _, mask in parts])
+        positions = torch.tensor(lengths, device=device)
+        logits = torch.cat([logits for _, _, logits in joining])
+        self._positions = positions if self._positions is None else torch.cat([self._positions, positions])
+        self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
+        self._rows += [request for request, _, _ in joining]
 
     def _sample(self) -> list[int]:
         """One token per running row; returns the rows that finished."""
@@ -264,6 +269,7 @@ class CachedTransformersEngine(TransformersEngine):
 
     def _release(self, finished: list[int]) -> None:
         """Answer the finished rows, keep their KV in the prefix cache, and take them out of the batch."""
+        self._cache = None
         for row in finished:
             request = self._rows[row]
             if request.future.done():
@@ -288,9 +294,11 @@ class CachedTransformersEngine(TransformersEngine):
     def _decode_step(self, model) -> None:
         """Run the sampled tokens of all rows in one forward."""
         mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
+        if self._cache is None:  # the rows changed: one copy into a new cache, then it grows in place
+            self._cache = DynamicCache(ddp_cache_data=self._kv)
         out = model(input_ids=self._tokens[:, None], attention_mask=mask, position_ids=self._positions[:, None],
-                    cache=DynamicCache(ddp_cache_data=self._kv), use_cache=True)
-        self._kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+                    cache=self._cache, use_cache=True)
+        self._kv = [(layer.keys, layer.values) for layer in self._cache.layers]
         self._mask, self._positions = mask, self._positions + 1
         self._logits = out.logits[:, -1].float()
         self.counters.decode_tokens += len(self._rows)
