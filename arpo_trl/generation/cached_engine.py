@@ -174,6 +174,7 @@ class CachedTransformersEngine(TransformersEngine):
             self._model_stack = contextlib.ExitStack()
             context = self.model_context() if self.model_context else contextlib.nullcontext(self.model)
             self._model_in_use = self._model_stack.enter_context(context)
+            _check_full_attention(self._model_in_use)
         return self._model_in_use
 
     @torch.no_grad()
@@ -306,6 +307,15 @@ class CachedTransformersEngine(TransformersEngine):
 
 _SUPPORTED_KEYS = {"do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "eos_token_id",
                    "pad_token_id"}
+
+
+def _check_full_attention(model) -> None:
+    """Cache entries are built as plain full-attention layers; a sliding-window or recurrent layer would be wrong."""
+    config = model.config.get_text_config(decoder=True)
+    other = {kind for kind in getattr(config, "layer_types", None) or [] if kind != "full_attention"}
+    if other:
+        raise ValueError(f"CachedTransformersEngine needs full-attention layers only; this model's layer_types hold "
+                         f"{sorted(other)}: use the waves engine (use_transformers_continuous_batching=False).")
 
 
 def _pad_left(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
