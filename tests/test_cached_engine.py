@@ -60,11 +60,11 @@ def test_greedy_trees_equal_the_waves_engine(tool_model64, tokenizer, scheduler)
     result = grow(engine, scheduler)
     if scheduler == "waves":
         assert _as_tuples(result) == _as_tuples(expected)
-    else:  # requests reach the sampler's RNG in another order: compare the per-prompt sets of completions
+    else:  # requests reach the sampler's RNG in another order, so forks may fall elsewhere; the globals may not
         for got, want in zip(result.groups, expected.groups):
             assert len(got) == len(want) == 4
-            assert {tuple(t.completion_ids) for t in got} <= {tuple(t.completion_ids) for t in want} | {
-                tuple(t.completion_ids) for t in got if t.kind != "global"}
+            globals_ = [{tuple(t.completion_ids) for t in group if t.kind == "global"} for group in (got, want)]
+            assert globals_[0] == globals_[1]
     assert len(engine.prefix_cache) == 0  # freed after the rollout
 
 

@@ -94,7 +94,6 @@ class CachedTransformersEngine(TransformersEngine):
         self._model_stack: contextlib.ExitStack | None = None
         self._model_in_use = None
         self._driver: asyncio.Task | None = None
-        self._wake: asyncio.Event | None = None
 
     def _make_warpers(self) -> LogitsProcessorList:
         s, warpers = self.sampling, LogitsProcessorList()
