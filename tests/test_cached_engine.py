@@ -201,3 +201,22 @@ def test_trainer_selects_it_with_trls_knob_and_samples_the_current_lora_weights(
             logits = model(torch.tensor([prompt + segment.token_ids])).logits[0, len(prompt) - 1: -1].float()
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(segment.token_ids)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(segment.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_logprobs_are_those_of_the_distribution_sampled(tiny_model_dir, tokenizer):
+    """With top-k, each token's logprob is under the truncated distribution it was drawn from (what TRL's
+    importance-sampling correction needs); entropy stays that of the tempered distribution."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    engine = CachedTransformersEngine(model, tokenizer,
+                                      sampling=SamplingSettings(temperature=0.8, top_k=5, entropy_top_k=None))
+    prefix = _prompt(tokenizer, "What is 3+4?")
+    torch.manual_seed(0)
+    segment = engine.generate([prefix], [6], [])[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prefix + segment.token_ids])).logits[0, len(prefix) - 1: -1] / 0.8
+    truncated = logits.masked_fill(logits < logits.topk(5, -1).values[:, -1:], -math.inf)
+    expected = torch.log_softmax(truncated, -1).gather(-1, torch.tensor(segment.token_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(torch.tensor(segment.logprobs), expected, atol=1e-4, rtol=1e-4)
+    tempered = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(torch.tensor(segment.entropies), -(tempered.exp() * tempered).sum(-1),
+                               atol=1e-4, rtol=1e-4)

@@ -16,10 +16,9 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -30,7 +29,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from arpo_trl.engines import Segment, TransformersEngine, _check_budgets, token_entropy
+from arpo_trl.engines import SamplingSettings, Segment, TransformersEngine, _check_budgets, token_entropy
 from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, crop
 
 
@@ -75,11 +74,19 @@ class CachedTransformersEngine(TransformersEngine):
     unbounded; the running rows' own KV is not counted). `counters` accumulate over the engine's life.
     """
 
-    def __init__(self, model, tokenizer, *, max_cached_tokens: int | None = None, **kwargs):
-        super().__init__(model, tokenizer, **kwargs)
-        if self.sampling.keys() - _SUPPORTED_KEYS:
-            raise ValueError(f"generation_kwargs: {sorted(self.sampling.keys() - _SUPPORTED_KEYS)} are not supported "
-                             f"by CachedTransformersEngine (it samples itself; supported: {sorted(_SUPPORTED_KEYS)}).")
+    def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
+                 max_cached_tokens: int | None = None, **kwargs):
+        sampling = sampling or SamplingSettings()
+        super().__init__(model, tokenizer, sampling=sampling, **kwargs)
+        if unsupported := set(sampling.generation_kwargs or {}) - _SUPPORTED_KEYS:
+            raise ValueError(f"generation_kwargs: {sorted(unsupported)} are not supported by CachedTransformersEngine "
+                             f"(it samples itself; supported: {sorted(_SUPPORTED_KEYS)}).")
+        # read from the settings themselves, not from the waves engine's generate() arguments
+        self.settings = replace(sampling, **{k: v for k, v in (sampling.generation_kwargs or {}).items()
+                                             if k != "do_sample"}, generation_kwargs=None)
+        if (sampling.generation_kwargs or {}).get("do_sample") is False:
+            self.settings = replace(self.settings, temperature=0.0)
+        self.temperature = self.settings.temperature
         self.prefix_cache = PrefixCache(max_cached_tokens)
         self.counters = GenerationCounters()
         self._warpers = self._make_warpers()
@@ -96,15 +103,16 @@ class CachedTransformersEngine(TransformersEngine):
         self._driver: asyncio.Task | None = None
 
     def _make_warpers(self) -> LogitsProcessorList:
-        s, warpers = self.sampling, LogitsProcessorList()
-        if s["temperature"]:
-            warpers.append(TemperatureLogitsWarper(s["temperature"]))
-        if s["top_k"]:
-            warpers.append(TopKLogitsWarper(s["top_k"]))
-        if s["top_p"] is not None and s["top_p"] < 1.0:
-            warpers.append(TopPLogitsWarper(s["top_p"]))
-        if s["min_p"] is not None:
-            warpers.append(MinPLogitsWarper(s["min_p"]))
+        """transformers' own warpers, in `model.generate`'s order."""
+        s, warpers = self.settings, LogitsProcessorList()
+        if s.temperature:
+            warpers.append(TemperatureLogitsWarper(s.temperature))
+        if s.top_k:
+            warpers.append(TopKLogitsWarper(s.top_k))
+        if s.top_p is not None and s.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(s.top_p))
+        if s.min_p is not None:
+            warpers.append(MinPLogitsWarper(s.min_p))
         return warpers
 
     # --- the interface the schedulers use -------------------------------------------------------------------
@@ -236,13 +244,14 @@ class CachedTransformersEngine(TransformersEngine):
     def _sample(self) -> list[int]:
         """One token per running row; returns the rows that finished."""
         scores = self._penalized(self._logits)
-        logprobs = torch.log_softmax(scores / (self.temperature if self.temperature > 0 else 1.0), dim=-1)
-        entropies = token_entropy(logprobs, self.entropy_top_k).tolist()
-        if self.temperature > 0:
-            tokens = torch.multinomial(F.softmax(self._warpers(None, scores), dim=-1), 1).squeeze(1)
+        tempered = torch.log_softmax(scores / (self.temperature if self.temperature > 0 else 1.0), dim=-1)
+        entropies = token_entropy(tempered, self.settings.entropy_top_k).tolist()
+        if self.temperature > 0:  # the logprob under the distribution sampled: after top-k / top-p / min-p
+            sampled = torch.log_softmax(self._warpers(None, scores), dim=-1)
+            tokens = torch.multinomial(sampled.exp(), 1).squeeze(1)
         else:
-            tokens = scores.argmax(-1)
-        chosen = logprobs.gather(-1, tokens[:, None]).squeeze(1).tolist()
+            sampled, tokens = tempered, scores.argmax(-1)
+        chosen = sampled.gather(-1, tokens[:, None]).squeeze(1).tolist()
         finished = []
         for row, (request, token) in enumerate(zip(self._rows, tokens.tolist())):
             request.ids.append(token), request.logprobs.append(chosen[row]), request.entropies.append(entropies[row])
@@ -252,7 +261,7 @@ class CachedTransformersEngine(TransformersEngine):
         return finished
 
     def _penalized(self, logits: torch.Tensor) -> torch.Tensor:
-        penalty = self.sampling["repetition_penalty"]
+        penalty = self.settings.repetition_penalty
         if penalty is None or penalty == 1.0:
             return logits
         processor = RepetitionPenaltyLogitsProcessor(penalty)
@@ -304,8 +313,7 @@ class CachedTransformersEngine(TransformersEngine):
         self.counters.decode_tokens += len(self._rows)
 
 
-_SUPPORTED_KEYS = {"do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "eos_token_id",
-                   "pad_token_id"}
+_SUPPORTED_KEYS = {"do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
 
 
 def _check_full_attention(model) -> None:
