@@ -107,6 +107,12 @@ _REFUSED_GENERATION_KWARGS = {
                               "and entropy"),
     "prompt_lookup_num_tokens": (None, "assisted decoding skips the logits processors that record each token's "
                                        "logprob and entropy"),
+    # warpers the recorder does not run: HF would apply them after it, and the recorded logprobs would not be those
+    # of the distribution sampled
+    "typical_p": (1.0, "ARPO records each token's logprob after temperature, top_k, top_p and min_p only; use those"),
+    "epsilon_cutoff": (0.0, "ARPO records each token's logprob after temperature, top_k, top_p and min_p only; use "
+                            "those"),
+    "eta_cutoff": (0.0, "ARPO records each token's logprob after temperature, top_k, top_p and min_p only; use those"),
 }
 
 
@@ -184,10 +190,10 @@ class TransformersEngine:
         self.temperature = t = 0.0 if greedy else float(warp["temperature"] or 0.0)
         top_p = 1.0 if warp["top_p"] is None else warp["top_p"]
         self.warper_settings = (t, warp["top_k"] or 0, top_p, warp["min_p"])
-        self.sampling = dict(
-            do_sample=t > 0, **(NEUTRAL_WARPERS if t > 0 else {}), repetition_penalty=sampling.repetition_penalty,
-            eos_token_id=eos, pad_token_id=pad, **extra,
-        )
+        self.sampling = {
+            "do_sample": t > 0, **(NEUTRAL_WARPERS if t > 0 else {}), "repetition_penalty": sampling.repetition_penalty,
+            "eos_token_id": eos, "pad_token_id": pad, **extra,
+        }
         self.model_context = model_context
         self.max_batch_size = max_batch_size
 

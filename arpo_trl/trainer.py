@@ -36,6 +36,7 @@ from arpo_trl.dropin.environments import EnvironmentRollouts, setup_environments
 from arpo_trl.dropin.rows import TreeRows
 from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine
 from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
+from arpo_trl.generation.cached_engine import CachedTransformersEngine, cache_budget
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.scoring import configure_math_scoring
 from arpo_trl.server.client import VLLMClient
@@ -169,10 +170,18 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
 
     def _transformers_engine(self) -> TransformersEngine | LockstepEngine:
         args, lockstep = self.args, self._trl.is_sharded() and self.accelerator.num_processes > 1
-        cache = {"cache_implementation": args.cache_implementation} if args.cache_implementation else {}
-        sampling = replace(self._sampling(), generation_kwargs={**cache, **(args.generation_kwargs or {})})
-        engine = TransformersEngine(
-            None, self._trl.tokenizer, sampling=sampling, synced_gpus=lockstep,
+        sampling = replace(self._sampling(), generation_kwargs=dict(args.generation_kwargs or {}))
+        engine_class, extra = TransformersEngine, {"synced_gpus": lockstep}
+        if args.use_transformers_continuous_batching:  # TRL's knob: the event-driven engine with a KV cache
+            if lockstep:
+                raise NotImplementedError("use_transformers_continuous_batching with sharded parameters (ZeRO-3/FSDP) "
+                                          "and several processes: leave it off, so that the ranks' calls stay in step.")
+            engine_class, extra = CachedTransformersEngine, {
+                "max_cached_tokens": cache_budget(args.transformers_continuous_batching_config)}
+        elif args.cache_implementation:
+            sampling.generation_kwargs.setdefault("cache_implementation", args.cache_implementation)
+        engine = engine_class(
+            None, self._trl.tokenizer, sampling=sampling, **extra,
             model_context=lambda: unwrap_model_for_generation(
                 self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation,
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,

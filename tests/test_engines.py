@@ -8,6 +8,9 @@ from transformers import AutoModelForCausalLM
 
 from arpo_trl.engines import SamplingSettings, TransformersEngine
 from arpo_trl.entropy import segment_entropy, token_entropy
+from arpo_trl.generation import CachedTransformersEngine
+
+ENGINES = pytest.mark.parametrize("engine_class", [TransformersEngine, CachedTransformersEngine])
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +28,9 @@ def _prompt(tokenizer, text):
                                          return_dict=True)["input_ids"]
 
 
-def test_per_prefix_budgets_are_respected(random_model, tokenizer):
-    engine = TransformersEngine(random_model, tokenizer, sampling=SamplingSettings())
+@ENGINES
+def test_per_prefix_budgets_are_respected(random_model, tokenizer, engine_class):
+    engine = engine_class(random_model, tokenizer, sampling=SamplingSettings())
     torch.manual_seed(0)
     prefixes = [_prompt(tokenizer, "What is 1+2?"), _prompt(tokenizer, "hello")[:5], [5, 6, 7]]
     budgets = [3, 9, 1]
@@ -41,8 +45,9 @@ def test_per_prefix_budgets_are_respected(random_model, tokenizer):
             assert seg.token_ids[-1] == tokenizer.eos_token_id
 
 
-def test_logprobs_and_exact_entropy_match_a_forward_pass(random_model, tokenizer):
-    engine = TransformersEngine(random_model, tokenizer, sampling=SamplingSettings(temperature=0.7))
+@ENGINES
+def test_logprobs_and_exact_entropy_match_a_forward_pass(random_model, tokenizer, engine_class):
+    engine = engine_class(random_model, tokenizer, sampling=SamplingSettings(temperature=0.7))
     torch.manual_seed(1)
     prefixes = [_prompt(tokenizer, "What is 3+4?"), _prompt(tokenizer, "hi")]
     segments = engine.generate(prefixes, [12, 12], stop=[])
@@ -66,8 +71,9 @@ def test_top_k_entropy_is_the_reference_estimator():
     assert segment_entropy([1.0] * 30, 20, 100, "sum") == pytest.approx(20 / math.log(100))
 
 
-def test_stops_at_the_tool_tag(tool_model, tokenizer):
-    engine = TransformersEngine(tool_model, tokenizer)
+@ENGINES
+def test_stops_at_the_tool_tag(tool_model, tokenizer, engine_class):
+    engine = engine_class(tool_model, tokenizer)
     torch.manual_seed(0)
     prefixes = [_prompt(tokenizer, "What is 12+30?")] * 4
     segments = engine.generate(prefixes, [60] * 4, stop=["</python>"])
@@ -79,7 +85,8 @@ def test_stops_at_the_tool_tag(tool_model, tokenizer):
         assert "</python>" not in tokenizer.decode(seg.token_ids[:-1])  # stopped at the completing token
 
 
-def test_bad_budget_is_a_clear_error(random_model, tokenizer):
-    engine = TransformersEngine(random_model, tokenizer)
+@ENGINES
+def test_bad_budget_is_a_clear_error(random_model, tokenizer, engine_class):
+    engine = engine_class(random_model, tokenizer)
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.generate([[1, 2]], [0], stop=[])

@@ -12,16 +12,6 @@ REFUSED_FIELDS: dict[str, tuple[Any, str]] = {
         "TRL's own tool loop is off under ARPO; the sampler limits tool calls per path with max_tool_calls "
         "(default 3): set max_tool_calls instead",
     ),
-    # before use_transformers_continuous_batching, which TRL sets from this deprecated field
-    "use_transformers_paged": (
-        lambda value: bool(value),
-        "ARPO generates with its own engines; TRL's paged generation would never be called",
-    ),
-    "use_transformers_continuous_batching": (
-        lambda value: bool(value),
-        "ARPO generates with its own engines (TransformersEngine in process, VLLMServerEngine against a server), "
-        "which stop at tool calls and fork paths; TRL's continuous-batching generation would never be called",
-    ),
     "vllm_structured_outputs_regex": (
         lambda value: value is not None,
         "the sampler continues paths segment by segment (after each tool result and at each fork), which a single "

@@ -1,0 +1,311 @@
+"""`CachedTransformersEngine`: the model being trained, generating request by request with a persistent KV cache.
+
+The events scheduler calls `agenerate` once per path segment. Requests join the running batch as they come and
+leave it when they finish (stop string, EOS, budget); every step decodes one token for all running rows in one
+forward (rows left-padded to a common cache length). A request's prefix is looked up in a `PrefixCache`: only
+the tokens after the longest cached prefix are prefilled, so a continuation after a tool result prefills the
+result's tokens, and a fork starts from its parent's state (shared, never written: copy-on-write for free since
+the model's cache update concatenates into new tensors). Entropy and logprobs come from the logits at hand, exactly
+as `TransformersEngine` records them. The cache lives for one rollout (`aclose` frees it and lets the weights go),
+so every rollout samples the current weights, LoRA adapters included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+from arpo_trl.engines import SamplingSettings, Segment, TransformersEngine, _check_budgets
+from arpo_trl.entropy import sampling_warpers, token_entropy
+from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, crop
+
+
+@dataclass
+class _Request:
+    prefix: list[int]
+    budget: int
+    stop: list[str]
+    future: asyncio.Future
+    stop_window: int = 0  # tokens of decoded tail that can hold a stop string
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+
+
+@dataclass
+class GenerationCounters:
+    """Tokens the model computed: prefilled (prefix tokens not found in the cache), reused from the cache, and
+    decoded (one forward position per generated token but the last)."""
+
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
+    decode_tokens: int = 0
+    requests: int = 0
+
+
+def cache_budget(config: dict | str | None) -> int | None:
+    """KV positions the prefix cache may hold, from TRL's `transformers_continuous_batching_config` (validated as
+    `transformers.ContinuousBatchingConfig` keyword arguments): `num_blocks` × `block_size` when both are set."""
+    from transformers.generation import ContinuousBatchingConfig
+
+    kwargs = json.loads(config) if isinstance(config, str) else dict(config or {})
+    ContinuousBatchingConfig(**kwargs)  # the same validation TRL applies
+    blocks, size = kwargs.get("num_blocks"), kwargs.get("block_size", kwargs.get("page_size"))
+    return blocks * size if blocks and size else None
+
+
+class CachedTransformersEngine(TransformersEngine):
+    """`TransformersEngine`'s sampling settings and segment rules, generated event-driven with a KV cache.
+
+    `max_cached_tokens` bounds the positions the prefix cache keeps between requests of one rollout (None:
+    unbounded; the running rows' own KV is not counted). `counters` accumulate over the engine's life.
+    """
+
+    def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
+                 max_cached_tokens: int | None = None, **kwargs):
+        sampling = sampling or SamplingSettings()
+        super().__init__(model, tokenizer, sampling=sampling, **kwargs)
+        if unsupported := set(sampling.generation_kwargs or {}) - _SUPPORTED_KEYS:
+            raise ValueError(f"generation_kwargs: {sorted(unsupported)} are not supported by CachedTransformersEngine "
+                             f"(it samples itself; supported: {sorted(_SUPPORTED_KEYS)}).")
+        # the parent resolved temperature, top-k/p, min-p and the estimator (generation_kwargs included)
+        self.repetition_penalty = self.sampling.get("repetition_penalty")
+        self.prefix_cache = PrefixCache(max_cached_tokens)
+        self.counters = GenerationCounters()
+        self._warpers = LogitsProcessorList(sampling_warpers(*self.warper_settings))
+        self._pending: list[_Request] = []
+        self._rows: list[_Request] = []
+        self._kv: KV | None = None  # the running rows, left-padded: [rows, heads, width, head_dim] per layer
+        self._cache: DynamicCache | None = None  # the same tensors as the model's cache, until the rows change
+        self._mask: torch.Tensor | None = None  # [rows, width], 0 on padding
+        self._positions: torch.Tensor | None = None  # [rows] next position
+        self._logits: torch.Tensor | None = None  # [rows, vocab] next-token logits
+        self._tokens: torch.Tensor | None = None  # [rows] the tokens just sampled, fed by the next decode
+        self._model_stack: contextlib.ExitStack | None = None
+        self._model_in_use = None
+        self._driver: asyncio.Task | None = None
+
+    # --- the interface the schedulers use -------------------------------------------------------------------
+
+    def generate(
+        self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop: Sequence[str]
+    ) -> list[Segment]:
+        """A wave, for the waves scheduler and evaluation: its requests share the batch and each other's prefixes;
+        the cache is freed afterwards."""
+        _check_budgets(prefixes, max_new_tokens)
+
+        async def wave() -> list[Segment]:
+            try:
+                requests = (self.agenerate(p, b, stop) for p, b in zip(prefixes, max_new_tokens))
+                return list(await asyncio.gather(*requests))
+            finally:
+                await self.aclose()
+
+        return asyncio.run(wave())
+
+    async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
+        _check_budgets([prefix], [max_new_tokens])
+        if not prefix:
+            raise ValueError("agenerate: the prefix must hold at least one token.")
+        window = max([len(self.tokenizer.encode(s, add_special_tokens=False)) for s in stop] + [1]) + 4
+        request = _Request(list(prefix), max_new_tokens, list(stop), asyncio.get_running_loop().create_future(), window)
+        self._pending.append(request)
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.create_task(self._drive())
+        return await request.future
+
+    async def aclose(self) -> None:
+        """End of a rollout: stop the driver, free the KV cache and give the model back."""
+        if self._driver is not None and not self._driver.done():
+            self._driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._driver
+        self._driver = None
+        self._fail_all(RuntimeError("CachedTransformersEngine closed with requests in flight"))
+        self.prefix_cache.clear()
+        if self._model_stack is not None:
+            self._model_stack.close()
+        self._model_stack = self._model_in_use = None
+
+    # --- the driver: one batched step at a time, yielding to the event loop in between ----------------------
+
+    async def _drive(self) -> None:
+        try:
+            while self._pending or self._rows:
+                self._step(self._model())
+                await asyncio.sleep(0)  # let paths react: tool results, new requests join before the next step
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:
+            self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request in self._pending + self._rows:
+            if not request.future.done():
+                request.future.set_exception(error)
+        self._pending, self._rows = [], []
+        self._kv = self._cache = self._mask = self._positions = self._logits = None
+
+    def _model(self):
+        if self._model_in_use is None:
+            self._model_stack = contextlib.ExitStack()
+            context = self.model_context() if self.model_context else contextlib.nullcontext(self.model)
+            self._model_in_use = self._model_stack.enter_context(context)
+            _check_full_attention(self._model_in_use)
+        return self._model_in_use
+
+    @torch.no_grad()
+    def _step(self, model) -> None:
+        pending, self._pending = self._pending, []
+        joining = [self._admit(model, request) for request in pending if not request.future.done()]  # not cancelled
+        if joining:
+            self._join(joining)
+        if not self._rows:
+            return
+        finished = self._sample()
+        if finished:
+            self._release(finished)
+        if self._rows:
+            self._decode_step(model)
+
+    def _admit(self, model, request: _Request) -> tuple[_Request, KV, torch.Tensor]:
+        """Prefill what the cache does not hold; returns the row to join the batch."""
+        entry, shared = self.prefix_cache.lookup(request.prefix)
+        if entry is not None and shared == len(request.prefix) == len(entry.tokens) and entry.logits is not None:
+            kv, logits = entry.kv, entry.logits
+        else:
+            shared = min(shared, len(request.prefix) - 1)  # at least one token is run, for the next-token logits
+            kv, logits = self._prefill(model, crop(entry.kv, shared) if entry and shared else None, request.prefix,
+                                       shared)
+            self.prefix_cache.store(CachedPrefix(tuple(request.prefix), kv, logits))
+        self.counters.reused_tokens += shared
+        self.counters.prefill_tokens += len(request.prefix) - shared
+        self.counters.requests += 1
+        return request, kv, logits
+
+    def _prefill(self, model, kv: KV | None, prefix: list[int], start: int) -> tuple[KV, torch.Tensor]:
+        device = next(model.parameters()).device
+        cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
+        ids = torch.tensor([prefix[start:]], device=device)
+        positions = torch.arange(start, len(prefix), device=device)[None]
+        out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        return [(layer.keys, layer.values) for layer in cache.layers], out.logits[:, -1].float()
+
+    def _join(self, joining: list[tuple[_Request, KV, torch.Tensor]]) -> None:
+        """Add the admitted rows to the batch, everything left-padded to one width (one concatenation per step)."""
+        self._cache = None
+        device = joining[0][2].device
+        lengths = [kv[0][0].shape[2] for _, kv, _ in joining]
+        parts = [] if self._kv is None else [(self._kv, self._mask)]
+        parts += [(kv, torch.ones(1, length, dtype=torch.long, device=device))
+                  for (_, kv, _), length in zip(joining, lengths)]
+        width = max(mask.shape[1] for _, mask in parts)
+        layers = range(len(parts[0][0]))
+        self._kv = [(torch.cat([_pad_left(kv[layer][0], width) for kv, _ in parts]),
+                     torch.cat([_pad_left(kv[layer][1], width) for kv, _ in parts])) for layer in layers]
+        self._mask = torch.cat([_pad_left(mask, width, dim=1) for _, mask in parts])
+        positions = torch.tensor(lengths, device=device)
+        logits = torch.cat([logits for _, _, logits in joining])
+        self._positions = positions if self._positions is None else torch.cat([self._positions, positions])
+        self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
+        self._rows += [request for request, _, _ in joining]
+
+    def _sample(self) -> list[int]:
+        """One token per running row; returns the rows that finished."""
+        scores = self._penalized(self._logits)
+        tempered = torch.log_softmax(scores / (self.temperature if self.temperature > 0 else 1.0), dim=-1)
+        entropies = token_entropy(tempered, self.entropy_estimator, self.entropy_top_k, self.vocab_size).tolist()
+        if self.temperature > 0:  # the logprob under the distribution sampled: after top-k / top-p / min-p
+            sampled = torch.log_softmax(self._warpers(None, scores), dim=-1)
+            tokens = torch.multinomial(sampled.exp(), 1).squeeze(1)
+        else:
+            sampled, tokens = tempered, scores.argmax(-1)
+        chosen = sampled.gather(-1, tokens[:, None]).squeeze(1).tolist()
+        finished = []
+        for row, (request, token) in enumerate(zip(self._rows, tokens.tolist())):
+            request.ids.append(token), request.logprobs.append(chosen[row]), request.entropies.append(entropies[row])
+            if request.future.done() or self._is_done(request):
+                finished.append(row)
+        self._tokens = tokens
+        return finished
+
+    def _penalized(self, logits: torch.Tensor) -> torch.Tensor:
+        penalty = self.repetition_penalty
+        if penalty is None or penalty == 1.0:
+            return logits
+        processor = RepetitionPenaltyLogitsProcessor(penalty)
+        return torch.cat([processor(torch.tensor([r.prefix + r.ids], device=logits.device), logits[i: i + 1])
+                          for i, r in enumerate(self._rows)])
+
+    def _is_done(self, request: _Request) -> bool:
+        if len(request.ids) >= request.budget or request.ids[-1] in self.eos_token_ids:
+            return True
+        if not request.stop:
+            return False
+        tail = self._decode(request.ids[-request.stop_window:])
+        return any(s in tail for s in request.stop)
+
+    def _release(self, finished: list[int]) -> None:
+        """Answer the finished rows, keep their KV in the prefix cache, and take them out of the batch."""
+        self._cache = None
+        for row in finished:
+            request = self._rows[row]
+            if request.future.done():
+                continue
+            start = int((self._mask[row] == 0).sum())
+            kv = [(k[row: row + 1, :, start:].clone(), v[row: row + 1, :, start:].clone()) for k, v in self._kv]
+            self.prefix_cache.store(CachedPrefix(tuple(request.prefix + request.ids[:-1]), kv))
+            request.future.set_result(self._segment(request.ids, request.logprobs, request.entropies, request.budget,
+                                                    request.stop))
+        keep = [row for row in range(len(self._rows)) if row not in set(finished)]
+        if not keep:
+            self._rows, self._kv, self._mask, self._positions, self._logits = [], None, None, None, None
+            return
+        index = torch.tensor(keep, device=self._mask.device)
+        self._rows = [self._rows[row] for row in keep]
+        self._mask, self._positions = self._mask[index], self._positions[index]
+        self._tokens = self._tokens[index]
+        trim = int((self._mask == 0).all(0).long().cumprod(0).sum())  # padding columns no row needs any more
+        self._mask = self._mask[:, trim:]
+        self._kv = [(k[index, :, trim:], v[index, :, trim:]) for k, v in self._kv]
+
+    def _decode_step(self, model) -> None:
+        """Run the sampled tokens of all rows in one forward."""
+        mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
+        if self._cache is None:  # the rows changed: one copy into a new cache, then it grows in place
+            self._cache = DynamicCache(ddp_cache_data=self._kv)
+        out = model(input_ids=self._tokens[:, None], attention_mask=mask, position_ids=self._positions[:, None],
+                    cache=self._cache, use_cache=True)
+        self._kv = [(layer.keys, layer.values) for layer in self._cache.layers]
+        self._mask, self._positions = mask, self._positions + 1
+        self._logits = out.logits[:, -1].float()
+        self.counters.decode_tokens += len(self._rows)
+
+
+_SUPPORTED_KEYS = {"do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+
+
+def _check_full_attention(model) -> None:
+    """Cache entries are built as plain full-attention layers; a sliding-window or recurrent layer would be wrong."""
+    config = model.config.get_text_config(decoder=True)
+    other = {kind for kind in getattr(config, "layer_types", None) or [] if kind != "full_attention"}
+    if other:
+        raise ValueError(f"CachedTransformersEngine needs full-attention layers only; this model's layer_types hold "
+                         f"{sorted(other)}: use the waves engine (use_transformers_continuous_batching=False).")
+
+
+def _pad_left(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)

@@ -1,0 +1,91 @@
+"""KV states keyed by the token prefix they cover, so that a continuation or a fork starts from its parent's
+computed context instead of recomputing it."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape [1, heads, tokens, head_dim]
+
+
+@dataclass
+class CachedPrefix:
+    """The KV of `tokens` (one row); `logits`: the next-token logits after them, when known (a prefill's)."""
+
+    tokens: tuple[int, ...]
+    kv: KV
+    logits: torch.Tensor | None = None
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix, by binary search over slice comparisons (done in C)."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while low < high:  # invariant: a[:low] == b[:low], a[:high+1] != b[:high+1]
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def crop(kv: KV, length: int) -> KV:
+    """The first `length` positions (views: the stored entry is never written to; the model's cache update
+    concatenates into new tensors)."""
+    return [(k[:, :, :length], v[:, :, :length]) for k, v in kv]
+
+
+class PrefixCache:
+    """Entries evicted least-recently-used once they hold more than `max_tokens` positions (None: unbounded; the
+    engine clears the cache after every rollout anyway). An entry whose tokens begin a newer entry's is dropped:
+    the newer one serves it at the cost of one prefilled token (its logits are then recomputed)."""
+
+    def __init__(self, max_tokens: int | None = None):
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"PrefixCache: max_tokens must be >= 1 or None, got {max_tokens}.")
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[tuple[int, ...], CachedPrefix] = OrderedDict()
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._tokens = 0
+
+    def lookup(self, prefix: Sequence[int]) -> tuple[CachedPrefix | None, int]:
+        """The entry sharing the longest prefix with `prefix`, and that length (0 and None if none)."""
+        prefix = tuple(prefix)
+        best, best_length = None, 0
+        for entry in self._entries.values():
+            length = common_prefix_length(entry.tokens, prefix)
+            if length > best_length:
+                best, best_length = entry, length
+        if best is not None:
+            self._entries.move_to_end(best.tokens)
+        return best, best_length
+
+    def store(self, entry: CachedPrefix) -> None:
+        for tokens in [t for t in self._entries if len(t) <= len(entry.tokens) and entry.tokens[: len(t)] == t]:
+            self._drop(tokens)
+        if any(len(t) > len(entry.tokens) and t[: len(entry.tokens)] == entry.tokens for t in self._entries):
+            return  # a longer entry already covers it
+        self._entries[entry.tokens] = entry
+        self._tokens += len(entry.tokens)
+        while self.max_tokens is not None and self._tokens > self.max_tokens and self._entries:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, tokens: tuple[int, ...]) -> None:
+        del self._entries[tokens]
+        self._tokens -= len(tokens)

@@ -1,0 +1,222 @@
+"""CachedTransformersEngine (arpo_trl.generation): the same segments as the waves engine, prefixes never recomputed,
+and the sampler's invariants on a real model driven event by event."""
+
+import asyncio
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from arpo_trl.engines import SamplingSettings, TransformersEngine
+from arpo_trl.generation import CachedTransformersEngine, PrefixCache
+from arpo_trl.generation.cached_engine import cache_budget
+from arpo_trl.generation.prefix_cache import CachedPrefix, common_prefix_length
+from arpo_trl.rollout import BranchingSampler
+from arpo_trl.tools import Tool
+
+GREEDY = SamplingSettings(temperature=0, entropy_top_k=None)
+
+
+@pytest.fixture(scope="module")
+def tool_model64(tool_model_dir):
+    """float64, so that batching and padding cannot flip a greedy argmax between the two engines."""
+    return AutoModelForCausalLM.from_pretrained(tool_model_dir).eval().double()
+
+
+def _prompt(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]
+
+
+def _as_tuples(result):
+    return [(t.id, t.kind, t.parent, t.fork_position, t.completion_ids, t.mask) for t in result.trajectories]
+
+
+def test_greedy_segments_equal_the_waves_engine(tool_model64, tokenizer):
+    prefixes = [_prompt(tokenizer, "What is 12+30?"), _prompt(tokenizer, "hi")[:5], [5, 6, 7],
+                _prompt(tokenizer, "What is 12+30?")]
+    budgets, stop = [40, 9, 13, 3], ["</python>"]
+    waves = TransformersEngine(tool_model64, tokenizer, sampling=GREEDY).generate(prefixes, budgets, stop)
+    cached = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY).generate(prefixes, budgets, stop)
+    assert any(s.finish_reason == "stop" for s in waves)
+    for a, b in zip(waves, cached):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-6, rtol=0)
+        torch.testing.assert_close(torch.tensor(b.entropies), torch.tensor(a.entropies), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("scheduler", ["waves", "events"])
+def test_greedy_trees_equal_the_waves_engine(tool_model64, tokenizer, scheduler):
+    """Same seeded sampler, greedy model: the new engine under either scheduler grows the waves engine's trees."""
+    def grow(engine, scheduler):
+        sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=4,
+                                   max_completion_length=80, branch_policy="random", seed=3, scheduler=scheduler)
+        return sampler.sample([_prompt(tokenizer, "What is 12+30?"), _prompt(tokenizer, "What is 7+5?")])
+
+    expected = grow(TransformersEngine(tool_model64, tokenizer, sampling=GREEDY), "waves")
+    assert any(t.kind == "branch" for t in expected.trajectories)  # the comparison covers forks
+    engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY)
+    result = grow(engine, scheduler)
+    if scheduler == "waves":
+        assert _as_tuples(result) == _as_tuples(expected)
+    else:  # requests reach the sampler's RNG in another order, so forks may fall elsewhere; the globals may not
+        for got, want in zip(result.groups, expected.groups):
+            assert len(got) == len(want) == 4
+            globals_ = [{tuple(t.completion_ids) for t in group if t.kind == "global"} for group in (got, want)]
+            assert globals_[0] == globals_[1]
+    assert len(engine.prefix_cache) == 0  # freed after the rollout
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_exact_m_forks_and_fill_ups_event_driven(tool_model_dir, tokenizer, seed):
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+    torch.manual_seed(seed)
+    engine = CachedTransformersEngine(model, tokenizer, sampling=SamplingSettings(entropy_top_k=None))
+    sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=6,
+                               initial_rollouts=2, max_completion_length=80, branch_policy="random", seed=seed,
+                               scheduler="events")
+    result = sampler.sample([_prompt(tokenizer, "What is 12+30?"), _prompt(tokenizer, "What is 7+5?")])
+    assert [len(g) for g in result.groups] == [6, 6]
+    by_id = {t.id: t for t in result.trajectories}
+    for t in result.trajectories:
+        assert len(t.completion_ids) == len(t.mask) == len(t.logprobs) <= 80
+        if t.kind == "branch":
+            parent = by_id[t.parent]
+            assert t.completion_ids[: t.fork_position] == parent.completion_ids[: t.fork_position]
+            assert tokenizer.decode(t.completion_ids[: t.fork_position]).endswith("</result>")
+    assert {t.kind for t in result.trajectories} >= {"global"}
+    assert engine.counters.reused_tokens > 0
+
+
+def test_continuation_and_fork_prefill_only_new_tokens(tool_model64, tokenizer):
+    engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY)
+    prompt = _prompt(tokenizer, "What is 12+30?")
+    result = tokenizer.encode(" <result>\n42\n</result>", add_special_tokens=False)
+
+    async def rollout():
+        first = await engine.agenerate(prompt, 20, ["</python>"])
+        assert engine.counters.prefill_tokens == len(prompt)
+        context = prompt + first.token_ids + result
+        await engine.agenerate(context, 5, [])
+        continued = engine.counters.prefill_tokens - len(prompt)
+        forks = await asyncio.gather(*(engine.agenerate(context, 5, []) for _ in range(3)))
+        forked = engine.counters.prefill_tokens - len(prompt) - continued
+        await engine.aclose()
+        return continued, forked, forks
+
+    continued, forked, forks = asyncio.run(rollout())
+    assert continued == len(result) + 1  # the tool result and the last sampled token, never fed before
+    assert forked <= 3  # each fork: at most its last context token, recomputed for its logits
+    assert len({tuple(f.token_ids) for f in forks}) == 1  # greedy: forks of one context agree
+    assert len(engine.prefix_cache) == 0 and engine.prefix_cache.tokens == 0
+
+
+def _chi2_and_bound(tokens: list[int], probs: torch.Tensor) -> tuple[float, float]:
+    """Pearson's chi-square of sampled `tokens` against `probs` (cells expecting < 5 pooled), and the statistic's
+    quantile at p = 1e-6 (Wilson-Hilferty): exceeding it takes a real sampling bug, not bad luck."""
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(probs)).double()
+    expected = probs * len(tokens)
+    big = expected >= 5
+    observed_cells = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected_cells = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected_cells > 0
+    chi2 = float(((observed_cells[keep] - expected_cells[keep]) ** 2 / expected_cells[keep]).sum())
+    assert not (observed_cells[~keep] > 0).any(), "sampled a token of probability 0"
+    dof = int(keep.sum()) - 1
+    assert dof >= 20
+    return chi2, dof * (1 - 2 / (9 * dof) + 4.753 * math.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.parametrize("top_k", [0, 50])
+def test_sampled_first_tokens_follow_the_model_distribution(tiny_model_dir, tokenizer, top_k):
+    """3000 first tokens from a random model (a spread-out distribution) against its own tempered softmax, top-k
+    truncated. The waves engine is checked at top_k=50 only: with top_k=0 `model.generate` falls back to its
+    default top_k=50, so it does not sample the full distribution."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    prefix = _prompt(tokenizer, "What is 3+4?")
+    with torch.no_grad():
+        logits = model(torch.tensor([prefix])).logits[0, -1].double() / 0.9
+    if top_k:
+        logits[logits < logits.topk(top_k).values[-1]] = -math.inf
+    probs = torch.softmax(logits, -1)
+    settings, n = SamplingSettings(temperature=0.9, top_k=top_k, entropy_top_k=None), 3000
+    for engine_class in (CachedTransformersEngine, TransformersEngine) if top_k else (CachedTransformersEngine,):
+        torch.manual_seed(0)
+        segments = engine_class(model, tokenizer, sampling=settings).generate([prefix] * n, [1] * n, [])
+        chi2, bound = _chi2_and_bound([s.token_ids[0] for s in segments], probs)
+        assert chi2 < bound, (engine_class.__name__, chi2, bound)
+
+
+def test_prefix_cache_lookup_store_and_budget():
+    kv = [(torch.zeros(1, 1, 5, 2), torch.zeros(1, 1, 5, 2))]
+    cache = PrefixCache(max_tokens=8)
+    cache.store(CachedPrefix((1, 2, 3), kv))
+    cache.store(CachedPrefix((1, 2, 3, 4, 5), kv))  # supersedes (1, 2, 3)
+    assert len(cache) == 1 and cache.tokens == 5
+    assert cache.lookup([1, 2, 9])[1] == 2 and cache.lookup([7])[0] is None
+    cache.store(CachedPrefix((7, 8, 9, 10), kv))  # over budget: the least recently used goes
+    assert len(cache) == 1 and cache.lookup([7, 8])[1] == 2
+    assert common_prefix_length([1, 2, 3, 4], [1, 2, 3, 5]) == 3 and common_prefix_length([], [1]) == 0
+    assert cache_budget({"num_blocks": 4, "block_size": 16}) == 64 and cache_budget(None) is None
+    with pytest.raises(ValueError, match="max_tokens"):
+        PrefixCache(max_tokens=0)
+
+
+def test_unsupported_generation_kwargs_are_refused(tokenizer, tool_model64):
+    with pytest.raises(ValueError, match="generation_kwargs"):
+        CachedTransformersEngine(tool_model64, tokenizer,
+                                 sampling=SamplingSettings(generation_kwargs={"typical_p": .5}))
+
+
+def test_trainer_selects_it_with_trls_knob_and_samples_the_current_lora_weights(tool_model_dir, tokenizer,
+                                                                                addition_dataset, tmp_path):
+    """`use_transformers_continuous_batching=True` (TRL's knob) picks the cached engine; after the adapter changes,
+    its logprobs are the adapted model's (the cache is rebuilt per rollout, through TRL's unwrap context)."""
+    from peft import LoraConfig
+
+    from arpo_trl import ARPOConfig, ARPOTrainer, arpo_math_reward
+
+    args = ARPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, initial_rollouts=2,
+                      max_completion_length=16, max_steps=1, use_cpu=True, bf16=False, report_to="none",
+                      save_strategy="no", beta=0.0, gradient_checkpointing=False,
+                      use_transformers_continuous_batching=True,
+                      transformers_continuous_batching_config={"num_blocks": 64, "block_size": 32})
+    trainer = ARPOTrainer(model=str(tool_model_dir), reward_funcs=[arpo_math_reward], args=args,
+                          train_dataset=addition_dataset, processing_class=tokenizer,
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 task_type="CAUSAL_LM"))
+    engine = trainer.engine
+    assert isinstance(engine, CachedTransformersEngine) and engine.prefix_cache.max_tokens == 64 * 32
+    model = trainer.model
+    prompt = _prompt(tokenizer, "What is 12+30?")
+    for scale in (0.0, 0.3):
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.fill_(scale)
+        torch.manual_seed(0)
+        segment = engine.generate([prompt], [8], [])[0]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + segment.token_ids])).logits[0, len(prompt) - 1: -1].float()
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(segment.token_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(segment.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_logprobs_are_those_of_the_distribution_sampled(tiny_model_dir, tokenizer):
+    """With top-k, each token's logprob is under the truncated distribution it was drawn from (what TRL's
+    importance-sampling correction needs); entropy stays that of the tempered distribution."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    engine = CachedTransformersEngine(model, tokenizer,
+                                      sampling=SamplingSettings(temperature=0.8, top_k=5, entropy_top_k=None))
+    prefix = _prompt(tokenizer, "What is 3+4?")
+    torch.manual_seed(0)
+    segment = engine.generate([prefix], [6], [])[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prefix + segment.token_ids])).logits[0, len(prefix) - 1: -1] / 0.8
+    truncated = logits.masked_fill(logits < logits.topk(5, -1).values[:, -1:], -math.inf)
+    expected = torch.log_softmax(truncated, -1).gather(-1, torch.tensor(segment.token_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(torch.tensor(segment.logprobs), expected, atol=1e-4, rtol=1e-4)
+    tempered = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(torch.tensor(segment.entropies), -(tempered.exp() * tempered).sum(-1),
+                               atol=1e-4, rtol=1e-4)
