@@ -34,6 +34,18 @@ def restored_environment():
 
 
 @pytest.fixture(autouse=True)
+def own_math_scorer(monkeypatch):
+    """Each test gets a new process-wide math scorer: the limits an `ARPOTrainer` configures (`reward_timeout`) and
+    the answers an earlier test scored (its cache) do not reach the tests after it."""
+    import arpo_trl.scoring as scoring
+
+    monkeypatch.setattr(scoring, "_default", None)
+    yield
+    if scoring._default is not None:
+        scoring._default.close()
+
+
+@pytest.fixture(autouse=True)
 def own_working_directory(tmp_path_factory, monkeypatch):
     """Every test runs in an empty folder of its own: what a command writes to a relative path (a recipe's
     `runs/…`, hypothesis' database) lands neither in the checkout nor where a later test could find it."""

@@ -168,6 +168,21 @@ def idle_worker_tree(tool: PythonTool) -> set[int]:
     return pids | children
 
 
+def settled(tool: PythonTool, timeout: float = 30.0) -> PythonTool:
+    """`tool` once its pool has started: one call run, the pool full again, and the sandbox processes unchanged for
+    half a second. A test's "before" snapshot then never catches a module fixture's workers mid-start (which test
+    creates the fixture depends on the order the tests run in)."""
+    assert tool("print(1)") == "1"
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        now = sandbox_processes()
+        if len(tool.sandbox._idle) >= tool.sandbox.pool_size and now == last:
+            break
+        last = now
+        time.sleep(0.5)
+    return tool
+
+
 def leftovers(tool: PythonTool, before: set[int], grace: float = 30.0, others: tuple[PythonTool, ...] = ()) -> set[int]:
     """What the calls left, apart from the pool workers that `tool` (and the `others`, still open) keep ready."""
     deadline = time.monotonic() + grace
@@ -249,7 +264,7 @@ def namespace_tool():
         pytest.skip(message)
     tool = PythonTool(timeout=3, memory_limit_mb=1024, max_output_chars=2000, isolation="namespaces", pool_size=1,
                       disk_limit_mb=16, max_processes=16)
-    yield tool
+    yield settled(tool)
     tool.close()
 
 
@@ -264,7 +279,7 @@ def busy_namespace_tool(namespace_tool):
     of these calls starts its own sandbox, and that start counts against the timeout)."""
     tool = PythonTool(timeout=20, memory_limit_mb=1024, max_output_chars=2000, isolation="namespaces", pool_size=1,
                       disk_limit_mb=16, max_processes=16)
-    yield tool
+    yield settled(tool)
     tool.close()
 
 
@@ -290,7 +305,7 @@ def test_hostile_code_under_concurrency(busy_namespace_tool, namespace_tool, tra
 def fallback_tool():
     tool = PythonTool(timeout=3, memory_limit_mb=1024, max_output_chars=2000, isolation="rlimits", pool_size=1,
                       disk_limit_mb=16, max_processes=16)
-    yield tool
+    yield settled(tool)
     tool.close()
 
 
