@@ -267,24 +267,15 @@ def _ground_truths(kwargs: dict, n: int) -> list:
     )
 
 
-def _calls(kwargs: dict, n: int) -> list[Calls]:
-    """Each completion's recorded calls (`arpo_calls`, from ARPOTrainer), or None for each: read the text."""
-    calls = kwargs.get("arpo_calls")
-    if calls is None:
+def _per_completion(kwargs: dict, key: str, n: int) -> list:
+    """Reward argument `key` from ARPOTrainer (`arpo_calls`: the recorded calls; `arpo_model_text`: the model's
+    own text), one entry per completion; None for each when absent: the rewards then read the text's markers."""
+    values = kwargs.get(key)
+    if values is None:
         return [None] * n
-    if len(calls) != n:
-        raise ValueError(f"Reward argument 'arpo_calls' has {len(calls)} entries for {n} completions.")
-    return list(calls)
-
-
-def _model_texts(kwargs: dict, n: int) -> list[str | None]:
-    """Each completion's own text (`arpo_model_text`, from ARPOTrainer), or None for each: read the markers."""
-    texts = kwargs.get("arpo_model_text")
-    if texts is None:
-        return [None] * n
-    if len(texts) != n:
-        raise ValueError(f"Reward argument 'arpo_model_text' has {len(texts)} entries for {n} completions.")
-    return list(texts)
+    if len(values) != n:
+        raise ValueError(f"Reward argument {key!r} has {len(values)} entries for {n} completions.")
+    return list(values)
 
 
 def completion_own_text(completion, calls: Calls = None, model_text: str | None = None) -> OwnText:
@@ -299,8 +290,10 @@ def completion_own_text(completion, calls: Calls = None, model_text: str | None 
 
 def _own_texts(completions: list, kwargs: dict) -> tuple[list[str], list[Calls], list[OwnText]]:
     """The completions' texts, their recorded calls and what the model wrote of each."""
-    texts, calls = [completion_text(c) for c in completions], _calls(kwargs, len(completions))
-    owns = [completion_own_text(c, k, m) for c, k, m in zip(completions, calls, _model_texts(kwargs, len(completions)))]
+    n = len(completions)
+    texts, calls = [completion_text(c) for c in completions], _per_completion(kwargs, "arpo_calls", n)
+    owns = [completion_own_text(c, k, m) for c, k, m in zip(completions, calls,
+                                                            _per_completion(kwargs, "arpo_model_text", n))]
     return texts, calls, owns
 
 
