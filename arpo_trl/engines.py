@@ -370,10 +370,12 @@ class VLLMServerEngine:
 
     def _top_k_entropies(self, tops: list[dict[int, float]]) -> list[float]:
         """The estimator over each position's returned logprobs (top-k, plus the sampled token when it is
-        outside them; padding with -inf adds nothing). `read_completion` checked every row: non-empty, no nulls."""
+        outside them; padding with -inf adds nothing). `read_completion` checked every row: non-empty, no nulls.
+        Only the k largest count: vLLM adds the sampled token when it is outside the top k, which would otherwise
+        make the estimate depend on which token happened to be sampled."""
         if not tops:
             return []
-        rows = [list(top.values()) for top in tops]
+        rows = [sorted(top.values(), reverse=True)[: self.entropy_top_k] for top in tops]
         width = max(map(len, rows))
         padded = torch.tensor([row + [-math.inf] * (width - len(row)) for row in rows], dtype=torch.float64)
         return top_k_entropies(padded, self.entropy_estimator, self.entropy_top_k, self.vocab_size).tolist()
