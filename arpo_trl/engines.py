@@ -34,6 +34,17 @@ FinishReason = Literal["stop", "eos", "length"]
 
 
 @dataclass
+class GenerationCounters:
+    """Positions an in-process engine's model computed: prefilled (prefix positions, padding included, not found in
+    a cache), reused from a cache, and decoded (one forward position per generated token but the last)."""
+
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
+    decode_tokens: int = 0
+    requests: int = 0
+
+
+@dataclass
 class Segment:
     """Newly generated tokens for one prefix. With `finish_reason == "stop"` the ids run up to and include
     the token that completes the stop string (which may overhang it); the sampler cuts at the tag."""
@@ -196,6 +207,7 @@ class TransformersEngine:
         }
         self.model_context = model_context
         self.max_batch_size = max_batch_size
+        self.counters = GenerationCounters()  # accumulated over the engine's life
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -231,6 +243,9 @@ class TransformersEngine:
         )
         new = out[:, width:].cpu()
         check_recorder_ran(len(recorder.entropies), new.shape[1], model)
+        self.counters.prefill_tokens += len(prefixes) * width  # every wave re-prefills its rows, padded
+        self.counters.decode_tokens += len(prefixes) * max(new.shape[1] - 1, 0)
+        self.counters.requests += len(prefixes)
         logprobs, entropies = recorder.finish(new[:, -1].to(device))
         return [
             self._segment(new[row].tolist(), logprobs[row].tolist(), entropies[row].tolist(), budgets[row], stop)

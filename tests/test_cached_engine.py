@@ -112,6 +112,18 @@ def test_continuation_and_fork_prefill_only_new_tokens(tool_model64, tokenizer):
     assert len(engine.prefix_cache) == 0 and engine.prefix_cache.tokens == 0
 
 
+def test_waves_engine_counts_its_padded_prefills(tool_model64, tokenizer):
+    """The waves engine recomputes every row's whole prefix, left-padded to the wave's longest: rows × width."""
+    engine = TransformersEngine(tool_model64, tokenizer, sampling=GREEDY)
+    prefixes = [_prompt(tokenizer, "What is 12+30?"), [5, 6, 7]]
+    segments = engine.generate(prefixes, [4, 4], [])
+    width = max(map(len, prefixes))
+    assert engine.counters.prefill_tokens == 2 * width and engine.counters.requests == 2
+    assert engine.counters.decode_tokens == 2 * (max(len(s.token_ids) for s in segments) - 1)
+    engine.generate(prefixes[1:], [3], [])
+    assert engine.counters.prefill_tokens == 2 * width + 3
+
+
 def _chi2_and_bound(tokens: list[int], probs: torch.Tensor) -> tuple[float, float]:
     """Pearson's chi-square of sampled `tokens` against `probs` (cells expecting < 5 pooled), and the statistic's
     quantile at p = 1e-6 (Wilson-Hilferty): exceeding it takes a real sampling bug, not bad luck."""

@@ -171,6 +171,8 @@ def test_end_to_end_full_finetune_with_python_tool(tool_model_dir, tokenizer, ad
     trainer.train()
     check_masks(trainer, tokenizer, before)
     check_loss_ignores_tool_tokens(trainer)
+    prefilled = [e["arpo/prefill_tokens_per_group"] for e in trainer.state.log_history if "arpo/waves" in e]
+    assert len(prefilled) == 2 and sum(prefilled) * 2 == trainer.engine.counters.prefill_tokens  # 2 groups per step
     rewards = [e["rewards/arpo_math_reward/mean"] for e in trainer.state.log_history if "reward" in e]
     assert rewards and all(-1.0 <= r <= 1.1 for r in rewards)
     check_run_folder(tmp_path, trainer, steps=2)

@@ -39,17 +39,6 @@ class _Request:
     entropies: list[float] = field(default_factory=list)
 
 
-@dataclass
-class GenerationCounters:
-    """Tokens the model computed: prefilled (prefix tokens not found in the cache), reused from the cache, and
-    decoded (one forward position per generated token but the last)."""
-
-    prefill_tokens: int = 0
-    reused_tokens: int = 0
-    decode_tokens: int = 0
-    requests: int = 0
-
-
 def cache_budget(config: dict | str | None) -> int | None:
     """KV positions the prefix cache may hold, from TRL's `transformers_continuous_batching_config` (validated as
     `transformers.ContinuousBatchingConfig` keyword arguments): `num_blocks` × `block_size` when both are set."""
@@ -78,7 +67,6 @@ class CachedTransformersEngine(TransformersEngine):
         # the parent resolved temperature, top-k/p, min-p and the estimator (generation_kwargs included)
         self.repetition_penalty = self.sampling.get("repetition_penalty")
         self.prefix_cache = PrefixCache(max_cached_tokens)
-        self.counters = GenerationCounters()
         self._warpers = LogitsProcessorList(sampling_warpers(*self.warper_settings))
         self._pending: list[_Request] = []
         self._rows: list[_Request] = []
