@@ -211,9 +211,19 @@ class ARPOConfig(GRPOConfig):
         metadata={
             "help": "How the rollout's requests are scheduled. 'events': every path advances on its own (its next "
             "request goes out as soon as its own tool result or fork decision is ready; vLLM server mode). 'waves': "
-            "requests ready together are generated as one batch (the transformers backend; deterministic for a seed). "
-            "'auto': events where the engine supports it, else waves.",
+            "requests ready together are generated as one batch (deterministic for a seed). 'auto': events where the "
+            "engine supports it (a vLLM server, the cached in-process engine), else waves.",
             "choices": list(SCHEDULERS),
+        },
+    )
+    use_transformers_continuous_batching: bool | None = field(  # TRL's knob; its default False becomes None
+        default=None,
+        metadata={
+            "help": "The in-process engine (without a vLLM server). True: the cached engine, event-driven with a "
+            "prefix KV cache (docs/in_process_engine.md); False: the waves engine (left-padded model.generate per "
+            "wave); None: the cached engine wherever it can run (not with sharded parameters over several processes, "
+            "generation_kwargs it does not sample with, cache_implementation, or non-full-attention layers), else the "
+            "waves engine. Trees are seed-reproducible under rollout_scheduler='waves' with either engine.",
         },
     )
     speculative_fill_ups: bool = field(

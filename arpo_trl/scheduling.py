@@ -117,9 +117,11 @@ class WaveScheduler:
         self.waiting: dict[int, Trajectory] = {}  # branches waiting for their parent's decision
         answers: list[tuple[Trajectory, object]] = []
         held: list[tuple[Trajectory, Any]] = []  # generation requests waiting for the tool calls of their moment
+        scope = getattr(sampler.engine, "rollout_scope", contextlib.nullcontext)  # an engine's cache, kept per rollout
         try:
-            while requests := held + self._step(answers):
-                answers, held = self._act(requests)
+            with scope():
+                while requests := held + self._step(answers):
+                    answers, held = self._act(requests)
         except BaseException:
             self.runner.cancel_pending()
             _interrupt_tools(sampler)

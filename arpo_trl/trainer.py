@@ -36,7 +36,7 @@ from arpo_trl.dropin.environments import EnvironmentRollouts, setup_environments
 from arpo_trl.dropin.rows import TreeRows
 from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine
 from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
-from arpo_trl.generation.cached_engine import CachedTransformersEngine, cache_budget
+from arpo_trl.generation.cached_engine import CachedTransformersEngine, cache_budget, cached_engine_blocker
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.scoring import configure_math_scoring
 from arpo_trl.server.client import VLLMClient
@@ -174,10 +174,12 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
         args, lockstep = self.args, self._trl.is_sharded() and self.accelerator.num_processes > 1
         sampling = replace(self._sampling(), generation_kwargs=dict(args.generation_kwargs or {}))
         engine_class, extra = TransformersEngine, {"synced_gpus": lockstep}
-        if args.use_transformers_continuous_batching:  # TRL's knob: the event-driven engine with a KV cache
-            if lockstep:
-                raise NotImplementedError("use_transformers_continuous_batching with sharded parameters (ZeRO-3/FSDP) "
-                                          "and several processes: leave it off, so that the ranks' calls stay in step.")
+        blocker = cached_engine_blocker(self.model, args.generation_kwargs, args.cache_implementation, lockstep)
+        if args.use_transformers_continuous_batching and blocker:
+            raise NotImplementedError(f"use_transformers_continuous_batching=True: the cached engine cannot run here: "
+                                      f"{blocker}. Set it to False (the waves engine) or leave it unset (auto).")
+        if args.use_transformers_continuous_batching or (args.use_transformers_continuous_batching is None
+                                                         and blocker is None):  # TRL's knob; None: where it can
             engine_class, extra = CachedTransformersEngine, {
                 "max_cached_tokens": cache_budget(args.transformers_continuous_batching_config)}
         elif args.cache_implementation:

@@ -19,7 +19,7 @@ LAYERS: dict[str, list[str]] = {
     "records": ["paths", "tags", "trees.records", "scoring", "_math_worker", "markdown", "assets", "models",
                 "preflight", "distributed", "corpora", "arithmetic_chains"],
     "engines/tools": ["entropy", "entropy.*", "engines", "generation", "generation.*", "tool_calls", "tools", "tools.*",
-                      "server", "server.client", "server.responses"],
+                      "server", "server.client", "server.responses", "server.engine"],
     "sampler": ["budget", "scheduling", "entropy_balance", "rollout", "advantages", "rewards", "data", "eval_metrics",
                 "trees", "trees.analysis", "trees.render"],
     "trainer": ["config", "trainer", "dropin", "dropin.*", "training", "training.*", "entropy_balanced_update",

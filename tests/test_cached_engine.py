@@ -2,6 +2,7 @@
 and the sampler's invariants on a real model driven event by event."""
 
 import asyncio
+import contextlib
 import math
 
 import pytest
@@ -66,6 +67,28 @@ def test_greedy_trees_equal_the_waves_engine(tool_model64, tokenizer, scheduler)
             globals_ = [{tuple(t.completion_ids) for t in group if t.kind == "global"} for group in (got, want)]
             assert globals_[0] == globals_[1]
     assert len(engine.prefix_cache) == 0  # freed after the rollout
+
+
+def test_waves_keep_the_cache_for_the_rollout_and_a_seed_fixes_the_trees(tool_model_dir, tool_model64, tokenizer):
+    """Under the waves scheduler the prefix cache lives as long as the rollout (`rollout_scope`): a later wave's
+    continuations prefill only their new tokens, with the same greedy trees as waves that start cold; and, sampling,
+    a seed fixes the trees (requests join in path order, not in the order tools finish)."""
+    def grow(engine, seed=3):
+        torch.manual_seed(seed)
+        sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=4,
+                                   max_completion_length=80, branch_policy="random", seed=seed, scheduler="waves")
+        return sampler.sample([_prompt(tokenizer, "What is 12+30?"), _prompt(tokenizer, "What is 7+5?")])
+
+    scoped, cold = (CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY) for _ in range(2))
+    cold.rollout_scope = contextlib.nullcontext  # what an engine without the scope does: free after every wave
+    kept, fresh = grow(scoped), grow(cold)
+    assert _as_tuples(kept) == _as_tuples(fresh) and kept.stats.waves > 1
+    assert scoped.counters.prefill_tokens < cold.counters.prefill_tokens
+    assert len(scoped.prefix_cache) == 0  # freed when the rollout ends
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+    sampled = CachedTransformersEngine(model, tokenizer, sampling=SamplingSettings(entropy_top_k=None))
+    first, second, other = grow(sampled, 5), grow(sampled, 5), grow(sampled, 6)
+    assert _as_tuples(first) == _as_tuples(second) != _as_tuples(other)
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -213,6 +236,26 @@ def test_trainer_selects_it_with_trls_knob_and_samples_the_current_lora_weights(
             logits = model(torch.tensor([prompt + segment.token_ids])).logits[0, len(prompt) - 1: -1].float()
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(segment.token_ids)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(segment.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_cached_engine_is_the_default_where_it_can_run(tool_model_dir, tokenizer, addition_dataset, tmp_path):
+    """ARPOConfig's use_transformers_continuous_batching=None picks the cached engine, and the waves engine where
+    the cached one cannot run (here: a generation_kwarg it does not sample with); True there is a clear error."""
+    from arpo_trl import ARPOConfig, ARPOTrainer, arpo_math_reward
+
+    def engine(**kw):
+        args = ARPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=16, use_cpu=True, bf16=False, report_to="none", **kw)
+        return ARPOTrainer(model=str(tool_model_dir), reward_funcs=[arpo_math_reward], args=args,
+                           train_dataset=addition_dataset, processing_class=tokenizer).engine
+
+    assert ARPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).use_transformers_continuous_batching is None
+    assert type(engine()) is CachedTransformersEngine
+    assert type(engine(use_transformers_continuous_batching=False)) is TransformersEngine
+    ngrams = {"generation_kwargs": {"no_repeat_ngram_size": 3}}
+    assert type(engine(**ngrams)) is TransformersEngine
+    with pytest.raises(NotImplementedError, match=r"no_repeat_ngram_size.*leave it unset"):
+        engine(use_transformers_continuous_batching=True, **ngrams)
 
 
 def test_logprobs_are_those_of_the_distribution_sampled(tiny_model_dir, tokenizer):

@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from arpo_trl.engines import SamplingSettings, TransformersEngine, VLLMServerEngine
+from arpo_trl.engines import SamplingSettings, TransformersEngine
 from arpo_trl.entropy import segment_entropy, token_entropy, top_k_entropies
+from arpo_trl.server.engine import VLLMServerEngine
 
 
 def _distributions(vocab: int, count: int, seed: int = 0) -> list[torch.Tensor]:

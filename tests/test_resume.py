@@ -1,5 +1,6 @@
-"""`resume_from_checkpoint` continues a run, and with the same seed the transformers backend grows the same trees
-after resuming as the uninterrupted run did (torch RNG from Trainer's checkpoint, fork RNG from ours)."""
+"""`resume_from_checkpoint` continues a run, and with the same seed the in-process engine under the waves scheduler
+grows the same trees after resuming as the uninterrupted run did (torch RNG from Trainer's checkpoint, fork RNG from
+ours)."""
 
 import json
 import logging
@@ -19,7 +20,8 @@ def _trainer(model_dir, tokenizer, dataset, output_dir, **kw):
     args = ARPOConfig(
         output_dir=str(output_dir), per_device_train_batch_size=8, num_generations=4, initial_rollouts=2,
         max_completion_length=48, max_steps=4, learning_rate=5e-3, logging_steps=1, use_cpu=True, bf16=False,
-        report_to="none", save_strategy="steps", save_steps=2, seed=3, beta=0.0, temperature=1.2, **kw,
+        report_to="none", save_strategy="steps", save_steps=2, seed=3, beta=0.0, temperature=1.2,
+        rollout_scheduler="waves", **kw,
     )
     return ARPOTrainer(model=str(model_dir), reward_funcs=[arpo_math_reward, _length], args=args,
                        train_dataset=dataset, processing_class=tokenizer, tools=[PythonTool(timeout=5, pool_size=0)],

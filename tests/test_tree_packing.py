@@ -149,16 +149,16 @@ def test_packed_loss_and_gradients_equal_unpacked(architecture, attention, lora,
                 assert_packed_matches_unpacked(trainer, batch, old_logps, what)
 
 
-def _causal(pack, length):
+def _causal(query, key, anchor, key_end, nodes):
     """A wrong mask: plain causal over the packed slots, so a branch's tokens see its sibling branches."""
-    return torch.ones(length, length, dtype=torch.bool).tril()
+    return key <= query
 
 
 def test_a_token_seeing_a_sibling_branch_is_caught(model_dirs, tokenizer, addition_dataset, tmp_path, monkeypatch):
     trainer = make_trainer(model_dirs["llama"], tokenizer, addition_dataset, tmp_path)
     batch = micro_batch(["several_forks", "grpo"], len(tokenizer), tokenizer.pad_token_id)
     assert_packed_matches_unpacked(trainer, batch, old_logps=True, what="tree mask")
-    monkeypatch.setattr(packing, "visibility", _causal)
+    monkeypatch.setattr(packing, "sees", _causal)
     with pytest.raises(AssertionError, match="packed loss|gradient"):
         assert_packed_matches_unpacked(trainer, batch, old_logps=True, what="causal mask")
 
@@ -206,8 +206,49 @@ def test_packs_hold_each_distinct_prefix_once_and_split_at_the_cap(tokenizer):
     split = pack_rows(rows, prompt_lengths, width, 22)
     assert split.input_ids.shape[0] > 1 and split.real_tokens > whole.real_tokens  # ancestors repeated
     assert max(split.lengths) <= 22  # every pack within the cap (no row here is longer)
-    visible = whole.visible[0, 0]
+    visible = whole.visible()[0, 0]
     assert torch.equal(visible, visible.tril())  # preorder: ancestors come first
+
+
+def test_the_block_mask_is_the_dense_mask(tokenizer):
+    """FlexAttention's mask function, evaluated at every (query, key) of every pack, is the dense mask SDPA reads."""
+    batch = micro_batch(["several_forks", "one_fork"], len(tokenizer), tokenizer.pad_token_id)
+    packed = pack_rows(*_rows(batch), batch["completion_ids"].size(1), 40)
+    assert packed.input_ids.size(0) > 1 and len(set(packed.lengths)) > 1  # padded packs, copies included
+    block = packed.block_mask("cpu")
+    packs, length = packed.input_ids.shape
+    b, q, k = (index.reshape(-1) for index in torch.meshgrid(torch.arange(packs), torch.arange(length),
+                                                             torch.arange(length), indexing="ij"))
+    dense = block.mask_mod(b, torch.zeros_like(b), q, k).view(packs, 1, length, length)
+    assert torch.equal(dense, packed.visible())
+
+
+def test_flex_attention_packs_give_the_unpacked_log_probabilities(model_dirs, tokenizer, addition_dataset, tmp_path,
+                                                                  monkeypatch):
+    """attn_implementation='flex_attention': the packs' tree goes in as a block mask. PyTorch runs FlexAttention's
+    backward on GPUs only, so on this CPU the forward passes are compared (the old-logprob and reference passes; the
+    policy pass runs the same forward): packed with the block mask against TRL's unpacked rows under SDPA."""
+    trainer = make_trainer(model_dirs["llama"], tokenizer, addition_dataset, tmp_path, attention="flex_attention")
+    batch = micro_batch(["several_forks", "grpo"], len(tokenizer), tokenizer.pad_token_id, truncate_row=1)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width, model = batch["completion_ids"].size(1), trainer.model.eval()
+    block_masks = []
+    build = packing.PackedBatch.block_mask
+    monkeypatch.setattr(packing.PackedBatch, "block_mask", lambda self, device: block_masks.append(1) or build(
+        self, device))
+    results = []
+    for packed, attention in ((True, "flex_attention"), (False, "sdpa")):
+        model.set_attn_implementation(attention)
+        trainer.args.tree_packing = packed
+        with torch.no_grad():
+            results.append(trainer._get_per_token_logps_and_entropies(model, ids, mask, width,
+                                                                      compute_entropy=True)[:2])
+    (packed_logps, packed_entropies), (logps, entropies) = results
+    assert block_masks and trainer._packing_fallback(model) is None  # the packs went through FlexAttention
+    real = batch["completion_mask"].bool()
+    assert torch.allclose(packed_logps[real], logps[real], atol=1e-5)
+    assert torch.allclose(packed_entropies[real], entropies[real], atol=1e-5)
 
 
 def test_regroup_keeps_groups_together_and_row_counts(tokenizer):

@@ -256,8 +256,8 @@ def transformers_engine(args: EvalArguments, model_path: str, tokenizer):
 
 def server_engine(args: EvalArguments, tokenizer):
     """A `VLLMServerEngine`; an adapter is loaded onto the server as a LoRA module and sampled from."""
-    from arpo_trl.engines import VLLMServerEngine
     from arpo_trl.server.client import VLLMClient, check_server_tokenizer
+    from arpo_trl.server.engine import VLLMServerEngine
 
     client = VLLMClient(args.vllm_server_base_url, args.vllm_request_timeout, args.vllm_server_timeout)
     client.wait_until_ready()

@@ -1,6 +1,6 @@
 """In-process generation with a persistent KV cache, driven per request by the events scheduler."""
 
-from arpo_trl.generation.cached_engine import CachedTransformersEngine
+from arpo_trl.generation.cached_engine import CachedTransformersEngine, cached_engine_blocker
 from arpo_trl.generation.prefix_cache import PrefixCache
 
-__all__ = ["CachedTransformersEngine", "PrefixCache"]
+__all__ = ["CachedTransformersEngine", "PrefixCache", "cached_engine_blocker"]

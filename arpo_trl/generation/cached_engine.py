@@ -22,7 +22,14 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from arpo_trl.engines import SamplingSettings, Segment, TransformersEngine, _check_budgets
+from arpo_trl.engines import (
+    SamplingSettings,
+    Segment,
+    TransformersEngine,
+    _check_budgets,
+    stop_window,
+    tail_has_stop,
+)
 from arpo_trl.entropy import sampling_warpers, token_entropy
 from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, crop
 
@@ -79,6 +86,7 @@ class CachedTransformersEngine(TransformersEngine):
         self._model_stack: contextlib.ExitStack | None = None
         self._model_in_use = None
         self._driver: asyncio.Task | None = None
+        self._scoped = False  # inside `rollout_scope`: the prefix cache outlives a wave
 
     # --- the interface the schedulers use -------------------------------------------------------------------
 
@@ -86,7 +94,7 @@ class CachedTransformersEngine(TransformersEngine):
         self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop: Sequence[str]
     ) -> list[Segment]:
         """A wave, for the waves scheduler and evaluation: its requests share the batch and each other's prefixes;
-        the cache is freed afterwards."""
+        the cache is freed afterwards, unless a `rollout_scope` keeps it for the rollout's next waves."""
         _check_budgets(prefixes, max_new_tokens)
 
         async def wave() -> list[Segment]:
@@ -94,30 +102,43 @@ class CachedTransformersEngine(TransformersEngine):
                 requests = (self.agenerate(p, b, stop) for p, b in zip(prefixes, max_new_tokens))
                 return list(await asyncio.gather(*requests))
             finally:
-                await self.aclose()
+                await self.aclose(keep_cache=self._scoped)
 
         return asyncio.run(wave())
+
+    @contextlib.contextmanager
+    def rollout_scope(self):
+        """One rollout of waves (`WaveScheduler`): the prefix cache outlives each wave until the scope ends, so that
+        a continuation or a fork in a later wave prefills only its new tokens. The weights must not change inside."""
+        self._scoped = True
+        try:
+            yield self
+        finally:
+            self._scoped = False
+            self.prefix_cache.clear()
 
     async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
         _check_budgets([prefix], [max_new_tokens])
         if not prefix:
             raise ValueError("agenerate: the prefix must hold at least one token.")
-        window = max([len(self.tokenizer.encode(s, add_special_tokens=False)) for s in stop] + [1]) + 4
-        request = _Request(list(prefix), max_new_tokens, list(stop), asyncio.get_running_loop().create_future(), window)
+        request = _Request(list(prefix), max_new_tokens, list(stop), asyncio.get_running_loop().create_future(),
+                           stop_window(self.tokenizer, stop))
         self._pending.append(request)
         if self._driver is None or self._driver.done():
             self._driver = asyncio.create_task(self._drive())
         return await request.future
 
-    async def aclose(self) -> None:
-        """End of a rollout: stop the driver, free the KV cache and give the model back."""
+    async def aclose(self, keep_cache: bool = False) -> None:
+        """End of a rollout (or of a wave): stop the driver, free the KV cache (`keep_cache`: all but the prefix
+        cache) and give the model back."""
         if self._driver is not None and not self._driver.done():
             self._driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._driver
         self._driver = None
         self._fail_all(RuntimeError("CachedTransformersEngine closed with requests in flight"))
-        self.prefix_cache.clear()
+        if not keep_cache:
+            self.prefix_cache.clear()
         if self._model_stack is not None:
             self._model_stack.close()
         self._model_stack = self._model_in_use = None
@@ -234,12 +255,8 @@ class CachedTransformersEngine(TransformersEngine):
                           for i, r in enumerate(self._rows)])
 
     def _is_done(self, request: _Request) -> bool:
-        if len(request.ids) >= request.budget or request.ids[-1] in self.eos_token_ids:
-            return True
-        if not request.stop:
-            return False
-        tail = self._decode(request.ids[-request.stop_window:])
-        return any(s in tail for s in request.stop)
+        return len(request.ids) >= request.budget or request.ids[-1] in self.eos_token_ids or tail_has_stop(
+            self._decode, request.ids, request.stop, request.stop_window)
 
     def _release(self, finished: list[int]) -> None:
         """Answer the finished rows, keep their KV in the prefix cache, and take them out of the batch."""
@@ -278,16 +295,36 @@ class CachedTransformersEngine(TransformersEngine):
         self.counters.decode_tokens += len(self._rows)
 
 
+# an allow-list, where the waves engine has a deny-list (engines.check_generation_kwargs): this engine samples
+# itself and implements exactly these, while `model.generate` would run whatever else HF knows
 _SUPPORTED_KEYS = {"do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
 
 
-def _check_full_attention(model) -> None:
+def _other_layer_types(model) -> list[str]:
     """Cache entries are built as plain full-attention layers; a sliding-window or recurrent layer would be wrong."""
     config = model.config.get_text_config(decoder=True)
-    other = {kind for kind in getattr(config, "layer_types", None) or [] if kind != "full_attention"}
-    if other:
+    return sorted({kind for kind in getattr(config, "layer_types", None) or [] if kind != "full_attention"})
+
+
+def _check_full_attention(model) -> None:
+    if other := _other_layer_types(model):
         raise ValueError(f"CachedTransformersEngine needs full-attention layers only; this model's layer_types hold "
-                         f"{sorted(other)}: use the waves engine (use_transformers_continuous_batching=False).")
+                         f"{other}: use the waves engine (use_transformers_continuous_batching=False).")
+
+
+def cached_engine_blocker(model, generation_kwargs: dict | None, cache_implementation: str | None,
+                          sharded_processes: bool) -> str | None:
+    """Why this engine cannot serve a run (a sentence), or None: what `use_transformers_continuous_batching=None`
+    (ARPOConfig's default) checks before it picks this engine over the waves engine."""
+    if sharded_processes:
+        return "sharded parameters (ZeRO-3/FSDP) over several processes need the ranks' model calls in step"
+    if unsupported := sorted(set(generation_kwargs or {}) - _SUPPORTED_KEYS):
+        return f"generation_kwargs {unsupported} are not among the ones it samples with ({sorted(_SUPPORTED_KEYS)})"
+    if cache_implementation:
+        return f"cache_implementation={cache_implementation!r} configures model.generate's cache"
+    if other := _other_layer_types(model):
+        return f"the model's layer_types hold {other}, not full attention only"
+    return None
 
 
 def _pad_left(tensor: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

@@ -15,8 +15,8 @@ from peft import PeftModel
 
 from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import run_on_main_process
-from arpo_trl.engines import VLLMServerEngine
 from arpo_trl.server.client import check_server_tokenizer
+from arpo_trl.server.engine import VLLMServerEngine
 from arpo_trl.server.weight_sync import (
     LoRAAdapterSync,
     NoSync,

@@ -8,7 +8,8 @@ from peft import PeftModel
 # TRL's left padding cancels) and takes a prepared 4D mask as is (transformers >= 5). Packed against unpacked
 # exactness is tested for llama and qwen2/qwen3 (tests/test_tree_packing.py).
 TREE_MASK_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
-TREE_MASK_ATTENTION = ("sdpa", "eager")  # flash-attention varlen and paged kernels take no 4D mask
+# flash-attention varlen and paged kernels take no 4D mask; FlexAttention takes the tree as a block mask
+TREE_MASK_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
 def base_model(model):

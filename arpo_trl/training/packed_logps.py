@@ -37,11 +37,15 @@ def real_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return rows, prompt_lengths.tolist()
 
 
-def tree_mask(visible: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """The 4D mask in the form the attention implementation reads: bool for SDPA, additive float for eager."""
+def tree_mask(packed: PackedBatch, attn_implementation: str, dtype: torch.dtype, device):
+    """The packs' tree mask in the form the attention implementation reads: a FlexAttention block mask, bool for
+    SDPA, additive float for eager (transformers passes a prepared 4D mask through as is)."""
+    if attn_implementation == "flex_attention":
+        return packed.block_mask(device)
+    visible = packed.visible().to(device)
     if attn_implementation == "sdpa":
         return visible
-    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
 
 
 class TreePackedTraining:
@@ -103,11 +107,11 @@ class TreePackedTraining:
     def _forward_packed(self, model, packed: PackedBatch, compute_entropy: bool):
         device = self.accelerator.device
         config = self._packing_config(model)
-        mask = tree_mask(packed.visible, config._attn_implementation, self._packing_dtype(model))
+        mask = tree_mask(packed, config._attn_implementation, self._packing_dtype(model), device)
         with self.accelerator.autocast():
             # TRL 1.16's fused LM head (trl.trainer.utils.add_fused_lm_head) scores `shift_labels` as given, one
             # label per slot, with TRL's temperature and head options: the same numbers as its unpacked forward.
-            outputs = model(input_ids=packed.input_ids.to(device), attention_mask=mask.to(device),
+            outputs = model(input_ids=packed.input_ids.to(device), attention_mask=mask,
                             position_ids=packed.position_ids.to(device), shift_labels=packed.labels.to(device),
                             fused_lm_head=True)
         packed.gather_index = packed.gather_index.to(device)

@@ -90,7 +90,9 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # (P, L)
     position_ids: torch.Tensor  # (P, L)
-    visible: torch.Tensor  # (P, 1, L, L) bool: query slot i may attend to key slot j
+    anchors: torch.Tensor  # (P, L): the node whose ancestors a slot sees (a copy's node; a node or padding: itself)
+    ends: torch.Tensor  # (P, L): a node slot j is the ancestor of the slots in (j, ends[j]) (preorder subtree)
+    nodes: torch.Tensor  # (P,): slots holding trie nodes; copies follow them, then padding
     labels: torch.Tensor  # (P, L): the token whose log-probability is read at each slot, or IGNORE
     gather_index: torch.Tensor  # (B, T) into the flattened (P*L) outputs, P*L = an always-zero slot
     lengths: list[int]  # slots of each pack holding a node or a copy (the rest is padding)
@@ -98,6 +100,25 @@ class PackedBatch:
     @property
     def real_tokens(self) -> int:
         return sum(self.lengths)
+
+    def visible(self) -> torch.Tensor:
+        """(P, 1, L, L) bool: query slot i may attend to key slot j (the dense mask SDPA and eager read)."""
+        index = torch.arange(self.input_ids.size(1))
+        return sees(index[None, :, None], index[None, None, :], self.anchors[:, :, None], self.ends[:, None, :],
+                    self.nodes[:, None, None])[:, None]
+
+    def block_mask(self, device):
+        """The same visibility as a FlexAttention `BlockMask`, built from O(L) indices per pack, never an L × L
+        tensor: the mask for long packs on GPUs (`attn_implementation='flex_attention'`)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        anchors, ends, nodes = self.anchors.to(device), self.ends.to(device), self.nodes.to(device)
+
+        def mask_mod(batch, head, query, key):
+            return sees(query, key, anchors[batch, query], ends[batch, key], nodes[batch])
+
+        packs, length = self.input_ids.shape
+        return create_block_mask(mask_mod, packs, None, length, length, device=device)
 
     def gather(self, per_slot: torch.Tensor) -> torch.Tensor:
         """(P, L) per-slot values -> TRL's (B, T) layout, 0 where no log-probability is read (as TRL's own)."""
@@ -139,20 +160,12 @@ def _layout(trie: _Trie) -> tuple[Pack, dict[int, int]]:
     return Pack(tokens, depths, ends, labels, copy_of), label_slots
 
 
-def visibility(pack: Pack, length: int) -> torch.Tensor:
-    """(length, length) bool: slot i sees slot j. Nodes see their ancestors and themselves; a copy sees what its
-    node sees except the node, and itself; padding slots see only themselves (no fully masked softmax row)."""
-    n = len(pack.tokens)
-    index = torch.arange(length)
-    start = index.clone()
-    end = index + 1
-    end[:n] = torch.tensor(pack.ends, dtype=torch.long)
-    visible = (index[:, None] >= start[None, :]) & (index[:, None] < end[None, :])
-    for copy, node in pack.copy_of.items():
-        visible[copy, :n] = visible[node, :n]
-        visible[copy, node] = False
-        visible[copy, copy] = True
-    return visible
+def sees(query, key, anchor, key_end, nodes):
+    """Whether slot `query` attends to slot `key` (tensors, broadcast): itself, or a node that is a strict ancestor
+    of the query's anchor. So a node sees its ancestors and itself; a copy what its node sees except the node, and
+    itself; padding only itself (no fully masked softmax row). In preorder, node j is a strict ancestor of node a
+    exactly when j < a < end_j."""
+    return (key == query) | ((key < nodes) & (key < anchor) & (anchor < key_end))
 
 
 def pack_rows(rows: Sequence[Sequence[int]], prompt_lengths: Sequence[int], width: int,
@@ -174,17 +187,22 @@ def pack_rows(rows: Sequence[Sequence[int]], prompt_lengths: Sequence[int], widt
     input_ids = torch.zeros(len(packs), length, dtype=torch.long)
     position_ids = torch.zeros(len(packs), length, dtype=torch.long)
     labels = torch.full((len(packs), length), IGNORE, dtype=torch.long)
-    visible = torch.empty(len(packs), 1, length, length, dtype=torch.bool)
+    anchors = torch.arange(length).repeat(len(packs), 1)
+    ends = anchors + 1
+    nodes = torch.tensor([len(pack.tokens) - len(pack.copy_of) for pack, _ in packs], dtype=torch.long)
     for p, (pack, _) in enumerate(packs):
         n = len(pack.tokens)
         input_ids[p, :n] = torch.tensor(pack.tokens)
         position_ids[p, :n] = torch.tensor(pack.depths)
         labels[p, :n] = torch.tensor(pack.labels)
-        visible[p, 0] = visibility(pack, length)
+        ends[p, :n] = torch.tensor(pack.ends)
+        for copy, node in pack.copy_of.items():
+            anchors[p, copy] = node
     zero_slot = len(packs) * length
     gather_index = torch.full((len(rows), width), zero_slot, dtype=torch.long)
     for r, (p, row_readers) in enumerate(readers):
         label_slots = packs[p][1]
         slots = [p * length + label_slots[(id(node), k)] for node, k in row_readers]
         gather_index[r, : len(slots)] = torch.tensor(slots, dtype=torch.long)
-    return PackedBatch(input_ids, position_ids, visible, labels, gather_index, [len(pack.tokens) for pack, _ in packs])
+    return PackedBatch(input_ids, position_ids, anchors, ends, nodes, labels, gather_index,
+                       [len(pack.tokens) for pack, _ in packs])

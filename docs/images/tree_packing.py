@@ -18,7 +18,7 @@ def main() -> None:
     packed = pack_rows(ROWS, [PROMPT] * len(ROWS), max(map(len, ROWS)) - PROMPT, None)
     n = packed.lengths[0]
     tokens, depths = packed.input_ids[0, :n].tolist(), packed.position_ids[0, :n].tolist()
-    labels, visible = packed.labels[0, :n].tolist(), packed.visible[0, 0, :n, :n]
+    labels, visible = packed.labels[0, :n].tolist(), packed.visible()[0, 0, :n, :n]
     copies = {i for i in range(n) for j in range(i)  # a copy: its node's token, depth and ancestors, not the node
               if (tokens[j], depths[j]) == (tokens[i], depths[i]) and not visible[i, j]
               and bool((visible[i, :j] == visible[j, :j]).all())}
