@@ -262,9 +262,25 @@ def read_run(run_dir: Path, method: str, setting: tuple[int, int], seed: int, st
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [{ours: row[key] for key, ours in PER_STEP.items() if key in row} for row in rows if "step_time" in row]
     resources = json.loads((run_dir / RESOURCES).read_text())
+    for step, distinct in zip(steps, distinct_completions(run_dir)):
+        step["distinct_completions_per_group"] = distinct
     return {"method": run_label(method, stack), "setting": _label(setting), "seed": seed, "dir": str(run_dir),
             "steps": steps, "mean": {key: statistics.fmean(s[key] for s in steps) for key in steps[0]}
             | {key: resources[key] for key in RUN_LEVEL}}
+
+
+def distinct_completions(run_dir: Path) -> list[float]:
+    """Per step, the mean over groups of how many of a group's M completions differ (trees.jsonl; TRL's peer writes
+    none). A peaked policy samples duplicates, which tree packing also computes once."""
+    from arpo_trl.trees import read_jsonl
+
+    if not (run_dir / "trees.jsonl").is_file():
+        return []
+    groups: dict[tuple[int, int], set[str]] = {}
+    for record in read_jsonl(run_dir / "trees.jsonl"):
+        groups.setdefault((record["step"], record["group"]), set()).add(json.dumps(record["segments"]))
+    steps = sorted({step for step, _ in groups})
+    return [statistics.fmean(len(v) for (s, _), v in groups.items() if s == step) for step in steps]
 
 
 def read_eval(path: Path) -> dict:
@@ -346,8 +362,8 @@ def markdown(report: dict) -> str:
 
     columns = ["calls_per_trajectory", "tool_calls_per_group", "tokens_generated_per_group", "forks_per_group",
                "rollout_seconds", "training_seconds", "step_seconds", "tokens_forwarded_per_group",
-               "prefill_tokens_per_group", "peak_rss_mb", "reward", "heldout_pass@1", "heldout_calls_per_trajectory",
-               "heldout_seeds"]
+               "prefill_tokens_per_group", "peak_rss_mb", "distinct_completions_per_group", "reward", "heldout_pass@1",
+               "heldout_calls_per_trajectory", "heldout_seeds"]
     measured = [c for c in columns if any(c in v for methods in report["summary"].values() for v in methods.values())]
     columns = [c for c in columns if c in measured or c.startswith("heldout") and report.get("cold_start")]
     rows = [[setting, method, *(_fmt(values.get(c)) for c in columns)]

@@ -163,6 +163,59 @@ def _chi2_and_bound(tokens: list[int], probs: torch.Tensor) -> tuple[float, floa
     return chi2, dof * (1 - 2 / (9 * dof) + 4.753 * math.sqrt(2 / (9 * dof))) ** 3
 
 
+def _two_sample_chi2(a: list[int], b: list[int]) -> tuple[float, float]:
+    """Pearson's chi-square that samples `a` and `b` of a discrete statistic come from one distribution (values
+    seen fewer than 10 times in all pooled into one cell), and its quantile at p = 1e-6 (Wilson-Hilferty)."""
+    from collections import Counter
+
+    counts_a, counts_b = Counter(a), Counter(b)
+    common = [v for v in counts_a.keys() | counts_b.keys() if counts_a[v] + counts_b[v] >= 10]
+    cells = [(counts_a[v], counts_b[v]) for v in common]
+    rest = (len(a) - sum(x for x, _ in cells), len(b) - sum(y for _, y in cells))
+    cells += [rest] if sum(rest) else []
+    chi2 = 0.0
+    for x, y in cells:
+        for observed, size in ((x, len(a)), (y, len(b))):
+            expected = (x + y) * size / (len(a) + len(b))
+            chi2 += (observed - expected) ** 2 / expected
+    dof = max(len(cells) - 1, 1)
+    return chi2, dof * (1 - 2 / (9 * dof) + 4.753 * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def test_trees_have_the_waves_engines_distribution(tool_model_dir, tokenizer):
+    """Sampled rollouts (entropy forking, tool calls) of one seeded model through each engine and scheduler: the
+    distributions of tree shapes (branches per group, tool calls per trajectory), of first segments' lengths and of
+    first tokens agree (two-sample chi-square at p = 1e-6: failing takes a real difference, not bad luck)."""
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+    prompts = [_prompt(tokenizer, f"What is {a}+{b}?") for a, b in ((12, 30), (7, 5), (40, 2), (3, 9))]
+    sampling = SamplingSettings(temperature=1.3, entropy_top_k=None)
+
+    def statistics(engine, scheduler: str, rollouts: int = 30) -> dict[str, list[int]]:
+        seen = {"branches": [], "calls": [], "first_length": [], "first_token": []}
+        for seed in range(rollouts):
+            torch.manual_seed(seed)
+            sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=4,
+                                       max_completion_length=48, branch_threshold=0.6, seed=seed,
+                                       scheduler=scheduler)
+            result = sampler.sample(prompts)
+            seen["branches"] += [sum(t.kind == "branch" for t in group) for group in result.groups]
+            for t in result.trajectories:
+                seen["calls"].append(t.tool_calls)
+                if t.kind != "branch":
+                    first = t.mask.index(0) if 0 in t.mask else len(t.mask)
+                    seen["first_length"].append(first // 4)
+                    seen["first_token"].append(t.completion_ids[0])
+        return seen
+
+    waves = statistics(TransformersEngine(model, tokenizer, sampling=sampling), "waves")
+    assert sum(waves["branches"]) > 20 and sum(waves["calls"]) > 100  # the trees fork and call tools
+    for scheduler in ("events", "waves"):
+        cached = statistics(CachedTransformersEngine(model, tokenizer, sampling=sampling), scheduler)
+        for name in waves:
+            chi2, bound = _two_sample_chi2(waves[name], cached[name])
+            assert chi2 < bound, f"{scheduler}: {name} differs (chi2 {chi2:.1f} > {bound:.1f})"
+
+
 @pytest.mark.parametrize("top_k", [0, 50])
 def test_sampled_first_tokens_follow_the_model_distribution(tiny_model_dir, tokenizer, top_k):
     """3000 first tokens from a random model (a spread-out distribution) against its own tempered softmax, top-k
