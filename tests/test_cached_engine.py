@@ -190,7 +190,7 @@ def test_trees_have_the_waves_engines_distribution(tool_model_dir, tokenizer):
     prompts = [_prompt(tokenizer, f"What is {a}+{b}?") for a, b in ((12, 30), (7, 5), (40, 2), (3, 9))]
     sampling = SamplingSettings(temperature=1.3, entropy_top_k=None)
 
-    def statistics(engine, scheduler: str, rollouts: int = 30) -> dict[str, list[int]]:
+    def statistics(engine, scheduler: str, rollouts: int = 20) -> dict[str, list[int]]:
         seen = {"branches": [], "calls": [], "first_length": [], "first_token": []}
         for seed in range(rollouts):
             torch.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""In-process generation with a persistent KV cache, driven per request by the events scheduler."""
+"""In-process generation with a persistent KV cache, driven per request by the events scheduler (or in waves)."""
 
 from arpo_trl.generation.cached_engine import CachedTransformersEngine, cached_engine_blocker
 from arpo_trl.generation.prefix_cache import PrefixCache

@@ -108,8 +108,8 @@ class PackedBatch:
                     self.nodes[:, None, None])[:, None]
 
     def block_mask(self, device):
-        """The same visibility as a FlexAttention `BlockMask`, built from O(L) indices per pack, never an L × L
-        tensor: the mask for long packs on GPUs (`attn_implementation='flex_attention'`)."""
+        """The same visibility as a FlexAttention `BlockMask` whose mask function reads O(L) indices per pack: the
+        kernels skip fully masked blocks and read no L × L mask (`attn_implementation='flex_attention'`)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         anchors, ends, nodes = self.anchors.to(device), self.ends.to(device), self.nodes.to(device)
