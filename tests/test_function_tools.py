@@ -7,11 +7,11 @@ import asyncio
 import json
 
 import pytest
-from test_tool_calls import ANSWER, ScriptedEngine, env_spans, response
+from test_tool_calls import ANSWER, RecordingTrainer, ScriptedEngine, env_spans, response
 from tiny import tiny_model
 from transformers.utils import get_json_schema
 
-from arpo_trl import ARPOConfig, ARPOTrainer
+from arpo_trl import ARPOConfig
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tool_calls import ChatTemplateFormat, TagFormat, make_call_format
 from arpo_trl.tools import PythonTool, Tool
@@ -153,13 +153,6 @@ def test_the_sampler_forks_after_a_function_result(hermes):
 
 def constant_reward(completions, **kwargs):
     return [1.0] * len(completions)
-
-
-class RecordingTrainer(ARPOTrainer):
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        self.recorded = getattr(self, "recorded", []) + [output]
-        return output
 
 
 def test_trainer_takes_plain_functions_as_grpo_trainer_does(hermes, addition_dataset, tmp_path):
