@@ -147,6 +147,11 @@ def test_waves_engine_counts_its_padded_prefills(tool_model64, tokenizer):
     assert engine.counters.prefill_tokens == 2 * width + 3
 
 
+def _chi2_quantile(dof: int) -> float:
+    """The chi-square statistic's quantile at p = 1e-6 (Wilson-Hilferty; 4.753 is the normal quantile)."""
+    return dof * (1 - 2 / (9 * dof) + 4.753 * math.sqrt(2 / (9 * dof))) ** 3
+
+
 def _chi2_and_bound(tokens: list[int], probs: torch.Tensor) -> tuple[float, float]:
     """Pearson's chi-square of sampled `tokens` against `probs` (cells expecting < 5 pooled), and the statistic's
     quantile at p = 1e-6 (Wilson-Hilferty): exceeding it takes a real sampling bug, not bad luck."""
@@ -160,7 +165,7 @@ def _chi2_and_bound(tokens: list[int], probs: torch.Tensor) -> tuple[float, floa
     assert not (observed_cells[~keep] > 0).any(), "sampled a token of probability 0"
     dof = int(keep.sum()) - 1
     assert dof >= 20
-    return chi2, dof * (1 - 2 / (9 * dof) + 4.753 * math.sqrt(2 / (9 * dof))) ** 3
+    return chi2, _chi2_quantile(dof)
 
 
 def _two_sample_chi2(a: list[int], b: list[int]) -> tuple[float, float]:
@@ -179,7 +184,7 @@ def _two_sample_chi2(a: list[int], b: list[int]) -> tuple[float, float]:
             expected = (x + y) * size / (len(a) + len(b))
             chi2 += (observed - expected) ** 2 / expected
     dof = max(len(cells) - 1, 1)
-    return chi2, dof * (1 - 2 / (9 * dof) + 4.753 * math.sqrt(2 / (9 * dof))) ** 3
+    return chi2, _chi2_quantile(dof)
 
 
 def test_trees_have_the_waves_engines_distribution(tool_model_dir, tokenizer):
