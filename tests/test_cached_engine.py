@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from arpo_trl.engines import SamplingSettings, TransformersEngine
 from arpo_trl.generation import CachedTransformersEngine, PrefixCache
-from arpo_trl.generation.cached_engine import cache_budget
+from arpo_trl.generation.cached_engine import cache_budget, sample_tokens
 from arpo_trl.generation.prefix_cache import CachedPrefix, common_prefix_length
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool
@@ -239,6 +239,20 @@ def test_sampled_first_tokens_follow_the_model_distribution(tiny_model_dir, toke
         segments = engine_class(model, tokenizer, sampling=settings).generate([prefix] * n, [1] * n, [])
         chi2, bound = _chi2_and_bound([s.token_ids[0] for s in segments], probs)
         assert chi2 < bound, (engine_class.__name__, chi2, bound)
+
+
+def test_two_level_sampling_draws_the_distribution_and_never_a_masked_token():
+    """`sample_tokens` on a vocabulary that is not a multiple of its block (the last block padded), with masked tokens
+    and mass spread over blocks: frequencies match the probabilities (chi-square at p = 1e-6), masked ones never."""
+    torch.manual_seed(0)
+    logits = torch.randn(300, dtype=torch.float64) * 2
+    logits[torch.randperm(300)[:120]] = -math.inf
+    probs = torch.softmax(logits, -1)
+    rows = torch.log_softmax(logits.float(), -1).expand(20000, -1).contiguous()
+    tokens = sample_tokens(rows, block=64)
+    assert torch.isfinite(logits[tokens]).all()
+    chi2, bound = _chi2_and_bound(tokens.tolist(), probs)
+    assert chi2 < bound, (chi2, bound)
 
 
 def test_prefix_cache_lookup_store_and_budget():
