@@ -63,8 +63,7 @@ class FillUps:
     def __init__(self, max_tool_calls: int, branch_factor: int, branch_threshold: float, speculative: bool = True,
                  rng: random.Random | None = None):
         self.max_tool_calls, self.branch_factor, self.speculative = max_tool_calls, branch_factor, speculative
-        # priors, learned from each rollout: c_d for a path that made d calls, and the mean fork probability p
-        self.call_rates, self.fork_rate = [0.5] * max_tool_calls, branch_threshold
+        self.call_rate, self.fork_rate = 0.5, branch_threshold  # priors, learned from each rollout
         self.shares = ForkShares(rng or random.Random(0))
 
     def capacity(self, rollout: Rollout, path: Trajectory) -> int:
@@ -76,40 +75,37 @@ class FillUps:
         return min(self.branch_factor ** remaining - 1, rollout.num_generations)
 
     def expected(self, rollout: Rollout, path: Trajectory) -> float:
-        """Paths forking is expected to add below a live path, from the rates seen so far: c_d, the share of segments
-        that end with a tool call on paths that made d calls, and p, the mean fork probability (this rollout's, shrunk
-        towards the previous rollouts'). From depth d: E_d = (1 - c_d) + c_d·(1 + (Z-1)·p)·E_{d+1}, E_max = 1; a
-        pending decision happens surely. Rates per depth, because agents call in runs (a task that takes three calls
-        makes its first two almost surely), which one pooled rate would take for independent coin flips."""
+        """Paths forking is expected to add below a live path, from the rates seen so far: c, the share of segments
+        that end with a tool call, and p, the mean fork probability (this rollout's, shrunk towards the previous
+        rollouts'). A path reaching r more decisions: E_r = (1 - c) + c·(1 + (Z-1)·p)·E_{r-1}, E_0 = 1; a pending
+        decision happens surely."""
         if not self.forking(rollout, path):
             return 0.0
-        p, pending = self._fork_rate(rollout), path.tool_calls > path.fork_decisions
+        c, p = self._rates(rollout)
         growth, expected = 1 + (self.branch_factor - 1) * p, 1.0
-        for depth in reversed(range(path.fork_decisions + pending, self.max_tool_calls)):
-            c = self._call_rate(rollout, depth)
+        pending = path.tool_calls > path.fork_decisions
+        for _ in range(max(0, self.max_tool_calls - path.fork_decisions - pending)):
             expected = (1 - c) + c * growth * expected
         return (growth if pending else 1.0) * expected - 1
 
     def never_forks(self, rollout: Rollout, path: Trajectory) -> float:
         """The probability that a live path forks at none of its remaining tool results (same rates as `expected`):
-        each segment ends the path (1 - c_d) or reaches a decision that does not fork (c_d·(1 - p))."""
+        each segment ends the path (1 - c) or reaches a decision that does not fork (c·(1 - p))."""
         if not self.forking(rollout, path):
             return 1.0
-        p, pending = self._fork_rate(rollout), path.tool_calls > path.fork_decisions
-        q = 1.0
-        for depth in reversed(range(path.fork_decisions + pending, self.max_tool_calls)):
-            c = self._call_rate(rollout, depth)
-            q = (1 - c) + c * (1 - p) * q
+        c, p = self._rates(rollout)
+        pending = path.tool_calls > path.fork_decisions
+        r = max(0, self.max_tool_calls - path.fork_decisions - pending)
+        q = sum((c * (1 - p)) ** j * (1 - c) for j in range(r)) + (c * (1 - p)) ** r
         return (1 - p) * q if pending else q
 
-    def _call_rate(self, rollout: Rollout, depth: int) -> float:
-        """c_d: the share of segments at depth d that ended with a tool call; this rollout's, shrunk to the prior."""
-        return (rollout.calling_at.get(depth, 0) + PRIOR_WEIGHT * self.call_rates[depth]) / \
-            (rollout.segments_at.get(depth, 0) + PRIOR_WEIGHT)
-
-    def _fork_rate(self, rollout: Rollout) -> float:
-        return (sum(rollout.fork_probabilities) + PRIOR_WEIGHT * self.fork_rate) / \
+    def _rates(self, rollout: Rollout) -> tuple[float, float]:
+        """c, the share of segments that end with a tool call, and p, the mean fork probability: this rollout's,
+        shrunk towards the previous rollouts'."""
+        c = (rollout.segments_calling + PRIOR_WEIGHT * self.call_rate) / (rollout.segments + PRIOR_WEIGHT)
+        p = (sum(rollout.fork_probabilities) + PRIOR_WEIGHT * self.fork_rate) / \
             (len(rollout.fork_probabilities) + PRIOR_WEIGHT)
+        return c, p
 
     def forking(self, rollout: Rollout, path: Trajectory) -> bool:
         return path.active and path.kind != "fill" and rollout.policy != "none" and self.branch_factor > 1
@@ -171,20 +167,7 @@ class FillUps:
 
     def learn(self, rollout: Rollout) -> None:
         """This rollout's rates become the next one's priors (consecutive training steps behave alike)."""
-        for depth, seen in rollout.segments_at.items():
-            if depth < self.max_tool_calls:
-                self.call_rates[depth] = rollout.calling_at.get(depth, 0) / seen
+        if rollout.segments:
+            self.call_rate = rollout.segments_calling / rollout.segments
         if rollout.fork_probabilities:
             self.fork_rate = sum(rollout.fork_probabilities) / len(rollout.fork_probabilities)
-
-    def load_call_rates(self, state: dict) -> None:
-        """The call rates of a saved sampler state (`BranchingSampler.state_dict`); one pooled rate from before they
-        were kept per depth applies to every depth."""
-        rates = state.get("call_rates")
-        if rates is None and "call_rate" in state:
-            rates = [state["call_rate"]] * self.max_tool_calls
-        if rates is not None:
-            if len(rates) != self.max_tool_calls or not all(isinstance(r, int | float) and 0 <= r <= 1 for r in rates):
-                raise ValueError(f"sampler state: call_rates must be {self.max_tool_calls} rates in [0, 1] (one per "
-                                 f"tool-call depth, max_tool_calls={self.max_tool_calls}), got {rates!r}.")
-            self.call_rates = [float(r) for r in rates]

@@ -131,8 +131,6 @@ class Rollout:
     next_id: int = 0
     segments: int = 0  # segments finished so far, and how many ended with a tool call (speculation's estimate)
     segments_calling: int = 0
-    segments_at: dict[int, int] = field(default_factory=dict)  # the same per depth: calls made before the segment
-    calling_at: dict[int, int] = field(default_factory=dict)
     fork_probabilities: list[float] = field(default_factory=list)
     monitoring: set[int] = field(default_factory=set)  # AEPO: groups whose monitoring path has not decided m yet
     environments: list | None = None  # environment_factory: per group, the reset environment its paths start from
@@ -149,13 +147,6 @@ class Rollout:
         self.groups[g].append(path)
         self.started.append((path, creator))
         return path
-
-    def count_segment(self, depth: int, calling: bool) -> None:
-        """A segment finished on a path that had made `depth` tool calls before it; `calling`: it ends with one."""
-        self.segments += 1
-        self.segments_calling += calling
-        self.segments_at[depth] = self.segments_at.get(depth, 0) + 1
-        self.calling_at[depth] = self.calling_at.get(depth, 0) + calling
 
     def finish(self) -> None:
         """Drop the speculative fill-ups nobody committed; every group then holds exactly M paths."""

@@ -216,11 +216,11 @@ class BranchingSampler:
         """What a resumed run needs to grow the same trees: the fork RNG and the speculation's rates."""
         version, internal, gauss = self.rng.getstate()
         return {"version": version, "internal": list(internal), "gauss": gauss,
-                "call_rates": list(self.fill_ups.call_rates), "fork_rate": self.fill_ups.fork_rate}
+                "call_rate": self.fill_ups.call_rate, "fork_rate": self.fill_ups.fork_rate}
 
     def load_state_dict(self, state: dict) -> None:
         self.rng.setstate((state["version"], tuple(state["internal"]), state["gauss"]))
-        self.fill_ups.load_call_rates(state)
+        self.fill_ups.call_rate = state.get("call_rate", self.fill_ups.call_rate)
         self.fill_ups.fork_rate = state.get("fork_rate", self.fill_ups.fork_rate)
 
     def fork_probability(self, delta_entropy: float, policy: str | None = None, consecutive_forks: int = 0) -> float:
@@ -311,13 +311,14 @@ class BranchingSampler:
         cut = cut_at_stop(path.completion_ids[start:], self._decode, self._encode, stops) if found else None
         if cut is None and may_continue and seg.finish_reason == "length":
             return _OPEN
-        rollout.count_segment(path.tool_calls, cut is not None)
+        rollout.segments += 1
         if cut is None:
             unclosed = self.call_format.unclosed_call(self._decode(path.completion_ids[start:]))
             if unclosed is not None:  # a call the environment never saw: a format error, as in the reference
                 path.calls.append(ToolCallRecord(unclosed, ran=False))
             return self._finish(path, "eos" if seg.finish_reason == "eos" else "length")
         kept, rewritten, stop = cut
+        rollout.segments_calling += 1
         path.cut(start + len(kept))  # what the engine generated past the tag is dropped
         self._append(path, rewritten, 0)
         text = self._decode(path.completion_ids[start:])

@@ -66,12 +66,8 @@ def test_expected_paths_from_the_priors(tool_calls, decisions, expected):
 
 def test_expected_paths_weigh_this_rollouts_rates_against_the_priors():
     fills, r = FillUps(max_tool_calls=2, branch_factor=2, branch_threshold=0.5), rollout(m=16, n=1)
-    for depth in (0, 1):  # 8 segments at each depth, every one called; every fork taken
-        for _ in range(8):
-            r.count_segment(depth, True)
-    r.fork_probabilities = [1.0] * 8
-    # c_d = (8 + 8 · 1/2) / 16 = 3/4 at both depths and p likewise: growth 7/4, E_1 = 1/4 + 3/4 · 7/4,
-    # E_2 = 1/4 + 3/4 · 7/4 · E_1
+    r.segments, r.segments_calling, r.fork_probabilities = 8, 8, [1.0] * 8  # every segment called, every fork taken
+    # c = (8 + 8 · 1/2) / 16 = 3/4 and p likewise: growth 7/4, E_1 = 1/4 + 3/4 · 7/4, E_2 = 1/4 + 3/4 · 7/4 · E_1
     e1 = 0.25 + 0.75 * 1.75
     assert fills.expected(r, r.groups[0][0]) == pytest.approx(0.25 + 0.75 * 1.75 * e1 - 1, abs=1e-12)
     assert FillUps(1, 3, 0.5).expected(r, r.groups[0][0]) == pytest.approx(0.25 + 0.75 * 2.5 - 1)  # Z = 3
@@ -140,43 +136,13 @@ def test_a_fork_takes_the_slot_of_the_youngest_speculative_fill_up():
 
 def test_each_rollouts_rates_become_the_next_ones_priors():
     fills = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.3)
-    assert (fills.call_rates, fills.fork_rate) == ([0.5] * 3, 0.3)
+    assert (fills.call_rate, fills.fork_rate) == (0.5, 0.3)
     r = rollout(m=4, n=2)
     fills.learn(r)  # nothing seen: the priors stay
-    assert (fills.call_rates, fills.fork_rate) == ([0.5] * 3, 0.3)
-    for depth, calling in [(0, True), (0, False), (0, False), (0, False), (1, True), (3, True)]:
-        r.count_segment(depth, calling)
-    r.fork_probabilities = [0.2, 0.6]
-    fills.learn(r)  # depth 2 unseen keeps its prior; depth 3 is the call limit, never a decision
-    assert fills.call_rates == [0.25, 1.0, 0.5] and fills.fork_rate == pytest.approx(0.4)
-    assert (r.segments, r.segments_calling) == (6, 3)
-
-
-def test_call_rates_per_depth_follow_runs_of_calls():
-    """A task that always makes its first two calls and never a third: a fresh path surely reaches two decisions,
-    and forks at neither with probability 1/4 (p = 1/2). One pooled rate (2/3) would call that 0.52 and start 5
-    speculative fill-ups instead of 2 (8 lines of one slot, each used with probability 3/4: 2 slots left)."""
-    fills, r = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5), rollout(m=16, n=8)
-    fills.call_rates = [1.0, 1.0, 0.0]
-    path = r.groups[0][0]
-    assert fills.never_forks(r, path) == pytest.approx(0.25) and fills.expected(r, path) == pytest.approx(1.25)
-    fills.update(r, 0, None)
-    assert r.stats.speculative_fill_ups == 2
-    pooled = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5)
-    pooled.call_rates = [2 / 3] * 3
-    pooled.update(r2 := rollout(m=16, n=8), 0, None)
-    assert r2.stats.speculative_fill_ups == 5
-
-
-def test_saved_call_rates_load_per_depth_or_from_one_pooled_rate():
-    fills = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5)
-    fills.load_call_rates({"call_rates": [0.9, 0.8, 0.1]})
-    assert fills.call_rates == [0.9, 0.8, 0.1]
-    fills.load_call_rates({"call_rate": 0.7})  # a state saved before the rates were kept per depth
-    assert fills.call_rates == [0.7] * 3
-    for bad in ([0.5, 0.5], [0.5, 2.0, 0.5], ["x", 0.5, 0.5]):
-        with pytest.raises(ValueError, match="call_rates must be 3 rates"):
-            fills.load_call_rates({"call_rates": bad})
+    assert (fills.call_rate, fills.fork_rate) == (0.5, 0.3)
+    r.segments, r.segments_calling, r.fork_probabilities = 4, 1, [0.2, 0.6]
+    fills.learn(r)
+    assert fills.call_rate == 0.25 and fills.fork_rate == pytest.approx(0.4)
 
 
 @pytest.mark.parametrize("m,n", [(16, 8), (8, 3), (5, 2), (4, 4), (12, 1)])
