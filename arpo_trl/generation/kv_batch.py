@@ -45,9 +45,6 @@ class KVBatch:
     def column_capacity(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
 
-    def lengths(self) -> list[int]:
-        return [self.width - start for start in self.starts]
-
     def add(self, rows: list[KV]) -> None:
         """Append rows (each one row's KV, [1, heads, positions, head_dim] per layer) at the end of the batch."""
         longest = max(kv[0][0].shape[2] for kv in rows)
