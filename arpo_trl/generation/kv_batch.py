@@ -95,9 +95,8 @@ class KVBatch:
         return self.mask[: self.rows, self.first: self.width + 1]
 
     def close_column(self) -> None:
-        """After a decode step: the column the layers wrote is in use."""
+        """After a decode step: the column the layers wrote is in use (their `update` already moved their views)."""
         self.width += 1
-        self._sync_cache()
 
     def _regrow(self, rows: int, width: int, like: KV | None = None) -> None:
         """New buffers holding the columns in use right-aligned at `max(width, columns in use)`, with spare room."""
