@@ -44,10 +44,10 @@ from arpo_trl.engines import GenerationEngine, Segment
 from arpo_trl.entropy import check_entropy_args, segment_entropy
 from arpo_trl.entropy_balance import aepo_fork_probability, check_aepo_args, global_samples
 from arpo_trl.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory
-from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
+from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, WaveScheduler, make_scheduler
 from arpo_trl.tags import cut_at_stop
-from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall
-from arpo_trl.tools.base import Tool, ToolEnvironmentError
+from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall, observation
+from arpo_trl.tools.base import Tool
 from arpo_trl.tools.environments import bind_call, fork_environment
 from arpo_trl.tools.runner import CallOutcome
 
@@ -144,7 +144,8 @@ class BranchingSampler:
         self.tool_timeout, self.max_tool_workers = tool_timeout, max_tool_workers
         self.rng = random.Random(seed)
         self.scheduler = make_scheduler(scheduler, engine)
-        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups, self.rng)
+        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups, self.rng,
+                                self._speculating)
         eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
         self.eos_token_id = eos[0]
         self._max_token_chars: int | None = None
@@ -238,11 +239,12 @@ class BranchingSampler:
         """A tool result was appended. If a fork is possible here, start its Z-1 copies now, unconfirmed, beside the
         path's probe, whose entropy decides whether they are kept (`_decide_fork`): the copies' tokens do not depend
         on the decision, so the trees are those of forking after the probe, without the wait. Also for the 'random'
-        ablation, so that it differs from ARPO in the decision only. Else settle the decision at once."""
+        ablation, so that it differs from ARPO in the decision only. Else settle the decision at once. On a busy
+        engine (`_speculating`), the copies start only once the decision keeps them, from the same state."""
         if not self._may_fork(rollout, path):
             self._decide_fork(rollout, path, None)
             return False
-        copies = min(self.branch_factor - 1, self.fill_ups.shares.free(rollout, path))
+        copies = min(self.branch_factor - 1, self.fill_ups.shares.free(rollout, path)) if self._speculating() else 0
         rollout.pending_branches[path.id] = [self._branch(rollout, path) for _ in range(copies)]
         return True
 
@@ -255,6 +257,13 @@ class BranchingSampler:
         child.calls = list(source.calls)
         child.initial_entropy, child.segment_entropies = source.initial_entropy, list(source.segment_entropies)
         return child
+
+    def _speculating(self) -> bool:
+        """Whether to run paths that may be thrown away (copies beside a probe, speculative fill-ups): always on a
+        server and in waves (where a seed fixes the trees, so no timing may steer them); event-driven in process,
+        while the engine's batch is cheap (`CachedTransformersEngine.speculation_pays`)."""
+        pays = getattr(self.engine, "speculation_pays", None)
+        return pays is None or isinstance(self.scheduler, WaveScheduler) or pays()
 
     def _may_fork(self, rollout: Rollout, path: Trajectory) -> bool:
         return rollout.policy != "none" and self.branch_factor > 1 and path.kind != "fill" and \
@@ -280,8 +289,9 @@ class BranchingSampler:
             rollout.fork_probabilities.append(probability)
             if self.rng.random() < probability:
                 kept = self.fill_ups.shares.free(rollout, path)
-                for child in copies[:kept]:
-                    child.committed, child.fork_delta = True, delta
+                late = [self._branch(rollout, path) for _ in range(min(self.branch_factor - 1, kept) - len(copies))]
+                for child in copies[:kept] + late:  # `late`: not started beside the probe; the path is still at its
+                    child.committed, child.fork_delta = True, delta  # tool result (the probe is not appended yet)
                     child.consecutive_forks = path.consecutive_forks + 1
                     rollout.committed.append(child)
                     rollout.stats.forks += 1
@@ -353,7 +363,7 @@ class BranchingSampler:
             path.finish_reason = "length"
 
     def _append_result(self, rollout: Rollout, path: Trajectory, call: ToolCall, outcome: CallOutcome | None):
-        text, failed = self._tool_output(call, outcome)
+        text, failed = observation(call, outcome, self.tool_timeout)
         rollout.stats.tool_calls += 1
         rollout.stats.tool_failures += failed
         room = self.max_completion_length - len(path.completion_ids)
@@ -364,22 +374,6 @@ class BranchingSampler:
                                  failed=failed, seconds=outcome.seconds if outcome else 0.0)
         path.segment_start = len(path.completion_ids)
         self._truncate(path)
-
-    def _tool_output(self, call: ToolCall, outcome: CallOutcome | None) -> tuple[str, bool]:
-        """The result text of a call and whether it failed; a malformed call's error is its result."""
-        if outcome is None:
-            return call.error, True
-        tag, text = call.tool.tag, outcome.value
-        if outcome.timed_out:
-            return f"Error: Tool({tag}) timed out after {self.tool_timeout:g} s.", True
-        if isinstance(outcome.error, ToolEnvironmentError):
-            raise RuntimeError(f"Tool({tag}) cannot run: {outcome.error}") from outcome.error
-        if outcome.error is not None:  # a tool's failure is the model's observation, never the trainer's crash
-            exc = outcome.error
-            return f"Error: Tool({tag}) execution failed with message: {type(exc).__name__}: {exc}", True
-        if not isinstance(text, str):
-            return f"Error: Tool({tag}) returned {type(text).__name__}, not str.", True
-        return text, False
 
     def _longest_token(self) -> int:
         """Characters in the vocabulary's longest token (an upper bound on characters per token)."""

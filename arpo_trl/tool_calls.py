@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from arpo_trl.tags import call_start, extract_call
-from arpo_trl.tools.base import Tool, format_result
+from arpo_trl.tools.base import Tool, ToolEnvironmentError, format_result
 from arpo_trl.tools.functions import has_function_tools
+from arpo_trl.tools.runner import CallOutcome
 
 TOOL_CALL_FORMATS = ("auto", "tags", "chat_template")
 _SENTINEL = "ARPO_TOOL_RESULT_7f3a"
@@ -220,3 +221,21 @@ def check_call_format(name: str) -> None:
         raise ValueError(f"tool_call_format must be one of {TOOL_CALL_FORMATS}, got {name!r}: 'tags' for "
                          f"<tag>…</tag> calls, 'chat_template' for the tokenizer's own function calling, 'auto' for "
                          f"the latter when a tool is a plain function.")
+
+
+def observation(call: ToolCall, outcome: CallOutcome | None, timeout: float) -> tuple[str, bool]:
+    """The result text the model reads for a call, and whether the call failed; a malformed call's error is its
+    result. A tool that cannot run at all (`ToolEnvironmentError`) is the trainer's error, not an observation."""
+    if outcome is None:
+        return call.error, True
+    tag, text = call.tool.tag, outcome.value
+    if outcome.timed_out:
+        return f"Error: Tool({tag}) timed out after {timeout:g} s.", True
+    if isinstance(outcome.error, ToolEnvironmentError):
+        raise RuntimeError(f"Tool({tag}) cannot run: {outcome.error}") from outcome.error
+    if outcome.error is not None:  # a tool's failure is the model's observation, never the trainer's crash
+        exc = outcome.error
+        return f"Error: Tool({tag}) execution failed with message: {type(exc).__name__}: {exc}", True
+    if not isinstance(text, str):
+        return f"Error: Tool({tag}) returned {type(text).__name__}, not str.", True
+    return text, False
