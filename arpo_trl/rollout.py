@@ -290,6 +290,7 @@ class BranchingSampler:
             if self.rng.random() < probability:
                 kept = self.fill_ups.shares.free(rollout, path)
                 late = [self._branch(rollout, path) for _ in range(min(self.branch_factor - 1, kept) - len(copies))]
+                rollout.stats.late_branches += len(late)
                 for child in copies[:kept] + late:  # `late`: not started beside the probe; the path is still at its
                     child.committed, child.fork_delta = True, delta  # tool result (the probe is not appended yet)
                     child.consecutive_forks = path.consecutive_forks + 1

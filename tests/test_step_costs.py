@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from arpo_trl.engines import SamplingSettings
 from arpo_trl.generation import CachedTransformersEngine
-from arpo_trl.generation.step_costs import MIN_STEPS, StepCosts
+from arpo_trl.generation.step_costs import MIN_BUCKET_STEPS, StepCosts
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool
 
@@ -15,6 +15,18 @@ from arpo_trl.tools import Tool
 def _timed(costs: StepCosts, fixed: float, per_row: float, rows: range) -> None:
     for n in rows:
         costs.record(n, fixed + per_row * n)
+
+
+def test_the_chord_spans_the_smallest_and_largest_batches_not_the_most_frequent():
+    """Steps at a few rows, then many at 100-160 rows whose cost also grows with context (a convex bend): a
+    least-squares line would follow the many large steps and put the fixed cost near 0.2 s; the chord keeps it
+    near the small batches' 0.1 s."""
+    costs = StepCosts()
+    _timed(costs, 0.1, 0.005, [1, 2, 3] * 10)
+    for rows in list(range(100, 160)) * 5:
+        costs.record(rows, 0.1 + 0.005 * rows + 0.002 * (rows - 100))
+    fixed, per_row = costs.fit()
+    assert fixed == pytest.approx(0.1, abs=0.06) and 0.005 < per_row < 0.008
 
 
 def test_the_fit_recovers_fixed_and_per_row_costs_and_the_knee():
@@ -28,8 +40,10 @@ def test_the_fit_recovers_fixed_and_per_row_costs_and_the_knee():
 
 def test_no_fit_before_enough_steps_or_without_a_spread_of_rows():
     few = StepCosts()
-    _timed(few, 0.0, 1.0, range(1, MIN_STEPS))
+    _timed(few, 0.0, 1.0, [2] * MIN_BUCKET_STEPS + [40] * (MIN_BUCKET_STEPS - 1))
     assert few.fit() is None and few.cheap(10_000)
+    _timed(few, 0.0, 1.0, [40])
+    assert few.fit() == pytest.approx((0.0, 1.0))
     alike = StepCosts()
     _timed(alike, 0.0, 1.0, [16, 17, 18] * 100)  # fixed and per-row cost cannot be told apart
     assert alike.fit() is None and alike.cheap(10_000)

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import math
 
-MIN_STEPS = 32  # steps timed before the fit is trusted
-MIN_ROW_SPREAD = 4.0  # the rows' standard deviation over the timed steps: below it, fixed and per-row are not separable
+MIN_BUCKET_STEPS = 8  # steps timed at a batch size class before its mean is trusted
+MIN_ROW_SPREAD = 4.0  # rows between the smallest and the largest class: below it, fixed and per-row are not separable
 
 
 class StepCosts:
-    """A least-squares line through (rows, seconds) of the timed steps, with exponential forgetting so that it follows
-    a model or machine whose speed changes; it lives as long as the engine, so one rollout's steps inform the next's.
+    """The chord through the step costs seen at the smallest and at the largest batches: timed steps are averaged per
+    class of batch sizes (1, 2-3, 4-7, 8-15, ... rows; exponentially forgotten, so that the line follows a model or
+    machine whose speed changes), and the line runs through the mean (rows, seconds) of the smallest and the largest
+    class with enough steps. A least-squares line would follow the many large-batch steps, whose cost also grows with
+    their context, and overstate the fixed part; the chord is the average cost of a row over the sizes seen. It
+    lives as long as the engine, so one rollout's steps inform the next's.
 
     `cheap(rows)`: whether a batch of `rows` still costs at most `row_share` times its fixed part in rows, i.e.
-    rows × per_row ≤ row_share × fixed. Until the fit is trusted, every batch counts as cheap (speculation stays on,
+    rows × per_row ≤ row_share × fixed. Until the line is known, every batch counts as cheap (speculation stays on,
     as on a server)."""
 
     def __init__(self, row_share: float = 2.0, half_life_steps: float = 1024.0):
@@ -28,28 +32,30 @@ class StepCosts:
             raise ValueError(f"row_share must be >= 0 and half_life_steps > 0, got {row_share}, {half_life_steps}.")
         self.row_share = row_share
         self._decay = 0.5 ** (1.0 / half_life_steps)
-        self._n = self._x = self._y = self._xx = self._xy = 0.0
-        self._steps = 0
+        self._classes: dict[int, list[float]] = {}  # rows.bit_length() -> [weight, Σ rows, Σ seconds, steps]
 
     def record(self, rows: int, seconds: float) -> None:
         if rows < 1 or not math.isfinite(seconds) or seconds < 0:
             raise ValueError(f"StepCosts.record: rows must be >= 1 and seconds finite and >= 0, got {rows}, {seconds}.")
-        d = self._decay
-        self._n, self._x, self._y = d * self._n + 1, d * self._x + rows, d * self._y + seconds
-        self._xx, self._xy = d * self._xx + rows * rows, d * self._xy + rows * seconds
-        self._steps += 1
+        for sums in self._classes.values():
+            sums[0] *= self._decay
+            sums[1] *= self._decay
+            sums[2] *= self._decay
+        sums = self._classes.setdefault(rows.bit_length(), [0.0, 0.0, 0.0, 0])
+        sums[0], sums[1], sums[2], sums[3] = sums[0] + 1, sums[1] + rows, sums[2] + seconds, sums[3] + 1
 
     def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per row), or None while too few steps, or too alike in rows, were timed."""
-        if self._steps < MIN_STEPS:
+        """(fixed seconds, seconds per row), or None while no two batch size classes far enough apart have enough
+        timed steps."""
+        known = [sums for _, sums in sorted(self._classes.items()) if sums[3] >= MIN_BUCKET_STEPS]
+        if len(known) < 2:
             return None
-        mean_x, mean_y = self._x / self._n, self._y / self._n
-        variance = self._xx / self._n - mean_x * mean_x
-        if variance < MIN_ROW_SPREAD ** 2:
+        (w0, x0, y0, _), (w1, x1, y1, _) = known[0], known[-1]
+        (x0, y0), (x1, y1) = (x0 / w0, y0 / w0), (x1 / w1, y1 / w1)
+        if x1 - x0 < MIN_ROW_SPREAD:
             return None
-        per_row = (self._xy / self._n - mean_x * mean_y) / variance
-        return mean_y - per_row * mean_x, per_row
-
+        per_row = (y1 - y0) / (x1 - x0)
+        return y0 - per_row * x0, per_row
     def cheap(self, rows: int) -> bool:
         fitted = self.fit()
         if fitted is None:
