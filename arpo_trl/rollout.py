@@ -174,6 +174,7 @@ class BranchingSampler:
                 rollout.start(g, list(prompt), "global", None)
             if monitored:
                 rollout.monitoring.add(g)
+        for g in range(len(prompts)):  # once every prompt's paths are live: speculation weighs the whole load
             self.fill_ups.update(rollout, g, None)
         self.scheduler.run(self, rollout)
         rollout.finish()
@@ -244,7 +245,8 @@ class BranchingSampler:
         if not self._may_fork(rollout, path):
             self._decide_fork(rollout, path, None)
             return False
-        copies = min(self.branch_factor - 1, self.fill_ups.shares.free(rollout, path)) if self._speculating() else 0
+        speculate = self._speculating(rollout)
+        copies = min(self.branch_factor - 1, self.fill_ups.shares.free(rollout, path)) if speculate else 0
         rollout.pending_branches[path.id] = [self._branch(rollout, path) for _ in range(copies)]
         return True
 
@@ -258,12 +260,15 @@ class BranchingSampler:
         child.initial_entropy, child.segment_entropies = source.initial_entropy, list(source.segment_entropies)
         return child
 
-    def _speculating(self) -> bool:
+    def _speculating(self, rollout: Rollout) -> bool:
         """Whether to run paths that may be thrown away (copies beside a probe, speculative fill-ups): always on a
         server and in waves (where a seed fixes the trees, so no timing may steer them); event-driven in process,
-        while the engine's batch is cheap (`CachedTransformersEngine.speculation_pays`)."""
+        while the engine finds a batch of the rollout's live paths cheap (`CachedTransformersEngine.speculation_pays`;
+        paths in a tool call count: they are back soon, and at the start none has reached the engine yet)."""
         pays = getattr(self.engine, "speculation_pays", None)
-        return pays is None or isinstance(self.scheduler, WaveScheduler) or pays()
+        if pays is None or isinstance(self.scheduler, WaveScheduler):
+            return True
+        return pays(sum(path.active for group in rollout.groups for path in group) + 1)
 
     def _may_fork(self, rollout: Rollout, path: Trajectory) -> bool:
         return rollout.policy != "none" and self.branch_factor > 1 and path.kind != "fill" and \

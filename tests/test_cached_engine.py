@@ -218,7 +218,7 @@ def test_trees_have_the_waves_engines_distribution(tool_model_dir, tokenizer):
     for scheduler, speculation in (("events", None), ("waves", None), ("events", False)):
         engine = CachedTransformersEngine(model, tokenizer, sampling=sampling)
         if speculation is not None:  # a busy engine: forks start after their probe, no fill-up early
-            engine.speculation_pays = lambda answer=speculation: answer
+            engine.speculation_pays = lambda rows, answer=speculation: answer
         cached = statistics(engine, scheduler)
         for name in waves:
             chi2, bound = _two_sample_chi2(waves[name], cached[name])

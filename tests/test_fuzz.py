@@ -347,8 +347,12 @@ class SoupEngine(ScriptedEngine):
 
     def __getattr__(self, name):
         if name == "speculation_pays" and self.__dict__.get("speculation") is not None:
-            return lambda: self.gate.random() < self.speculation  # a load that changes at every question
+            return self._speculation_pays
         raise AttributeError(name)
+
+    def _speculation_pays(self, rows: int) -> bool:
+        assert rows >= 1
+        return self.gate.random() < self.speculation  # a load that changes at every question
 
     def _decode(self, ids):
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -132,10 +132,10 @@ class CachedTransformersEngine(TransformersEngine):
             self._driver = asyncio.create_task(self._drive())
         return await request.future
 
-    def speculation_pays(self) -> bool:
-        """Whether a path the sampler may discard should run now: while the running batch (and what waits to join
-        it) is cheap, its fixed cost dominating (`StepCosts.cheap`)."""
-        return self.step_costs.cheap(len(self._rows) + len(self._pending) + 1)
+    def speculation_pays(self, rows: int) -> bool:
+        """Whether the sampler should run paths it may discard, its live paths being `rows` of this engine's batch:
+        while a batch of that size is cheap, its fixed cost dominating (`StepCosts.cheap`)."""
+        return self.step_costs.cheap(rows)
 
     async def aclose(self, keep_cache: bool = False) -> None:
         """End of a rollout (or of a wave): stop the driver, free the KV cache (`keep_cache`: all but the prefix

@@ -44,6 +44,10 @@ class StepCosts:
         sums = self._classes.setdefault(rows.bit_length(), [0.0, 0.0, 0.0, 0])
         sums[0], sums[1], sums[2], sums[3] = sums[0] + 1, sums[1] + rows, sums[2] + seconds, sums[3] + 1
 
+    @property
+    def timed_steps(self) -> int:
+        return int(sum(sums[3] for sums in self._classes.values()))
+
     def fit(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per row), or None while no two batch size classes far enough apart have enough
         timed steps."""
