@@ -61,10 +61,8 @@ class FillUps:
     """Decides, for one prompt at a time, which fill-ups to start, confirm or drop (`update`, `make_room`)."""
 
     def __init__(self, max_tool_calls: int, branch_factor: int, branch_threshold: float, speculative: bool = True,
-                 rng: random.Random | None = None,
-                 speculation_pays: Callable[[Rollout], bool] = lambda rollout: True):
+                 rng: random.Random | None = None):
         self.max_tool_calls, self.branch_factor, self.speculative = max_tool_calls, branch_factor, speculative
-        self.speculation_pays = speculation_pays  # asked before speculative starts (the engine's load)
         self.call_rate, self.fork_rate = 0.5, branch_threshold  # priors, learned from each rollout
         self.shares = ForkShares(rng or random.Random(0))
 
@@ -152,7 +150,7 @@ class FillUps:
                 rollout.start(g, group[0].prompt_ids, "fill", creator)
             rollout.stats.fill_ups += certain
         self.make_room(rollout, g)
-        if not self.speculative or not self.speculation_pays(rollout):
+        if not self.speculative:
             return
         missing = m - committed_count(group)
         expected = self.expected_slots(rollout, g)

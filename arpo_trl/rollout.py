@@ -44,7 +44,7 @@ from arpo_trl.engines import GenerationEngine, Segment
 from arpo_trl.entropy import check_entropy_args, segment_entropy
 from arpo_trl.entropy_balance import aepo_fork_probability, check_aepo_args, global_samples
 from arpo_trl.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory
-from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, WaveScheduler, make_scheduler
+from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
 from arpo_trl.tags import cut_at_stop
 from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall, observation
 from arpo_trl.tools.base import Tool
@@ -144,8 +144,7 @@ class BranchingSampler:
         self.tool_timeout, self.max_tool_workers = tool_timeout, max_tool_workers
         self.rng = random.Random(seed)
         self.scheduler = make_scheduler(scheduler, engine)
-        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups, self.rng,
-                                self._speculating)
+        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups, self.rng)
         eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
         self.eos_token_id = eos[0]
         self._max_token_chars: int | None = None
@@ -174,7 +173,6 @@ class BranchingSampler:
                 rollout.start(g, list(prompt), "global", None)
             if monitored:
                 rollout.monitoring.add(g)
-        for g in range(len(prompts)):  # once every prompt's paths are live: speculation weighs the whole load
             self.fill_ups.update(rollout, g, None)
         self.scheduler.run(self, rollout)
         rollout.finish()
@@ -240,13 +238,11 @@ class BranchingSampler:
         """A tool result was appended. If a fork is possible here, start its Z-1 copies now, unconfirmed, beside the
         path's probe, whose entropy decides whether they are kept (`_decide_fork`): the copies' tokens do not depend
         on the decision, so the trees are those of forking after the probe, without the wait. Also for the 'random'
-        ablation, so that it differs from ARPO in the decision only. Else settle the decision at once. On a busy
-        engine (`_speculating`), the copies start only once the decision keeps them, from the same state."""
+        ablation, so that it differs from ARPO in the decision only. Else settle the decision at once."""
         if not self._may_fork(rollout, path):
             self._decide_fork(rollout, path, None)
             return False
-        speculate = self._speculating(rollout)
-        copies = min(self.branch_factor - 1, self.fill_ups.shares.free(rollout, path)) if speculate else 0
+        copies = min(self.branch_factor - 1, self.fill_ups.shares.free(rollout, path))
         rollout.pending_branches[path.id] = [self._branch(rollout, path) for _ in range(copies)]
         return True
 
@@ -259,16 +255,6 @@ class BranchingSampler:
         child.calls = list(source.calls)
         child.initial_entropy, child.segment_entropies = source.initial_entropy, list(source.segment_entropies)
         return child
-
-    def _speculating(self, rollout: Rollout) -> bool:
-        """Whether to run paths that may be thrown away (copies beside a probe, speculative fill-ups): always on a
-        server and in waves (where a seed fixes the trees, so no timing may steer them); event-driven in process,
-        while the engine finds a batch of the rollout's live paths cheap (`CachedTransformersEngine.speculation_pays`;
-        paths in a tool call count: they are back soon, and at the start none has reached the engine yet)."""
-        pays = getattr(self.engine, "speculation_pays", None)
-        if pays is None or isinstance(self.scheduler, WaveScheduler):
-            return True
-        return pays(sum(path.active for group in rollout.groups for path in group) + 1)
 
     def _may_fork(self, rollout: Rollout, path: Trajectory) -> bool:
         return rollout.policy != "none" and self.branch_factor > 1 and path.kind != "fill" and \
@@ -294,10 +280,8 @@ class BranchingSampler:
             rollout.fork_probabilities.append(probability)
             if self.rng.random() < probability:
                 kept = self.fill_ups.shares.free(rollout, path)
-                late = [self._branch(rollout, path) for _ in range(min(self.branch_factor - 1, kept) - len(copies))]
-                rollout.stats.late_branches += len(late)
-                for child in copies[:kept] + late:  # `late`: not started beside the probe; the path is still at its
-                    child.committed, child.fork_delta = True, delta  # tool result (the probe is not appended yet)
+                for child in copies[:kept]:
+                    child.committed, child.fork_delta = True, delta
                     child.consecutive_forks = path.consecutive_forks + 1
                     rollout.committed.append(child)
                     rollout.stats.forks += 1

@@ -65,8 +65,7 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
     run = {"wall_s": round(wall, 2), "tokens_generated": generated, "tokens_per_s": round(generated / wall, 1),
            "forks_per_group": stats.forks / groups, "tool_calls_per_group": stats.tool_calls / groups,
            "waves": stats.waves, "critical_path_tokens": stats.critical_path_tokens,
-           "discarded_tokens": stats.discarded_tokens, "late_branches_per_group": stats.late_branches / groups,
-           "sampler_overhead_s": round(stats.overhead_seconds, 2),
+           "discarded_tokens": stats.discarded_tokens, "sampler_overhead_s": round(stats.overhead_seconds, 2),
            "trajectories_per_group": statistics.mean(map(len, result.groups))}
     if counters:
         run["prefill_tokens_per_group"] = (counters.prefill_tokens - prefilled) / groups
@@ -185,11 +184,8 @@ def main() -> None:
             paired(runs, "transformers", TransformersEngine(model, tokenizer), tokenizer, prompts, args,
                    policies)
         if "cached" in args.engines:
-            engine = CachedTransformersEngine(model, tokenizer)
-            paired(runs, "transformers-cached", engine, tokenizer, prompts, args, policies)
-            fitted = engine.step_costs.fit()  # what decided when the sampler speculated (event-driven)
-            report["cached_step_cost_s"] = {"fixed": round(fitted[0], 4), "per_row": round(fitted[1], 5)} \
-                if fitted else None
+            paired(runs, "transformers-cached", CachedTransformersEngine(model, tokenizer), tokenizer, prompts, args,
+                   policies)
         del model
     if not args.skip_vllm:
         vllm_runs(report, runs, model_dir, tokenizer, prompts, args, policies)

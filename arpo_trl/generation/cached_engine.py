@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,7 +34,6 @@ from arpo_trl.engines import (
 from arpo_trl.entropy import sampling_warpers, token_entropy
 from arpo_trl.generation.kv_batch import KVBatch
 from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, crop
-from arpo_trl.generation.step_costs import StepCosts
 
 
 @dataclass
@@ -65,8 +63,7 @@ class CachedTransformersEngine(TransformersEngine):
     """`TransformersEngine`'s sampling settings and segment rules, generated event-driven with a KV cache.
 
     `max_cached_tokens` bounds the positions the prefix cache keeps between requests of one rollout (None:
-    unbounded; the running rows' own KV is not counted). `counters` accumulate over the engine's life, and so does
-    `step_costs`, the timings that `speculation_pays` reads.
+    unbounded; the running rows' own KV is not counted). `counters` accumulate over the engine's life.
     """
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
@@ -79,7 +76,6 @@ class CachedTransformersEngine(TransformersEngine):
         # the parent resolved temperature, top-k/p, min-p and the estimator (generation_kwargs included)
         self.repetition_penalty = self.sampling.get("repetition_penalty")
         self.prefix_cache = PrefixCache(max_cached_tokens)
-        self.step_costs = StepCosts()
         self._warpers = LogitsProcessorList(sampling_warpers(*self.warper_settings))
         self._pending: list[_Request] = []
         self._rows: list[_Request] = []
@@ -132,11 +128,6 @@ class CachedTransformersEngine(TransformersEngine):
             self._driver = asyncio.create_task(self._drive())
         return await request.future
 
-    def speculation_pays(self, rows: int) -> bool:
-        """Whether the sampler should run paths it may discard, its live paths being `rows` of this engine's batch:
-        while a batch of that size is cheap, its fixed cost dominating (`StepCosts.cheap`)."""
-        return self.step_costs.cheap(rows)
-
     async def aclose(self, keep_cache: bool = False) -> None:
         """End of a rollout (or of a wave): stop the driver, free the KV cache (`keep_cache`: all but the prefix
         cache) and give the model back."""
@@ -187,13 +178,11 @@ class CachedTransformersEngine(TransformersEngine):
             self._join(joining)
         if not self._rows:
             return
-        start = time.perf_counter()
         finished = self._sample()
         if finished:
             self._release(finished)
         if self._rows:
             self._decode_step(model)
-            self.step_costs.record(len(self._rows), time.perf_counter() - start)
 
     def _admit(self, model, request: _Request) -> tuple[_Request, KV, torch.Tensor]:
         """Prefill what the cache does not hold; returns the row to join the batch."""
