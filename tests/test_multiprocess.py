@@ -56,14 +56,16 @@ def test_two_processes_transformers_backend(tool_model_dir, tmp_path):
 @pytest.mark.parametrize("gather", ["true", "false"])
 def test_two_processes_zero3_keep_their_model_calls_in_step(tool_model_dir, tmp_path, gather):
     """DeepSpeed ZeRO-3 on CPU: every forward pass, and every gather of the parameters for generation, is a collective.
-    Rank 1 does not branch, so its trees need fewer waves than rank 0's; without keeping step the ranks' collectives
-    mismatch ("Received data size doesn't match expected size") or hang. Both ways of ds3_gather_for_generation."""
+    Rank 1 does not branch, so its trees need fewer waves than rank 0's; and rank 0 makes one model call more per
+    rollout, so that the wave counts differ even when the model calls no tool (how many it calls depends on the
+    machine's floating point). Without keeping step the ranks' collectives mismatch ("Received data size doesn't
+    match expected size") or hang. Both ways of ds3_gather_for_generation."""
     config = tmp_path / "ds3.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
                                   "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
                                   "gradient_clipping": "auto"}))
-    reports = _launch(tool_model_dir, tmp_path / "out", "--rank1-branch-policy", "none", "--ds3-gather", gather,
-                      backend=("--use_deepspeed", "--deepspeed_config_file", str(config)))
+    reports = _launch(tool_model_dir, tmp_path / "out", "--rank1-branch-policy", "none", "--rank0-extra-wave",
+                      "--ds3-gather", gather, backend=("--use_deepspeed", "--deepspeed_config_file", str(config)))
     assert len(reports[0]["model_calls"]) == len(reports[1]["model_calls"])
     assert reports[0]["idle_calls"] + reports[1]["idle_calls"] > 0, "the ranks' wave counts did not differ"
 

@@ -54,6 +54,9 @@ def main():
                         help="ds3_gather_for_generation (under DeepSpeed ZeRO-3)")
     parser.add_argument("--rank1-branch-policy", default=None,
                         help="rank 1's sampler uses this branch policy (e.g. 'none': its trees need fewer waves)")
+    parser.add_argument("--rank0-extra-wave", action="store_true",
+                        help="rank 0 makes one more model call per rollout than its tree needs, so that the ranks' "
+                             "wave counts differ whatever the model samples")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rows = [{"prompt": [{"role": "user", "content": question(a, 2 * a + 1)}], "ground_truth": str(3 * a + 1)}
@@ -82,6 +85,14 @@ def main():
     rank = trainer.accelerator.process_index
     if args.rank1_branch_policy is not None and rank == 1:
         trainer.sampler.branch_policy = args.rank1_branch_policy
+    if args.rank0_extra_wave and rank == 0:
+        sample_trees = trainer.sampler.sample
+
+        def sample_after_an_extra_wave(prompts, *a, **kw):
+            trainer.engine.generate([list(prompts[0])], [1], [])  # a model call that rank 1 does not make
+            return sample_trees(prompts, *a, **kw)
+
+        trainer.sampler.sample = sample_after_an_extra_wave
     model_calls = []  # batch sizes of the in-process engine's generate calls
     engine = getattr(trainer.engine, "engine", trainer.engine)  # a LockstepEngine's wrapped engine
     if engine is not None and not server:
