@@ -39,6 +39,7 @@ class GenerationCounters:
     reused_tokens: int = 0
     decode_tokens: int = 0
     requests: int = 0
+    prefill_forwards: int = 0  # forwards that prefilled (several requests may share one)
 
 
 @dataclass
@@ -251,6 +252,7 @@ class TransformersEngine:
         self.counters.prefill_tokens += len(prefixes) * width  # every wave re-prefills its rows, padded
         self.counters.decode_tokens += len(prefixes) * max(new.shape[1] - 1, 0)
         self.counters.requests += len(prefixes)
+        self.counters.prefill_forwards += 1
         logprobs, entropies = recorder.finish(new[:, -1].to(device))
         return [
             self._segment(new[row].tolist(), logprobs[row].tolist(), entropies[row].tolist(), budgets[row], stop)

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from arpo_trl.engines import (
@@ -33,7 +32,8 @@ from arpo_trl.engines import (
 )
 from arpo_trl.entropy import sampling_warpers, token_entropy
 from arpo_trl.generation.kv_batch import KVBatch
-from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, crop
+from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, prefill
+from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, common_prefix_length, crop
 
 
 @dataclass
@@ -173,9 +173,8 @@ class CachedTransformersEngine(TransformersEngine):
     @torch.no_grad()
     def _step(self, model) -> None:
         pending, self._pending = self._pending, []
-        joining = [self._admit(model, request) for request in pending if not request.future.done()]  # not cancelled
-        if joining:
-            self._join(joining)
+        if joining := [request for request in pending if not request.future.done()]:  # not cancelled
+            self._join(self._admit(model, joining))
         if not self._rows:
             return
         finished = self._sample()
@@ -184,29 +183,60 @@ class CachedTransformersEngine(TransformersEngine):
         if self._rows:
             self._decode_step(model)
 
-    def _admit(self, model, request: _Request) -> tuple[_Request, KV, torch.Tensor]:
-        """Prefill what the cache does not hold; returns the row to join the batch."""
-        entry, shared = self.prefix_cache.lookup(request.prefix)
-        if entry is not None and shared == len(request.prefix) == len(entry.tokens) and entry.logits is not None:
-            kv, logits = entry.kv, entry.logits
-        else:
-            shared = min(shared, len(request.prefix) - 1)  # at least one token is run, for the next-token logits
-            kv, logits = self._prefill(model, crop(entry.kv, shared) if entry and shared else None, request.prefix,
-                                       shared)
-            self.prefix_cache.store(CachedPrefix(tuple(request.prefix), kv, logits))
-        self.counters.reused_tokens += shared
-        self.counters.prefill_tokens += len(request.prefix) - shared
-        self.counters.requests += 1
-        return request, kv, logits
+    def _admit(self, model, requests: list[_Request]) -> list[tuple[_Request, KV, torch.Tensor]]:
+        """Prefill what the cache does not hold, all joining requests together; returns their rows, in order.
 
-    def _prefill(self, model, kv: KV | None, prefix: list[int], start: int) -> tuple[KV, torch.Tensor]:
-        device = next(model.parameters()).device
-        cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
-        ids = torch.tensor([prefix[start:]], device=device)
-        positions = torch.arange(start, len(prefix), device=device)[None]
-        out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        return [(layer.keys, layer.values) for layer in cache.layers], out.logits[:, -1].float()
+        In rounds: a request that would share a longer prefix with another one prefilled in this step than with the
+        cache waits for the next round (if the positions saved pay for its forward); one whose prefix equals an
+        earlier one's takes its result (a fork's copies, a prompt's samples)."""
+        admitted: dict[int, tuple[KV, torch.Tensor]] = {}
+        waiting, twins = list(range(len(requests))), []
+        while waiting:
+            jobs: dict[int, PrefillJob] = {}
+            first, later, saved = {}, [], 0
+            for index in waiting:
+                request = requests[index]
+                entry, shared = self.prefix_cache.lookup(request.prefix)
+                if _serves_whole(entry, shared, request.prefix):
+                    admitted[index] = entry.kv, entry.logits
+                    self._count(request, shared)
+                elif (twin := first.setdefault(tuple(request.prefix), index)) != index:
+                    twins.append((index, twin))
+                elif (gain := max((common_prefix_length(job.tokens, request.prefix) for job in jobs.values()),
+                                  default=0) - shared) > 0:
+                    later.append((index, entry, shared))
+                    saved += gain
+                else:
+                    jobs[index] = self._job(request, entry, shared)
+            if saved < FORWARD_COST_TOKENS:  # another round would cost more than it saves
+                jobs.update((index, self._job(requests[index], entry, shared)) for index, entry, shared in later)
+                later = []
+            self._prefill(model, jobs, requests, admitted)
+            for index, twin in [pair for pair in twins if pair[1] in admitted]:
+                admitted[index] = admitted[twin]
+                self._count(requests[index], len(requests[index].prefix))
+            twins = [pair for pair in twins if pair[1] not in admitted]  # their twins wait for the next round
+            waiting = [index for index, _, _ in later]
+        return [(request, *admitted[index]) for index, request in enumerate(requests)]
+
+    @staticmethod
+    def _job(request: _Request, entry: CachedPrefix | None, shared: int) -> PrefillJob:
+        shared = min(shared, len(request.prefix) - 1)  # at least one token is run, for the next-token logits
+        return PrefillJob(request.prefix, crop(entry.kv, shared) if entry and shared else None, shared)
+
+    def _prefill(self, model, jobs: dict[int, PrefillJob], requests: list[_Request],
+                 admitted: dict[int, tuple[KV, torch.Tensor]]) -> None:
+        results, positions = prefill(model, list(jobs.values()))
+        for (index, job), (kv, logits) in zip(jobs.items(), results):
+            self.prefix_cache.store(CachedPrefix(tuple(job.tokens), kv, logits))
+            admitted[index] = kv, logits
+            self._count(requests[index], job.start)
+        self.counters.prefill_tokens += sum(positions)  # padding included
+        self.counters.prefill_forwards += len(positions)
+
+    def _count(self, request: _Request, reused: int) -> None:
+        self.counters.reused_tokens += reused
+        self.counters.requests += 1
 
     def _join(self, joining: list[tuple[_Request, KV, torch.Tensor]]) -> None:
         """Add the admitted rows to the batch (written into its preallocated buffers)."""
@@ -276,6 +306,11 @@ class CachedTransformersEngine(TransformersEngine):
         self._positions = self._positions + 1
         self._logits = out.logits[:, -1].float()
         self.counters.decode_tokens += len(self._rows)
+
+
+def _serves_whole(entry: CachedPrefix | None, shared: int, prefix: list[int]) -> bool:
+    """The entry is exactly this prefix, with its next-token logits: nothing to prefill."""
+    return entry is not None and entry.logits is not None and shared == len(prefix) == len(entry.tokens)
 
 
 # an allow-list, where the waves engine has a deny-list (engines.check_generation_kwargs): this engine samples
