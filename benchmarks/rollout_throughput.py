@@ -55,7 +55,8 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
     client = getattr(engine, "client", None)
     before = client.metrics() if client else {}
     counters = getattr(engine, "counters", None)
-    prefilled, decoded = (counters.prefill_tokens, counters.decode_tokens) if counters else (0, 0)
+    prefilled, decoded, forwards = ((counters.prefill_tokens, counters.decode_tokens, counters.prefill_forwards)
+                                    if counters else (0, 0, 0))
     torch.manual_seed(seed)
     start = time.perf_counter()
     result = sampler.sample(prompts)
@@ -68,7 +69,8 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
            "discarded_tokens": stats.discarded_tokens, "sampler_overhead_s": round(stats.overhead_seconds, 2),
            "trajectories_per_group": statistics.mean(map(len, result.groups))}
     if counters:
-        run["prefill_tokens_per_group"] = (counters.prefill_tokens - prefilled) / groups
+        run["prefill_tokens_per_group"] = (counters.prefill_tokens - prefilled) / groups  # padding included
+        run["prefill_forwards_per_group"] = (counters.prefill_forwards - forwards) / groups
         run["decoded_positions_per_group"] = (counters.decode_tokens - decoded) / groups  # speculation included
     if client:  # the server's own count: every token it generated, aborted requests included
         after = client.metrics()
