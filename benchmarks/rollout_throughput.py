@@ -67,7 +67,9 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
            "forks_per_group": stats.forks / groups, "tool_calls_per_group": stats.tool_calls / groups,
            "waves": stats.waves, "critical_path_tokens": stats.critical_path_tokens,
            "discarded_tokens": stats.discarded_tokens, "sampler_overhead_s": round(stats.overhead_seconds, 2),
-           "trajectories_per_group": statistics.mean(map(len, result.groups))}
+           "trajectories_per_group": statistics.mean(map(len, result.groups)),
+           # per group, its longest trajectory's model tokens (tool results not counted), averaged over the groups
+           "longest_trajectory_tokens": statistics.mean(max(sum(t.mask) for t in group) for group in result.groups)}
     if counters:
         run["prefill_tokens_per_group"] = (counters.prefill_tokens - prefilled) / groups  # padding included
         run["prefill_forwards_per_group"] = (counters.prefill_forwards - forwards) / groups
