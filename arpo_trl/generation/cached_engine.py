@@ -200,7 +200,7 @@ class CachedTransformersEngine(TransformersEngine):
                 entry, shared = self.prefix_cache.lookup(request.prefix)
                 if _serves_whole(entry, shared, request.prefix):
                     admitted[index] = entry.kv, entry.logits
-                    self._count(request, shared)
+                    self._count(shared)
                 elif (twin := first.setdefault(tuple(request.prefix), index)) != index:
                     twins.append((index, twin))
                 elif (gain := max((common_prefix_length(job.tokens, request.prefix) for job in jobs.values()),
@@ -215,7 +215,7 @@ class CachedTransformersEngine(TransformersEngine):
             self._prefill(model, jobs, requests, admitted)
             for index, twin in [pair for pair in twins if pair[1] in admitted]:
                 admitted[index] = admitted[twin]
-                self._count(requests[index], len(requests[index].prefix))
+                self._count(len(requests[index].prefix))
             twins = [pair for pair in twins if pair[1] not in admitted]  # their twins wait for the next round
             waiting = [index for index, _, _ in later]
         return [(request, *admitted[index]) for index, request in enumerate(requests)]
@@ -231,11 +231,11 @@ class CachedTransformersEngine(TransformersEngine):
         for (index, job), (kv, logits) in zip(jobs.items(), results):
             self.prefix_cache.store(CachedPrefix(tuple(job.tokens), kv, logits))
             admitted[index] = kv, logits
-            self._count(requests[index], job.start)
+            self._count(job.start)
         self.counters.prefill_tokens += sum(positions)  # padding included
         self.counters.prefill_forwards += len(positions)
 
-    def _count(self, request: _Request, reused: int) -> None:
+    def _count(self, reused: int) -> None:
         self.counters.reused_tokens += reused
         self.counters.requests += 1
 
