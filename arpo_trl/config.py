@@ -235,6 +235,16 @@ class ARPOConfig(GRPOConfig):
             "some discarded tokens. False: fill-ups start only once certain.",
         },
     )
+    max_draft_tokens: int = field(
+        default=8,
+        metadata={
+            "help": "The cached in-process engine's n-gram speculative decoding: at most this many draft tokens per "
+            "row and decode step, looked up in the rollout's own text and verified against the model's distribution, "
+            "so that the tokens sampled are distributed exactly as without drafts (docs/in_process_engine.md). Each "
+            "step feeds only as many as are expected to pay, which is none while many rows run. 0: off. Not used with "
+            "a repetition penalty, the waves engine or a vLLM server.",
+        },
+    )
     max_minutes: float | None = field(
         default=None,
         metadata={
@@ -330,6 +340,10 @@ class ARPOConfig(GRPOConfig):
             raise ValueError(f"rollout_scheduler must be one of {SCHEDULERS}, got {self.rollout_scheduler!r}.")
         if self.max_tool_workers < 1:
             raise ValueError(f"max_tool_workers must be >= 1, got {self.max_tool_workers}.")
+        if isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int) or \
+                self.max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be an integer >= 0 (0: no speculative decoding), got "
+                             f"{self.max_draft_tokens!r}.")
         self._validate_vllm_fields()
         self._validate_limits()
         per_process = self.per_device_train_batch_size * self.steps_per_generation

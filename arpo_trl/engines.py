@@ -33,13 +33,16 @@ FinishReason = Literal["stop", "eos", "length"]
 @dataclass
 class GenerationCounters:
     """Positions an in-process engine's model computed: prefilled (prefix positions, padding included, not found in
-    a cache), reused from a cache, and decoded (one forward position per generated token but the last)."""
+    a cache), reused from a cache, and decoded (one forward position per generated token but the last; with
+    speculative decoding, every draft position fed, rejected and padding ones included)."""
 
     prefill_tokens: int = 0
     reused_tokens: int = 0
     decode_tokens: int = 0
     requests: int = 0
     prefill_forwards: int = 0  # forwards that prefilled (several requests may share one)
+    drafted_tokens: int = 0  # n-gram drafts fed to decode steps (`generation/speculation.py`)
+    accepted_tokens: int = 0  # drafts kept as generated tokens
 
 
 @dataclass

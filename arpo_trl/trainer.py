@@ -181,7 +181,8 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
         if args.use_transformers_continuous_batching or (args.use_transformers_continuous_batching is None
                                                          and blocker is None):  # TRL's knob; None: where it can
             engine_class, extra = CachedTransformersEngine, {
-                "max_cached_tokens": cache_budget(args.transformers_continuous_batching_config)}
+                "max_cached_tokens": cache_budget(args.transformers_continuous_batching_config),
+                "max_draft_tokens": args.max_draft_tokens}
         elif args.cache_implementation:
             sampling.generation_kwargs.setdefault("cache_implementation", args.cache_implementation)
         engine = engine_class(

@@ -16,18 +16,25 @@ def row_kv(length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(1, HEADS, length, DIM), torch.randn(1, HEADS, length, DIM)) for _ in range(LAYERS)]
 
 
-def decode(batch: KVBatch, expected: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-    """One step through the model's interface: every layer writes one new column for all rows."""
-    mask = batch.open_column()
-    assert mask.shape == (batch.rows, batch.width - batch.first + 1)
+def decode(batch: KVBatch, expected: list[list[tuple[torch.Tensor, torch.Tensor]]], count: int = 1,
+           kept: list[int] | None = None) -> None:
+    """One step through the model's interface: every layer writes `count` new columns for all rows (a sampled token
+    and its drafts); row i keeps the first `kept[i]` of them, the rest become holes (rejected drafts)."""
+    mask = batch.open_columns(count)
+    start = batch.width  # after open_columns, which may regrow the buffers
+    assert mask.shape == (batch.rows, batch.width - batch.first + count)
+    kept = kept or [count] * batch.rows
     for layer in range(LAYERS):
-        k, v = torch.randn(batch.rows, HEADS, 1, DIM), torch.randn(batch.rows, HEADS, 1, DIM)
+        k, v = torch.randn(batch.rows, HEADS, count, DIM), torch.randn(batch.rows, HEADS, count, DIM)
         keys, values = batch.cache.layers[layer].update(k, v)
         assert keys.shape[2] == mask.shape[1]
         for row in range(batch.rows):
             old_k, old_v = expected[row][layer]
-            expected[row][layer] = (torch.cat([old_k, k[row: row + 1]], 2), torch.cat([old_v, v[row: row + 1]], 2))
-    batch.close_column()
+            expected[row][layer] = (torch.cat([old_k, k[row: row + 1, :, : kept[row]]], 2),
+                                    torch.cat([old_v, v[row: row + 1, :, : kept[row]]], 2))
+    batch.close_columns(count)
+    for row, keep in enumerate(kept):
+        batch.hole(row, start + keep, start + count)
 
 
 def test_rows_read_back_exactly_through_joins_leaves_and_regrowth():
@@ -44,14 +51,16 @@ def test_rows_read_back_exactly_through_joins_leaves_and_regrowth():
             order = batch.remove(leaving)
             assert sorted(order) == sorted(set(range(len(expected))) - set(leaving))
             expected = [expected[row] for row in order]
-        decode(batch, expected)
+        count = rng.choice([1, 1, 3, 6])  # some steps feed drafts, and rows keep some of them
+        decode(batch, expected, count, [rng.randint(1, count) for _ in range(batch.rows)])
         for row in range(batch.rows):
             kv, mask = batch.row(row), batch.mask[row, batch.first: batch.width]
             length = expected[row][0][0].shape[2]
-            assert mask.tolist() == [0] * (batch.width - batch.first - length) + [1] * length
+            assert mask.sum() == length and mask[: batch.starts[row] - batch.first].sum() == 0
             for (k, v), (want_k, want_v) in zip(kv, expected[row]):
                 assert torch.equal(k, want_k) and torch.equal(v, want_v)
-    assert batch.column_capacity < 2 * (batch.width - batch.first) + 200  # compacted, not grown without bound
+    longest = max(expected[row][0][0].shape[2] for row in range(batch.rows))
+    assert batch.column_capacity < 2 * longest + 200  # holes squeezed out, not grown without bound
 
 
 def test_a_decode_step_through_it_equals_one_through_a_dynamic_cache(tiny_model_dir):
@@ -73,10 +82,10 @@ def test_a_decode_step_through_it_equals_one_through_a_dynamic_cache(tiny_model_
         order = [1, 0, 2]
         tokens = torch.tensor([[5], [7], [9]])
         positions = torch.tensor([[len(prompts[i][0])] for i in order])
-        mask = batch.open_column()
+        mask = batch.open_columns()
         ours = model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=batch.cache,
                      use_cache=True).logits
-        batch.close_column()
+        batch.close_columns()
         width = max(len(p[0]) for p in prompts)
         padded = [[(torch.cat([k.new_zeros(1, k.shape[1], width - k.shape[2], k.shape[3]), k], 2),
                     torch.cat([v.new_zeros(1, v.shape[1], width - v.shape[2], v.shape[3]), v], 2))

@@ -35,6 +35,7 @@ from arpo_trl.entropy import sampling_warpers, token_entropy
 from arpo_trl.generation.kv_batch import KVBatch
 from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, prefill
 from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, common_prefix_length, crop
+from arpo_trl.generation.speculation import MAX_DRAFT_TOKENS, Acceptance, DraftIndex
 
 
 @dataclass
@@ -45,6 +46,7 @@ class _Request:
     future: asyncio.Future
     stop_window: int = 0  # tokens of decoded tail that can hold a stop string
     ids: list[int] = field(default_factory=list)
+    text: list[int] = field(default_factory=list)  # prefix + ids, indexed for drafts
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
 
@@ -64,11 +66,13 @@ class CachedTransformersEngine(TransformersEngine):
     """`TransformersEngine`'s sampling settings and segment rules, generated event-driven with a KV cache.
 
     `max_cached_tokens` bounds the positions the prefix cache keeps between requests of one rollout (None:
-    unbounded; the running rows' own KV is not counted). `counters` accumulate over the engine's life.
+    unbounded; the running rows' own KV is not counted). `max_draft_tokens`: drafts per row and step of n-gram
+    speculative decoding (`speculation.py`; exact in distribution; 0 turns it off; off with a repetition penalty).
+    `counters` accumulate over the engine's life.
     """
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
-                 max_cached_tokens: int | None = None, **kwargs):
+                 max_cached_tokens: int | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS, **kwargs):
         sampling = sampling or SamplingSettings()
         super().__init__(model, tokenizer, sampling=sampling, **kwargs)
         if unsupported := set(sampling.generation_kwargs or {}) - _SUPPORTED_KEYS:
@@ -77,6 +81,10 @@ class CachedTransformersEngine(TransformersEngine):
         # the parent resolved temperature, top-k/p, min-p and the estimator (generation_kwargs included)
         self.repetition_penalty = self.sampling.get("repetition_penalty")
         self.prefix_cache = PrefixCache(max_cached_tokens)
+        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be an integer >= 0, got {max_draft_tokens!r}.")
+        self.drafts, self.acceptance = DraftIndex(), Acceptance(max_draft_tokens)
+        self.speculating = max_draft_tokens > 0 and self.repetition_penalty in (None, 1.0)
         self._warpers = LogitsProcessorList(sampling_warpers(*self.warper_settings))
         self._pending: list[_Request] = []
         self._rows: list[_Request] = []
@@ -84,6 +92,7 @@ class CachedTransformersEngine(TransformersEngine):
         self._positions: torch.Tensor | None = None  # [rows] next position
         self._logits: torch.Tensor | None = None  # [rows, vocab] next-token logits
         self._tokens: torch.Tensor | None = None  # [rows] the tokens just sampled, fed by the next decode
+        self._excluded: torch.Tensor | None = None  # [rows] a rejected draft the next sample avoids, or -1
         self._model_stack: contextlib.ExitStack | None = None
         self._model_in_use = None
         self._driver: asyncio.Task | None = None
@@ -123,7 +132,7 @@ class CachedTransformersEngine(TransformersEngine):
         if not prefix:
             raise ValueError("agenerate: the prefix must hold at least one token.")
         request = _Request(list(prefix), max_new_tokens, list(stop), asyncio.get_running_loop().create_future(),
-                           stop_window(self.tokenizer, stop))
+                           stop_window(self.tokenizer, stop), text=list(prefix))
         self._pending.append(request)
         if self._driver is None or self._driver.done():
             self._driver = asyncio.create_task(self._drive())
@@ -140,6 +149,7 @@ class CachedTransformersEngine(TransformersEngine):
         self._fail_all(RuntimeError("CachedTransformersEngine closed with requests in flight"))
         if not keep_cache:
             self.prefix_cache.clear()
+            self.drafts.clear()
         if self._model_stack is not None:
             self._model_stack.close()
         self._model_stack = self._model_in_use = None
@@ -161,7 +171,7 @@ class CachedTransformersEngine(TransformersEngine):
             if not request.future.done():
                 request.future.set_exception(error)
         self._pending, self._rows = [], []
-        self._batch = self._positions = self._logits = None
+        self._batch = self._positions = self._logits = self._excluded = None
 
     def _model(self):
         if self._model_in_use is None:
@@ -246,9 +256,14 @@ class CachedTransformersEngine(TransformersEngine):
         self._batch.add([kv for _, kv, _ in joining])
         positions = torch.tensor([kv[0][0].shape[2] for _, kv, _ in joining], device=joining[0][2].device)
         logits = torch.cat([logits for _, _, logits in joining])
+        excluded = torch.full_like(positions, -1)
         self._positions = positions if self._positions is None else torch.cat([self._positions, positions])
         self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
+        self._excluded = excluded if self._excluded is None else torch.cat([self._excluded, excluded])
         self._rows += [request for request, _, _ in joining]
+        if self.speculating:
+            for request, _, _ in joining:
+                self.drafts.add(request.text)
 
     def _sample(self) -> list[int]:
         """One token per running row; returns the rows that finished."""
@@ -257,17 +272,33 @@ class CachedTransformersEngine(TransformersEngine):
         entropies = token_entropy(tempered, self.entropy_estimator, self.entropy_top_k, self.vocab_size).tolist()
         if self.temperature > 0:  # the logprob under the distribution sampled: after top-k / top-p / min-p
             sampled = torch.log_softmax(self._warpers(None, scores), dim=-1)
-            tokens = sample_tokens(sampled)
-        else:
+            tokens = sample_tokens(self._residual(sampled))
+        else:  # greedy: a rejected draft was not the argmax, so the argmax stands
             sampled, tokens = tempered, scores.argmax(-1)
-        chosen = sampled.gather(-1, tokens[:, None]).squeeze(1).tolist()
+        chosen = sampled.gather(-1, tokens[:, None]).squeeze(1).tolist()  # the logprob under p, not the residual
         finished = []
         for row, (request, token) in enumerate(zip(self._rows, tokens.tolist())):
-            request.ids.append(token), request.logprobs.append(chosen[row]), request.entropies.append(entropies[row])
+            self._append(request, token, chosen[row], entropies[row])
             if request.future.done() or self._is_done(request):
                 finished.append(row)
         self._tokens = tokens
+        self._excluded.fill_(-1)
         return finished
+
+    def _residual(self, sampled: torch.Tensor) -> torch.Tensor:
+        """The distributions to draw from: where a draft was just rejected at this position, p without it."""
+        rows = (self._excluded >= 0).nonzero().squeeze(1)
+        if not len(rows):
+            return sampled
+        residual = sampled.clone()
+        residual[rows, self._excluded[rows]] = float("-inf")
+        return residual
+
+    def _append(self, request: _Request, token: int, logprob: float, entropy: float) -> None:
+        request.ids.append(token), request.logprobs.append(logprob), request.entropies.append(entropy)
+        request.text.append(token)
+        if self.speculating:
+            self.drafts.add(request.text, len(request.text) - 2)
 
     def _penalized(self, logits: torch.Tensor) -> torch.Tensor:
         penalty = self.repetition_penalty
@@ -292,21 +323,88 @@ class CachedTransformersEngine(TransformersEngine):
                                                     request.stop))
         order = self._batch.remove(finished)
         if not order:  # the batch is empty: its buffers go
-            self._rows, self._batch, self._positions, self._logits = [], None, None, None
+            self._rows, self._batch, self._positions, self._logits, self._excluded = [], None, None, None, None
             return
         index = torch.tensor(order, device=self._positions.device)
         self._rows = [self._rows[row] for row in order]
         self._positions, self._tokens = self._positions[index], self._tokens[index]
+        self._logits, self._excluded = self._logits[index], self._excluded[index]
 
     def _decode_step(self, model) -> None:
-        """Run the sampled tokens of all rows in one forward; each layer writes its new column in place."""
-        mask = self._batch.open_column()
-        out = model(input_ids=self._tokens[:, None], attention_mask=mask, position_ids=self._positions[:, None],
-                    cache=self._batch.cache, use_cache=True)
-        self._batch.close_column()
-        self._positions = self._positions + 1
-        self._logits = out.logits[:, -1].float()
-        self.counters.decode_tokens += len(self._rows)
+        """Run the sampled tokens of all rows, and their drafts if any pay, in one forward; each layer writes its new
+        columns in place. Drafts are then verified (`_verify`)."""
+        drafts = self._drafts()
+        width = 1 + max(map(len, drafts))
+        tokens = self._tokens[:, None]
+        if width > 1:
+            padded = [draft + [0] * (width - 1 - len(draft)) for draft in drafts]  # padding: its columns are holes
+            tokens = torch.cat([tokens, torch.tensor(padded, device=tokens.device)], dim=1)
+        mask = self._batch.open_columns(width)
+        start = self._batch.width  # after open_columns, which may regrow the buffers
+        positions = self._positions[:, None] + torch.arange(width, device=self._positions.device)
+        out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self._batch.cache,
+                    use_cache=True)
+        self._batch.close_columns(width)
+        self.counters.decode_tokens += len(self._rows) * width
+        logits = out.logits.float()
+        if width == 1:
+            self._positions = self._positions + 1
+            self._logits = logits[:, -1]
+        else:
+            self._verify(logits, drafts, start)
+
+    def _drafts(self) -> list[list[int]]:
+        """Per row, the draft tokens this step feeds after its sampled one (`speculation.py`): as many as pay."""
+        if not self.speculating:
+            return [[] for _ in self._rows]
+        found = [self.drafts.draft(request.text, min(self.acceptance.max_draft, request.budget - len(request.ids)))
+                 for request in self._rows]
+        length = self.acceptance.draft_length([len(draft) for draft in found])
+        return [draft[:length] for draft in found]
+
+    def _verify(self, logits: torch.Tensor, drafts: list[list[int]], start: int) -> None:
+        """Keep each row's drafts while p accepts them (probability p(d); greedy: d is the argmax), append them as
+        sampled tokens, and leave the next position's logits (and the rejected draft, which its sample avoids).
+        The columns of rejected drafts become holes."""
+        rows, width = logits.shape[:2]
+        draft = torch.tensor([d + [0] * (width - 1 - len(d)) for d in drafts], device=logits.device)
+        scores = logits[:, :-1].reshape(rows * (width - 1), -1)
+        tempered = torch.log_softmax(scores / (self.temperature if self.temperature > 0 else 1.0), dim=-1)
+        entropies = token_entropy(tempered, self.entropy_estimator, self.entropy_top_k, self.vocab_size)
+        if self.temperature > 0:
+            sampled = torch.log_softmax(self._warpers(None, scores), dim=-1)
+            chosen = sampled.gather(-1, draft.view(-1, 1)).view(rows, -1)
+            accept = torch.rand(chosen.shape, device=chosen.device) < chosen.exp()
+        else:
+            chosen = tempered.gather(-1, draft.view(-1, 1)).view(rows, -1)
+            accept = scores.argmax(-1).view(rows, -1) == draft
+        lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
+        accept &= torch.arange(width - 1, device=logits.device) < lengths[:, None]
+        accepted = accept.long().cumprod(1).sum(1).tolist()
+        chosen, entropies = chosen.tolist(), entropies.view(rows, -1).tolist()
+        finished, kept = [], []
+        for row, request in enumerate(self._rows):
+            count = 0
+            for j in range(accepted[row]):
+                self._append(request, drafts[row][j], chosen[row][j], entropies[row][j])
+                count = j + 1
+                if self._is_done(request):
+                    finished.append(row)
+                    break
+            self.acceptance.record(min(len(drafts[row]), accepted[row] + 1), accepted[row])
+            self.counters.drafted_tokens += len(drafts[row])
+            self.counters.accepted_tokens += count
+            end = start + count + (row not in finished[-1:])  # a finished row's last token is not in its cache
+            if end < start + width:
+                self._batch.hole(row, end, start + width)
+            kept.append(count)
+            if row not in finished[-1:] and count < len(drafts[row]):
+                self._excluded[row] = drafts[row][count]
+        index = torch.arange(rows, device=logits.device)
+        self._positions = self._positions + 1 + torch.tensor(kept, device=logits.device)
+        self._logits = logits[index, torch.tensor(kept, device=logits.device)]
+        if finished:
+            self._release(finished)
 
 
 def _serves_whole(entry: CachedPrefix | None, shared: int, prefix: list[int]) -> bool:

@@ -7,8 +7,10 @@ column, a row joins by writing its own positions, a row leaves by moving the las
 spare room runs out is the batch copied, into buffers with room again (amortised over many steps).
 
 Rows are left-padded: every row's next position is the same column (`width`), and a row's positions are the
-columns just before it. Columns a row does not use hold finite values of earlier rows (or zeros) and are masked out,
-so they get exactly zero attention weight; the model sees a `Cache` whose layers return views of the buffers.
+columns just before it, except for holes: a decode step with drafts writes several columns for every row, and a
+row's rejected drafts are masked out (`hole`) and squeezed out when the buffers regrow. Columns a row does not use
+hold finite values of earlier rows (or zeros) and are masked out, so they get exactly zero attention weight; the
+model sees a `Cache` whose layers return views of the buffers.
 """
 
 from __future__ import annotations
@@ -80,42 +82,61 @@ class KVBatch:
         return order
 
     def row(self, row: int) -> KV:
-        """A copy of one row's positions, for the prefix cache."""
+        """A copy of one row's positions, for the prefix cache (without the holes rejected drafts left)."""
         start = self.starts[row]
-        return [(k[row: row + 1, :, start: self.width].clone(), v[row: row + 1, :, start: self.width].clone())
-                for k, v in zip(self.keys, self.values)]
+        used = self.mask[row, start: self.width]
+        if bool(used.all()):
+            return [(k[row: row + 1, :, start: self.width].clone(), v[row: row + 1, :, start: self.width].clone())
+                    for k, v in zip(self.keys, self.values)]
+        columns = used.nonzero().squeeze(1) + start
+        return [(k[row: row + 1, :, columns], v[row: row + 1, :, columns]) for k, v in zip(self.keys, self.values)]
 
-    def open_column(self) -> torch.Tensor:
-        """Before a decode step: make room for one more column, unmask it for every row and return the step's
-        attention mask (a view: the columns in use and the new one)."""
-        if self.width == self.column_capacity:
-            self._regrow(self.rows, 0)
+    def open_columns(self, count: int = 1) -> torch.Tensor:
+        """Before a decode step of `count` tokens per row (a sampled one and its drafts): make room for them, unmask
+        them for every row and return the step's attention mask (a view: the columns in use and the new ones)."""
+        if self.width + count > self.column_capacity:
+            self._regrow(self.rows, 0, spare=count)
             self._sync_cache()
-        self.mask[: self.rows, self.width] = 1
-        return self.mask[: self.rows, self.first: self.width + 1]
+        self.mask[: self.rows, self.width: self.width + count] = 1
+        return self.mask[: self.rows, self.first: self.width + count]
 
-    def close_column(self) -> None:
-        """After a decode step: the column the layers wrote is in use (their `update` already moved their views)."""
-        self.width += 1
+    def close_columns(self, count: int = 1) -> None:
+        """After a decode step: the columns the layers wrote are in use (their `update` already moved their views)."""
+        self.width += count
 
-    def _regrow(self, rows: int, width: int, like: KV | None = None) -> None:
-        """New buffers holding the columns in use right-aligned at `max(width, columns in use)`, with spare room."""
-        used = self.width - self.first
+    def hole(self, row: int, begin: int, end: int) -> None:
+        """Mask out columns [begin, end) of a row: rejected drafts' positions, never attended to again."""
+        self.mask[row, begin: end] = 0
+
+    def _regrow(self, rows: int, width: int, like: KV | None = None, spare: int = 1) -> None:
+        """New buffers holding the rows' positions right-aligned at `max(width, longest row)`, with spare room;
+        holes (rejected drafts) are squeezed out."""
+        lengths = self.mask[: self.rows, self.first: self.width].sum(1).tolist() if self.mask is not None else []
+        compact = any(length != self.width - start for length, start in zip(lengths, self.starts))
+        used = max(lengths, default=0) if compact else self.width - self.first
         width = max(width, used)
         reference = like[0][0] if like is not None else self.keys[0]
         heads, head_dim = reference.shape[1], reference.shape[3]
-        shape = (_slack(rows, 8), heads, _slack(width + 1, 64), head_dim)
+        shape = (_slack(rows, 8), heads, _slack(width + spare, 64), head_dim)
         layers = len(like) if like is not None else len(self.keys)
         keys = [reference.new_zeros(shape) for _ in range(layers)]
         values = [reference.new_zeros(shape) for _ in range(layers)]
         mask = torch.zeros(shape[0], shape[2], dtype=torch.long, device=reference.device)
-        shift = width - self.width
-        for new, old in zip(keys + values, self.keys + self.values):
-            new[: self.rows, :, width - used: width] = old[: self.rows, :, self.first: self.width]
-        if self.mask is not None:
-            mask[: self.rows, width - used: width] = self.mask[: self.rows, self.first: self.width]
+        if compact:
+            for row, length in enumerate(lengths):
+                columns = self.mask[row, self.first: self.width].nonzero().squeeze(1) + self.first
+                for new, old in zip(keys + values, self.keys + self.values):
+                    new[row, :, width - length: width] = old[row, :, columns]
+                mask[row, width - length: width] = 1
+            self.starts = [width - length for length in lengths]
+        else:
+            shift = width - self.width
+            for new, old in zip(keys + values, self.keys + self.values):
+                new[: self.rows, :, width - used: width] = old[: self.rows, :, self.first: self.width]
+            if self.mask is not None:
+                mask[: self.rows, width - used: width] = self.mask[: self.rows, self.first: self.width]
+            self.starts = [start + shift for start in self.starts]
         self.keys, self.values, self.mask = keys, values, mask
-        self.starts = [start + shift for start in self.starts]
         self.first, self.width = width - used, width
 
     def _sync_cache(self) -> None:
@@ -134,13 +155,13 @@ class _BufferLayer(DynamicLayer):
         self.device = self.keys.device
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        batch, column = self.batch, self.batch.width
-        if key_states.shape[2] != 1 or column >= batch.column_capacity:
-            raise RuntimeError("KVBatch: a decode step writes one column, after KVBatch.open_column.")
-        batch.keys[self.layer][: batch.rows, :, column] = key_states[:, :, 0]
-        batch.values[self.layer][: batch.rows, :, column] = value_states[:, :, 0]
-        self.keys = batch.keys[self.layer][: batch.rows, :, batch.first: column + 1]
-        self.values = batch.values[self.layer][: batch.rows, :, batch.first: column + 1]
+        batch, column, count = self.batch, self.batch.width, key_states.shape[2]
+        if column + count > batch.column_capacity:
+            raise RuntimeError("KVBatch: a decode step writes the columns KVBatch.open_columns made room for.")
+        batch.keys[self.layer][: batch.rows, :, column: column + count] = key_states
+        batch.values[self.layer][: batch.rows, :, column: column + count] = value_states
+        self.keys = batch.keys[self.layer][: batch.rows, :, batch.first: column + count]
+        self.values = batch.values[self.layer][: batch.rows, :, batch.first: column + count]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
