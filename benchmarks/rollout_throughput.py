@@ -55,8 +55,8 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
     client = getattr(engine, "client", None)
     before = client.metrics() if client else {}
     counters = getattr(engine, "counters", None)
-    prefilled, decoded, forwards = ((counters.prefill_tokens, counters.decode_tokens, counters.prefill_forwards)
-                                    if counters else (0, 0, 0))
+    names = ("prefill_tokens", "decode_tokens", "prefill_forwards", "drafted_tokens", "accepted_tokens")
+    before_counts = {name: getattr(counters, name) for name in names} if counters else {}
     torch.manual_seed(seed)
     start = time.perf_counter()
     result = sampler.sample(prompts)
@@ -71,9 +71,12 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
            # per group, its longest trajectory's model tokens (tool results not counted), averaged over the groups
            "longest_trajectory_tokens": statistics.mean(max(sum(t.mask) for t in group) for group in result.groups)}
     if counters:
-        run["prefill_tokens_per_group"] = (counters.prefill_tokens - prefilled) / groups  # padding included
-        run["prefill_forwards_per_group"] = (counters.prefill_forwards - forwards) / groups
-        run["decoded_positions_per_group"] = (counters.decode_tokens - decoded) / groups  # speculation included
+        per_group = {name: (getattr(counters, name) - before_counts[name]) / groups for name in names}
+        run["prefill_tokens_per_group"] = per_group["prefill_tokens"]  # padding included
+        run["prefill_forwards_per_group"] = per_group["prefill_forwards"]
+        run["decoded_positions_per_group"] = per_group["decode_tokens"]  # speculative paths and drafts included
+        run["drafted_tokens_per_group"] = per_group["drafted_tokens"]  # n-gram drafts fed (cached engine)
+        run["accepted_tokens_per_group"] = per_group["accepted_tokens"]
     if client:  # the server's own count: every token it generated, aborted requests included
         after = client.metrics()
         run["prefix_cache_hit_tokens"] = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
@@ -173,7 +176,8 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
     parser.add_argument("--engines", default="waves,cached",
-                        help="in-process engines: 'waves' (TransformersEngine), 'cached' (CachedTransformersEngine)")
+                        help="in-process engines: 'waves' (TransformersEngine), 'cached' (CachedTransformersEngine), "
+                             "'cached-nodraft' (the cached engine with max_draft_tokens=0)")
     parser.add_argument("--out", default="outputs/bench_rollout")
     args = parser.parse_args()
     model_dir = args.model or str(smollm2_path())
@@ -188,12 +192,15 @@ def main() -> None:
     if not args.skip_transformers:
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        if "waves" in args.engines:
+        if "waves" in args.engines.split(","):
             paired(runs, "transformers", TransformersEngine(model, tokenizer), tokenizer, prompts, args,
                    policies)
-        if "cached" in args.engines:
+        if "cached" in args.engines.split(","):
             paired(runs, "transformers-cached", CachedTransformersEngine(model, tokenizer), tokenizer, prompts, args,
                    policies)
+        if "cached-nodraft" in args.engines.split(","):  # the same engine without n-gram speculative decoding
+            paired(runs, "transformers-cached-nodraft", CachedTransformersEngine(model, tokenizer, max_draft_tokens=0),
+                   tokenizer, prompts, args, policies)
         del model
     if not args.skip_vllm:
         vllm_runs(report, runs, model_dir, tokenizer, prompts, args, policies)
@@ -208,6 +215,11 @@ def main() -> None:
                               "decoded_positions_per_group") if key in runs[f"{backend}/none"]}
         for backend in {name.split("/")[0] for name in runs}
         if f"{backend}/entropy" in runs and f"{backend}/none" in runs}
+    report["drafts_vs_nodraft"] = {  # rollout seconds, cached engine with / without speculative decoding
+        policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] /
+                      runs[f"transformers-cached-nodraft/{policy}"]["wall_s"], 3)
+        for policy in policies if f"transformers-cached/{policy}" in runs and
+        f"transformers-cached-nodraft/{policy}" in runs}
     report["cached_vs_waves"] = {  # the in-process engines side by side: rollout seconds, cached / waves
         policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] / runs[f"transformers/{policy}"]["wall_s"], 3)
         for policy in policies if f"transformers-cached/{policy}" in runs and f"transformers/{policy}" in runs}
@@ -227,6 +239,8 @@ def print_table(report: dict) -> None:
               f"{r.get('prefill_tokens_per_group', '')} |")
     for backend, ratios in report.get("arpo_vs_grpo", {}).items():
         print(f"- {backend}, ARPO / GRPO: {ratios}")
+    if report.get("drafts_vs_nodraft"):
+        print(f"- rollout seconds, cached engine with / without n-gram drafts: {report['drafts_vs_nodraft']}")
     if report.get("cached_vs_waves"):
         print(f"- rollout seconds, cached engine / waves engine: {report['cached_vs_waves']}")
     if "lora_sync" in report:
