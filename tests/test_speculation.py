@@ -68,6 +68,7 @@ def test_greedy_trees_equal_plain_decoding(tool_model64, tokenizer, scheduler):
 
     (plain, _), (speculative, engine) = grow(0), grow(8)
     assert engine.counters.accepted_tokens > 0 and engine.counters.drafted_tokens > engine.counters.accepted_tokens
+    assert not engine.drafts.seen  # the index, like the prefix cache, lives for one rollout
     assert any(t.kind == "branch" for t in plain.trajectories)
     if scheduler == "events":  # requests finish at other steps, so they reach the fork RNG in another order: the
         plain.groups = [[t for t in group if t.kind == "global"] for group in plain.groups]  # globals stay the same

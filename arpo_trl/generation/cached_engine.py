@@ -126,6 +126,7 @@ class CachedTransformersEngine(TransformersEngine):
         finally:
             self._scoped = False
             self.prefix_cache.clear()
+            self.drafts.clear()
 
     async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
         _check_budgets([prefix], [max_new_tokens])
