@@ -15,6 +15,7 @@ from arpo_trl.dropin.grpo_fields import check_grpo_fields
 from arpo_trl.engines import check_generation_kwargs
 from arpo_trl.entropy import check_entropy_args, resolve_estimator
 from arpo_trl.entropy_balance import check_aepo_args
+from arpo_trl.generation.speculation import check_draft_tokens
 from arpo_trl.preflight import adopt_checkpointing_default
 from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS, check_branching_args, default_initial_rollouts
 from arpo_trl.server.weight_sync import SYNC_MODES, check_sync_mode
@@ -238,11 +239,9 @@ class ARPOConfig(GRPOConfig):
     max_draft_tokens: int = field(
         default=8,
         metadata={
-            "help": "The cached in-process engine's n-gram speculative decoding: at most this many draft tokens per "
-            "row and decode step, looked up in the rollout's own text and verified against the model's distribution, "
-            "so that the tokens sampled are distributed exactly as without drafts (docs/in_process_engine.md). Each "
-            "step feeds only as many as are expected to pay, which is none while many rows run. 0: off. Not used with "
-            "a repetition penalty, the waves engine or a vLLM server.",
+            "help": "Cached in-process engine: n-gram drafts per row and decode step, from the rollout's own text, "
+            "verified so that tokens are sampled exactly as without them (docs/in_process_engine.md); fed only where "
+            "they pay (few rows running). 0: off. Unused with a repetition penalty, the waves engine or a server.",
         },
     )
     max_minutes: float | None = field(
@@ -340,10 +339,7 @@ class ARPOConfig(GRPOConfig):
             raise ValueError(f"rollout_scheduler must be one of {SCHEDULERS}, got {self.rollout_scheduler!r}.")
         if self.max_tool_workers < 1:
             raise ValueError(f"max_tool_workers must be >= 1, got {self.max_tool_workers}.")
-        if isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int) or \
-                self.max_draft_tokens < 0:
-            raise ValueError(f"max_draft_tokens must be an integer >= 0 (0: no speculative decoding), got "
-                             f"{self.max_draft_tokens!r}.")
+        check_draft_tokens(self.max_draft_tokens)
         self._validate_vllm_fields()
         self._validate_limits()
         per_process = self.per_device_train_batch_size * self.steps_per_generation

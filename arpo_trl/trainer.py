@@ -36,7 +36,8 @@ from arpo_trl.dropin.environments import EnvironmentRollouts, setup_environments
 from arpo_trl.dropin.rows import TreeRows
 from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine
 from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
-from arpo_trl.generation.cached_engine import CachedTransformersEngine, cache_budget, cached_engine_blocker
+from arpo_trl.generation.cached_engine import CachedTransformersEngine
+from arpo_trl.generation.support import cache_budget, cached_engine_blocker
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.scoring import configure_math_scoring
 from arpo_trl.server.client import VLLMClient

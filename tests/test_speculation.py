@@ -68,7 +68,8 @@ def test_greedy_trees_equal_plain_decoding(tool_model64, tokenizer, scheduler):
 
     (plain, _), (speculative, engine) = grow(0), grow(8)
     assert engine.counters.accepted_tokens > 0 and engine.counters.drafted_tokens > engine.counters.accepted_tokens
-    assert not engine.drafts.seen  # the index, like the prefix cache, lives for one rollout
+    assert not engine.drafts.seen and engine.acceptance.drafted == 0  # both live for one rollout, as the prefix
+    # cache does: a seed alone fixes what the next rollout samples
     assert any(t.kind == "branch" for t in plain.trajectories)
     if scheduler == "events":  # requests finish at other steps, so they reach the fork RNG in another order: the
         plain.groups = [[t for t in group if t.kind == "global"] for group in plain.groups]  # globals stay the same

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,7 +34,9 @@ from arpo_trl.entropy import sampling_warpers, token_entropy
 from arpo_trl.generation.kv_batch import KVBatch
 from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, prefill
 from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, common_prefix_length, crop
-from arpo_trl.generation.speculation import MAX_DRAFT_TOKENS, Acceptance, DraftIndex
+from arpo_trl.generation.sampling import accept_drafts, sample_tokens
+from arpo_trl.generation.speculation import MAX_DRAFT_TOKENS, Acceptance, DraftIndex, check_draft_tokens
+from arpo_trl.generation.support import SUPPORTED_KEYS, check_full_attention
 
 
 @dataclass
@@ -51,17 +52,6 @@ class _Request:
     entropies: list[float] = field(default_factory=list)
 
 
-def cache_budget(config: dict | str | None) -> int | None:
-    """KV positions the prefix cache may hold, from TRL's `transformers_continuous_batching_config` (validated as
-    `transformers.ContinuousBatchingConfig` keyword arguments): `num_blocks` × `block_size` when both are set."""
-    from transformers.generation import ContinuousBatchingConfig
-
-    kwargs = json.loads(config) if isinstance(config, str) else dict(config or {})
-    ContinuousBatchingConfig(**kwargs)  # the same validation TRL applies
-    blocks, size = kwargs.get("num_blocks"), kwargs.get("block_size", kwargs.get("page_size"))
-    return blocks * size if blocks and size else None
-
-
 class CachedTransformersEngine(TransformersEngine):
     """`TransformersEngine`'s sampling settings and segment rules, generated event-driven with a KV cache.
 
@@ -75,14 +65,13 @@ class CachedTransformersEngine(TransformersEngine):
                  max_cached_tokens: int | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS, **kwargs):
         sampling = sampling or SamplingSettings()
         super().__init__(model, tokenizer, sampling=sampling, **kwargs)
-        if unsupported := set(sampling.generation_kwargs or {}) - _SUPPORTED_KEYS:
+        if unsupported := set(sampling.generation_kwargs or {}) - SUPPORTED_KEYS:
             raise ValueError(f"generation_kwargs: {sorted(unsupported)} are not supported by CachedTransformersEngine "
-                             f"(it samples itself; supported: {sorted(_SUPPORTED_KEYS)}).")
+                             f"(it samples itself; supported: {sorted(SUPPORTED_KEYS)}).")
         # the parent resolved temperature, top-k/p, min-p and the estimator (generation_kwargs included)
         self.repetition_penalty = self.sampling.get("repetition_penalty")
         self.prefix_cache = PrefixCache(max_cached_tokens)
-        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 0:
-            raise ValueError(f"max_draft_tokens must be an integer >= 0, got {max_draft_tokens!r}.")
+        check_draft_tokens(max_draft_tokens)
         self.drafts, self.acceptance = DraftIndex(), Acceptance(max_draft_tokens)
         self.speculating = max_draft_tokens > 0 and self.repetition_penalty in (None, 1.0)
         self._warpers = LogitsProcessorList(sampling_warpers(*self.warper_settings))
@@ -126,7 +115,7 @@ class CachedTransformersEngine(TransformersEngine):
         finally:
             self._scoped = False
             self.prefix_cache.clear()
-            self.drafts.clear()
+            self.drafts.clear(), self.acceptance.reset()
 
     async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
         _check_budgets([prefix], [max_new_tokens])
@@ -150,7 +139,7 @@ class CachedTransformersEngine(TransformersEngine):
         self._fail_all(RuntimeError("CachedTransformersEngine closed with requests in flight"))
         if not keep_cache:
             self.prefix_cache.clear()
-            self.drafts.clear()
+            self.drafts.clear(), self.acceptance.reset()
         if self._model_stack is not None:
             self._model_stack.close()
         self._model_stack = self._model_in_use = None
@@ -179,7 +168,7 @@ class CachedTransformersEngine(TransformersEngine):
             self._model_stack = contextlib.ExitStack()
             context = self.model_context() if self.model_context else contextlib.nullcontext(self.model)
             self._model_in_use = self._model_stack.enter_context(context)
-            _check_full_attention(self._model_in_use)
+            check_full_attention(self._model_in_use)
         return self._model_in_use
 
     @torch.no_grad()
@@ -367,22 +356,14 @@ class CachedTransformersEngine(TransformersEngine):
         """Keep each row's drafts while p accepts them (probability p(d); greedy: d is the argmax), append them as
         sampled tokens, and leave the next position's logits (and the rejected draft, which its sample avoids).
         The columns of rejected drafts become holes."""
-        rows, width = logits.shape[:2]
-        draft = torch.tensor([d + [0] * (width - 1 - len(d)) for d in drafts], device=logits.device)
-        scores = logits[:, :-1].reshape(rows * (width - 1), -1)
+        scores = logits[:, :-1]
         tempered = torch.log_softmax(scores / (self.temperature if self.temperature > 0 else 1.0), dim=-1)
-        entropies = token_entropy(tempered, self.entropy_estimator, self.entropy_top_k, self.vocab_size)
-        if self.temperature > 0:
-            sampled = torch.log_softmax(self._warpers(None, scores), dim=-1)
-            chosen = sampled.gather(-1, draft.view(-1, 1)).view(rows, -1)
-            accept = torch.rand(chosen.shape, device=chosen.device) < chosen.exp()
-        else:
-            chosen = tempered.gather(-1, draft.view(-1, 1)).view(rows, -1)
-            accept = scores.argmax(-1).view(rows, -1) == draft
-        lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
-        accept &= torch.arange(width - 1, device=logits.device) < lengths[:, None]
-        accepted = accept.long().cumprod(1).sum(1).tolist()
-        chosen, entropies = chosen.tolist(), entropies.view(rows, -1).tolist()
+        entropies = token_entropy(tempered.flatten(0, 1), self.entropy_estimator, self.entropy_top_k,
+                                  self.vocab_size).view(scores.shape[:2]).tolist()
+        sampled = torch.log_softmax(self._warpers(None, scores.flatten(0, 1)), dim=-1).view_as(scores) \
+            if self.temperature > 0 else None
+        accepted, chosen = accept_drafts(tempered, sampled, drafts)
+        rows, width = logits.shape[:2]
         finished, kept = [], []
         for row, request in enumerate(self._rows):
             count = 0
@@ -411,56 +392,3 @@ class CachedTransformersEngine(TransformersEngine):
 def _serves_whole(entry: CachedPrefix | None, shared: int, prefix: list[int]) -> bool:
     """The entry is exactly this prefix, with its next-token logits: nothing to prefill."""
     return entry is not None and entry.logits is not None and shared == len(prefix) == len(entry.tokens)
-
-
-# an allow-list, where the waves engine has a deny-list (engines.check_generation_kwargs): this engine samples
-# itself and implements exactly these, while `model.generate` would run whatever else HF knows
-_SUPPORTED_KEYS = {"do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
-
-
-def _other_layer_types(model) -> list[str]:
-    """Cache entries are built as plain full-attention layers; a sliding-window or recurrent layer would be wrong."""
-    config = model.config.get_text_config(decoder=True)
-    return sorted({kind for kind in getattr(config, "layer_types", None) or [] if kind != "full_attention"})
-
-
-def _check_full_attention(model) -> None:
-    if other := _other_layer_types(model):
-        raise ValueError(f"CachedTransformersEngine needs full-attention layers only; this model's layer_types hold "
-                         f"{other}: use the waves engine (use_transformers_continuous_batching=False).")
-
-
-def cached_engine_blocker(model, generation_kwargs: dict | None, cache_implementation: str | None,
-                          sharded_processes: bool) -> str | None:
-    """Why this engine cannot serve a run (a sentence), or None: what `use_transformers_continuous_batching=None`
-    (ARPOConfig's default) checks before it picks this engine over the waves engine."""
-    if sharded_processes:
-        return "sharded parameters (ZeRO-3/FSDP) over several processes need the ranks' model calls in step"
-    if unsupported := sorted(set(generation_kwargs or {}) - _SUPPORTED_KEYS):
-        return f"generation_kwargs {unsupported} are not among the ones it samples with ({sorted(_SUPPORTED_KEYS)})"
-    if cache_implementation:
-        return f"cache_implementation={cache_implementation!r} configures model.generate's cache"
-    if other := _other_layer_types(model):
-        return f"the model's layer_types hold {other}, not full attention only"
-    return None
-
-
-def sample_tokens(logprobs: torch.Tensor, block: int = 256) -> torch.Tensor:
-    """One token per row of `logprobs` ([rows, vocab]), by inverse transform sampling in two levels: a block of the
-    vocabulary by its mass, then a token within it, both cumulated in float64. `torch.multinomial` draws from the same
-    distribution, but on this CPU it took 63 ms for 84 rows of SmolLM2's 49k vocabulary; this takes a few."""
-    probs = logprobs.exp()
-    rows, vocab = probs.shape
-    blocks = (torch.nn.functional.pad(probs, (0, -vocab % block)) if vocab % block else probs).view(rows, -1, block)
-    mass = blocks.sum(-1).double()  # a block's 256 terms sum accurately in float32; the blocks are cumulated in float64
-    cdf = mass.cumsum(-1)
-    target = torch.rand(rows, 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
-    chosen = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
-    residual = target - (cdf.gather(1, chosen) - mass.gather(1, chosen))
-    inner = blocks[torch.arange(rows, device=probs.device), chosen.squeeze(1)].to(torch.float64).cumsum(-1)
-    tokens = (chosen * block + torch.searchsorted(inner, residual, right=True).clamp_(max=block - 1)).squeeze(1)
-    tokens = tokens.clamp_(max=vocab - 1)
-    impossible = logprobs.gather(1, tokens[:, None]).squeeze(1) == float("-inf")  # float64 rounding at an edge
-    if impossible.any():
-        tokens[impossible] = torch.multinomial(probs[impossible], 1).squeeze(1)
-    return tokens

@@ -59,8 +59,15 @@ class DraftIndex:
         return []
 
 
+def check_draft_tokens(max_draft_tokens: int) -> None:
+    if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 0:
+        raise ValueError(f"max_draft_tokens must be an integer >= 0 (0: no speculative decoding), got "
+                         f"{max_draft_tokens!r}.")
+
+
 class Acceptance:
-    """The running acceptance rate α of drafted tokens (with a prior), and the draft length it makes pay."""
+    """The acceptance rate α of the rollout's drafted tokens so far (with a prior), and the draft length it makes
+    pay."""
 
     def __init__(self, max_draft: int = MAX_DRAFT_TOKENS):
         self.max_draft, self.drafted, self.accepted = max_draft, 0, 0
@@ -68,6 +75,10 @@ class Acceptance:
     @property
     def rate(self) -> float:
         return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.drafted + PRIOR_WEIGHT)
+
+    def reset(self) -> None:
+        """A new rollout learns α anew: what it samples then depends on its seed alone, not on earlier rollouts."""
+        self.drafted = self.accepted = 0
 
     def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted

@@ -1,0 +1,48 @@
+"""Which runs the cached engine can serve, and what TRL's knobs configure in it (`cached_engine.py`)."""
+
+from __future__ import annotations
+
+import json
+
+
+def cache_budget(config: dict | str | None) -> int | None:
+    """KV positions the prefix cache may hold, from TRL's `transformers_continuous_batching_config` (validated as
+    `transformers.ContinuousBatchingConfig` keyword arguments): `num_blocks` × `block_size` when both are set."""
+    from transformers.generation import ContinuousBatchingConfig
+
+    kwargs = json.loads(config) if isinstance(config, str) else dict(config or {})
+    ContinuousBatchingConfig(**kwargs)  # the same validation TRL applies
+    blocks, size = kwargs.get("num_blocks"), kwargs.get("block_size", kwargs.get("page_size"))
+    return blocks * size if blocks and size else None
+
+
+# an allow-list, where the waves engine has a deny-list (engines.check_generation_kwargs): this engine samples
+# itself and implements exactly these, while `model.generate` would run whatever else HF knows
+SUPPORTED_KEYS = {"do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+
+
+def other_layer_types(model) -> list[str]:
+    """Cache entries are built as plain full-attention layers; a sliding-window or recurrent layer would be wrong."""
+    config = model.config.get_text_config(decoder=True)
+    return sorted({kind for kind in getattr(config, "layer_types", None) or [] if kind != "full_attention"})
+
+
+def check_full_attention(model) -> None:
+    if other := other_layer_types(model):
+        raise ValueError(f"CachedTransformersEngine needs full-attention layers only; this model's layer_types hold "
+                         f"{other}: use the waves engine (use_transformers_continuous_batching=False).")
+
+
+def cached_engine_blocker(model, generation_kwargs: dict | None, cache_implementation: str | None,
+                          sharded_processes: bool) -> str | None:
+    """Why this engine cannot serve a run (a sentence), or None: what `use_transformers_continuous_batching=None`
+    (ARPOConfig's default) checks before it picks this engine over the waves engine."""
+    if sharded_processes:
+        return "sharded parameters (ZeRO-3/FSDP) over several processes need the ranks' model calls in step"
+    if unsupported := sorted(set(generation_kwargs or {}) - SUPPORTED_KEYS):
+        return f"generation_kwargs {unsupported} are not among the ones it samples with ({sorted(SUPPORTED_KEYS)})"
+    if cache_implementation:
+        return f"cache_implementation={cache_implementation!r} configures model.generate's cache"
+    if other := other_layer_types(model):
+        return f"the model's layer_types hold {other}, not full attention only"
+    return None
