@@ -44,6 +44,7 @@ def test_draft_length_pays_for_the_positions_it_costs():
     assert acceptance.draft_length([8]) > 0  # one row: the forward's fixed cost dominates
     assert acceptance.draft_length([8] * 256) == 0  # many rows: every draft position costs its full price
     assert acceptance.draft_length([0, 0, 0]) == 0
+    assert acceptance.may_pay(1) and not acceptance.may_pay(256)  # the bulk skips the lookups
     acceptance.record(drafted=1000, accepted=0)
     assert acceptance.draft_length([8]) == 0  # drafts that are never accepted do not pay
     confident = Acceptance(max_draft=8)

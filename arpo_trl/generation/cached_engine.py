@@ -48,6 +48,7 @@ class _Request:
     stop_window: int = 0  # tokens of decoded tail that can hold a stop string
     ids: list[int] = field(default_factory=list)
     text: list[int] = field(default_factory=list)  # prefix + ids, indexed for drafts
+    cached: int = 0  # leading prefix tokens the prefix cache held at admission (their n-grams are indexed already)
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
 
@@ -198,11 +199,13 @@ class CachedTransformersEngine(TransformersEngine):
             for index in waiting:
                 request = requests[index]
                 entry, shared = self.prefix_cache.lookup(request.prefix)
+                request.cached = shared
                 if _serves_whole(entry, shared, request.prefix):
                     admitted[index] = entry.kv, entry.logits
                     self._count(shared)
                 elif (twin := first.setdefault(tuple(request.prefix), index)) != index:
                     twins.append((index, twin))
+                    request.cached = len(request.prefix)  # its twin indexes the prefix
                 elif (gain := max((common_prefix_length(job.tokens, request.prefix) for job in jobs.values()),
                                   default=0) - shared) > 0:
                     later.append((index, entry, shared))
@@ -253,27 +256,33 @@ class CachedTransformersEngine(TransformersEngine):
         self._rows += [request for request, _, _ in joining]
         if self.speculating:
             for request, _, _ in joining:
-                self.drafts.add(request.text)
+                self.drafts.add(request.text, request.cached - 1)
 
     def _sample(self) -> list[int]:
         """One token per running row; returns the rows that finished."""
         scores = self._penalized(self._logits)
-        tempered = torch.log_softmax(scores / (self.temperature if self.temperature > 0 else 1.0), dim=-1)
-        entropies = token_entropy(tempered, self.entropy_estimator, self.entropy_top_k, self.vocab_size).tolist()
-        if self.temperature > 0:  # the logprob under the distribution sampled: after top-k / top-p / min-p
-            sampled = torch.log_softmax(self._warpers(None, scores), dim=-1)
+        tempered, entropies, sampled = self._distributions(scores)
+        if sampled is not None:
             tokens = sample_tokens(self._residual(sampled))
         else:  # greedy: a rejected draft was not the argmax, so the argmax stands
             sampled, tokens = tempered, scores.argmax(-1)
         chosen = sampled.gather(-1, tokens[:, None]).squeeze(1).tolist()  # the logprob under p, not the residual
         finished = []
-        for row, (request, token) in enumerate(zip(self._rows, tokens.tolist())):
-            self._append(request, token, chosen[row], entropies[row])
+        for row, (request, token, entropy) in enumerate(zip(self._rows, tokens.tolist(), entropies.tolist())):
+            self._append(request, token, chosen[row], entropy)
             if request.future.done() or self._is_done(request):
                 finished.append(row)
         self._tokens = tokens
         self._excluded.fill_(-1)
         return finished
+
+    def _distributions(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """For next-token `scores` [positions, vocab]: the tempered log-probabilities, their entropies, and the
+        log-probabilities of the distribution sampled, after top-k / top-p / min-p (None: greedy)."""
+        tempered = torch.log_softmax(scores / (self.temperature if self.temperature > 0 else 1.0), dim=-1)
+        entropies = token_entropy(tempered, self.entropy_estimator, self.entropy_top_k, self.vocab_size)
+        sampled = torch.log_softmax(self._warpers(None, scores), dim=-1) if self.temperature > 0 else None
+        return tempered, entropies, sampled
 
     def _residual(self, sampled: torch.Tensor) -> torch.Tensor:
         """The distributions to draw from: where a draft was just rejected at this position, p without it."""
@@ -345,7 +354,7 @@ class CachedTransformersEngine(TransformersEngine):
 
     def _drafts(self) -> list[list[int]]:
         """Per row, the draft tokens this step feeds after its sampled one (`speculation.py`): as many as pay."""
-        if not self.speculating:
+        if not self.speculating or not self.acceptance.may_pay(len(self._rows)):
             return [[] for _ in self._rows]
         found = [self.drafts.draft(request.text, min(self.acceptance.max_draft, request.budget - len(request.ids)))
                  for request in self._rows]
@@ -356,31 +365,28 @@ class CachedTransformersEngine(TransformersEngine):
         """Keep each row's drafts while p accepts them (probability p(d); greedy: d is the argmax), append them as
         sampled tokens, and leave the next position's logits (and the rejected draft, which its sample avoids).
         The columns of rejected drafts become holes."""
-        scores = logits[:, :-1]
-        tempered = torch.log_softmax(scores / (self.temperature if self.temperature > 0 else 1.0), dim=-1)
-        entropies = token_entropy(tempered.flatten(0, 1), self.entropy_estimator, self.entropy_top_k,
-                                  self.vocab_size).view(scores.shape[:2]).tolist()
-        sampled = torch.log_softmax(self._warpers(None, scores.flatten(0, 1)), dim=-1).view_as(scores) \
-            if self.temperature > 0 else None
-        accepted, chosen = accept_drafts(tempered, sampled, drafts)
         rows, width = logits.shape[:2]
+        tempered, entropies, sampled = self._distributions(logits[:, :-1].flatten(0, 1))
+        entropies = entropies.view(rows, width - 1).tolist()
+        accepted, chosen = accept_drafts(tempered.view(rows, width - 1, -1),
+                                         None if sampled is None else sampled.view(rows, width - 1, -1), drafts)
         finished, kept = [], []
         for row, request in enumerate(self._rows):
-            count = 0
-            for j in range(accepted[row]):
-                self._append(request, drafts[row][j], chosen[row][j], entropies[row][j])
-                count = j + 1
-                if self._is_done(request):
-                    finished.append(row)
-                    break
+            count, done = 0, False
+            while count < accepted[row] and not done:
+                self._append(request, drafts[row][count], chosen[row][count], entropies[row][count])
+                count += 1
+                done = self._is_done(request)
+            if done:
+                finished.append(row)
             self.acceptance.record(min(len(drafts[row]), accepted[row] + 1), accepted[row])
             self.counters.drafted_tokens += len(drafts[row])
             self.counters.accepted_tokens += count
-            end = start + count + (row not in finished[-1:])  # a finished row's last token is not in its cache
+            end = start + count + (not done)  # a finished row's last token is not in its cache
             if end < start + width:
                 self._batch.hole(row, end, start + width)
             kept.append(count)
-            if row not in finished[-1:] and count < len(drafts[row]):
+            if not done and count < len(drafts[row]):
                 self._excluded[row] = drafts[row][count]
         index = torch.arange(rows, device=logits.device)
         self._positions = self._positions + 1 + torch.tensor(kept, device=logits.device)

@@ -84,13 +84,23 @@ class Acceptance:
         self.drafted += drafted
         self.accepted += accepted
 
+    def may_pay(self, rows: int) -> bool:
+        """Whether drafts could pay for `rows` rows at all, were every row to hold `max_draft` of them (the bulk of a
+        rollout skips the lookups when not)."""
+        return self.draft_length([self.max_draft] * rows) > 0
+
     def draft_length(self, available: Sequence[int], forward_cost: int = DECODE_FORWARD_COST) -> int:
         """The D in 0..max(available) that maximises expected tokens per unit of forward time for rows that have
         `available` draft tokens each (see the module docstring)."""
-        alpha, rows = self.rate, len(available)
-        best, best_value = 0, rows / (forward_cost + rows)
-        for length in range(1, min(self.max_draft, max(available, default=0)) + 1):
-            tokens = sum(sum(alpha ** j for j in range(1, min(length, row) + 1)) for row in available) + rows
+        alpha, rows, longest = self.rate, len(available), min(self.max_draft, max(available, default=0))
+        holding = [0] * (longest + 1)  # holding[j]: rows with at least j drafts
+        for row in available:
+            holding[min(row, longest)] += 1
+        for j in range(longest - 1, 0, -1):
+            holding[j] += holding[j + 1]
+        best, best_value, tokens = 0, rows / (forward_cost + rows), float(rows)
+        for length in range(1, longest + 1):
+            tokens += alpha ** length * holding[length]
             if (value := tokens / (forward_cost + rows * (2 + length))) > best_value:
                 best, best_value = length, value
         return best
