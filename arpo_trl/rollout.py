@@ -117,6 +117,7 @@ class BranchingSampler:
         call_format: CallFormat | None = None,
         scheduler: str = "auto",
         speculative_fill_ups: bool = True,
+        speculative_branches: bool = True,
         branch_penalty: float = 0.05,  # AEPO (`arpo_trl.entropy_balance`)
         pre_monitoring_beta: float | None = 0.5,  # AEPO
         segment_statistic: str = "mean",  # `arpo_trl.entropy.segment_entropy`
@@ -143,6 +144,7 @@ class BranchingSampler:
         self.max_tool_calls, self.max_completion_length = max_tool_calls, max_completion_length
         self.tool_timeout, self.max_tool_workers = tool_timeout, max_tool_workers
         self.rng = random.Random(seed)
+        self.speculative_branches = speculative_branches
         self.scheduler = make_scheduler(scheduler, engine)
         self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups, self.rng)
         eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
@@ -185,7 +187,7 @@ class BranchingSampler:
         confirmed) and receives their results (a `Segment`, a `CallOutcome`, None); the paths it starts or drops are
         queued in `rollout.started` / `rollout.cancelled`."""
         probe = False  # the next request's entropy decides the fork at the tool result just appended
-        short = path.kind == "branch"  # a new branch starts beside its parent's probe, as short as it
+        short = path.kind == "branch" and not path.committed  # a speculative branch: as short as its parent's probe
         continued = False  # the request continues a segment that a short request stopped inside
         while path.active:
             room = self.max_completion_length - len(path.completion_ids)
@@ -242,6 +244,8 @@ class BranchingSampler:
         if not self._may_fork(rollout, path):
             self._decide_fork(rollout, path, None)
             return False
+        if not self.speculative_branches:  # the copies start once the probe keeps them (`_decide_fork`)
+            return True
         copies = min(self.branch_factor - 1, self.fill_ups.shares.free(rollout, path))
         rollout.pending_branches[path.id] = [self._branch(rollout, path) for _ in range(copies)]
         return True
@@ -273,13 +277,14 @@ class BranchingSampler:
 
     def _decide_fork(self, rollout: Rollout, path: Trajectory, delta: float | None) -> None:
         """Settle the fork at the path's latest tool result: Z-1 copies with probability P (paper §3.1 step 3)."""
-        path.fork_decisions += 1
         copies, kept = rollout.pending_branches.pop(path.id, []), 0
         if delta is not None and self._may_fork(rollout, path):  # None: no fork was possible at the result
             probability = self.fork_probability(delta, rollout.policy, path.consecutive_forks)
             rollout.fork_probabilities.append(probability)
             if self.rng.random() < probability:
                 kept = self.fill_ups.shares.free(rollout, path)
+                if not self.speculative_branches:  # from the same state at the tool result: the probe is not absorbed
+                    copies = [self._branch(rollout, path) for _ in range(min(self.branch_factor - 1, kept))]
                 for child in copies[:kept]:
                     child.committed, child.fork_delta = True, delta
                     child.consecutive_forks = path.consecutive_forks + 1
@@ -287,6 +292,7 @@ class BranchingSampler:
                     rollout.stats.forks += 1
                     rollout.stats.fork_deltas.append(delta)
                 self.fill_ups.make_room(rollout, path.group)
+        path.fork_decisions += 1
         path.consecutive_forks = path.consecutive_forks + 1 if kept else 0  # AEPO's l: forks in a row on this line
         for child in copies[kept:]:
             rollout.drop(child)

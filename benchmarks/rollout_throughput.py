@@ -42,10 +42,12 @@ QUESTIONS = [f"What is {a} * {b} + {c}?" for a, b, c in [(17, 23, 5), (48, 12, 9
 
 
 def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") -> BranchingSampler:
+    """`policy`: a branch policy, optionally with ':deferred' (a fork's copies start after the probe keeps them)."""
+    policy, _, variant = policy.partition(":")
     n = args.num_generations if policy == "none" else args.initial_rollouts
     return BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
                             initial_rollouts=n, max_completion_length=args.max_tokens, branch_policy=policy,
-                            seed=args.seed, scheduler=scheduler)
+                            seed=args.seed, scheduler=scheduler, speculative_branches=variant != "deferred")
 
 
 def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
@@ -172,7 +174,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="rollouts per policy and backend (paired seeds)")
     parser.add_argument("--policies", default="entropy,none",
-                        help="branch policies to run: 'entropy' (ARPO, N of M global) and/or 'none' (all M at once)")
+                        help="branch policies to run: 'entropy' (ARPO, N of M global) and/or 'none' (all M at once); "
+                        "'entropy:deferred': ARPO whose fork copies start after the probe keeps them")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
     parser.add_argument("--engines", default="waves,cached",
@@ -209,12 +212,13 @@ def main() -> None:
         if reference and not name.startswith("transformers"):
             run["tokens_per_s_vs_transformers"] = round(run["tokens_per_s"] / reference["tokens_per_s"], 2)
     report["arpo_vs_grpo"] = {  # the same backend, one after the other: ARPO's rollout cost relative to GRPO's
-        backend: {key: round(runs[f"{backend}/entropy"][key] / runs[f"{backend}/none"][key], 3)
-                  if runs[f"{backend}/none"][key] else None
-                  for key in ("wall_s", "critical_path_tokens", "tokens_generated", "tool_calls_per_group",
-                              "decoded_positions_per_group") if key in runs[f"{backend}/none"]}
-        for backend in {name.split("/")[0] for name in runs}
-        if f"{backend}/entropy" in runs and f"{backend}/none" in runs}
+        backend + ("" if policy == "entropy" else f" ({policy})"):
+            {key: round(runs[f"{backend}/{policy}"][key] / runs[f"{backend}/none"][key], 3)
+             if runs[f"{backend}/none"][key] else None
+             for key in ("wall_s", "critical_path_tokens", "tokens_generated", "tool_calls_per_group",
+                         "decoded_positions_per_group") if key in runs[f"{backend}/none"]}
+        for backend in {name.split("/")[0] for name in runs} for policy in policies
+        if policy != "none" and f"{backend}/{policy}" in runs and f"{backend}/none" in runs}
     report["drafts_vs_nodraft"] = {  # rollout seconds, cached engine with / without speculative decoding
         policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] /
                       runs[f"transformers-cached-nodraft/{policy}"]["wall_s"], 3)
