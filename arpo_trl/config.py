@@ -6,7 +6,6 @@ Defaults follow the authors' released scripts (docs/reference.md#defaults): M=16
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -15,6 +14,7 @@ from arpo_trl.dropin.grpo_fields import check_grpo_fields
 from arpo_trl.engines import check_generation_kwargs
 from arpo_trl.entropy import check_entropy_args, resolve_estimator
 from arpo_trl.entropy_balance import check_aepo_args
+from arpo_trl.entropy_balanced_update import check_entropy_balanced_update
 from arpo_trl.generation.speculation import check_draft_tokens
 from arpo_trl.preflight import adopt_checkpointing_default
 from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS, check_branching_args, default_initial_rollouts
@@ -22,7 +22,6 @@ from arpo_trl.server.weight_sync import SYNC_MODES, check_sync_mode
 from arpo_trl.tool_calls import TOOL_CALL_FORMATS, check_call_format
 
 ATTRIBUTIONS = ("soft", "hard")
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL's losses with PPO's clipped ratio
 
 
 @dataclass
@@ -236,6 +235,15 @@ class ARPOConfig(GRPOConfig):
             "some discarded tokens. False: fill-ups start only once certain.",
         },
     )
+    speculative_branches: bool = field(
+        default=True,
+        metadata={
+            "help": "Start a fork's Z-1 copies at the tool result, beside the probe whose entropy decides whether they "
+            "are kept (they are dropped otherwise; the trees are unchanged either way). True shortens each fork "
+            "level's chain by the probe's k tokens, for the k tokens of every copy not kept. False suits an engine "
+            "bound by rows rather than steps (docs/in_process_engine.md).",
+        },
+    )
     max_draft_tokens: int = field(
         default=8,
         metadata={
@@ -326,7 +334,7 @@ class ARPOConfig(GRPOConfig):
         check_branching_args(m, self.initial_rollouts, self.branch_factor, self.branch_threshold,
                              self.entropy_window, self.branch_policy, self.max_tool_calls)
         check_aepo_args(self.branch_penalty, self.pre_monitoring_beta)
-        self._validate_entropy_balanced_update()
+        check_entropy_balanced_update(self)
         check_entropy_args(self.entropy_estimator, self.entropy_top_k, self.segment_entropy)
         check_call_format(self.tool_call_format)
         check_generation_kwargs(self.generation_kwargs)
@@ -356,22 +364,6 @@ class ARPOConfig(GRPOConfig):
                 f"per_device_eval_batch_size ({self.per_device_eval_batch_size}) must be divisible by "
                 f"num_generations_eval ({m_eval}) so that every prompt's trajectories are generated on one process."
             )
-
-    def _validate_entropy_balanced_update(self) -> None:
-        if not math.isfinite(self.entropy_advantage_weight):
-            raise ValueError(f"entropy_advantage_weight must be a finite number, got {self.entropy_advantage_weight}.")
-        if not self.entropy_balanced_clipping:
-            return
-        if self.loss_type not in CLIPPED_LOSS_TYPES:
-            raise ValueError(f"entropy_balanced_clipping rescales the gradient of PPO's clipped term, so loss_type "
-                             f"must be one of {CLIPPED_LOSS_TYPES}; got {self.loss_type!r}.")
-        if self.importance_sampling_level != "token":
-            raise ValueError("entropy_balanced_clipping works on token ratios: set importance_sampling_level='token', "
-                             f"got {self.importance_sampling_level!r}.")
-        if self.beta != 0.0 or self.off_policy_mask_threshold is not None:
-            raise ValueError("entropy_balanced_clipping needs beta=0 and off_policy_mask_threshold=None (AEPO trains "
-                             "without a KL term; both would read the rescaled tokens' log-probabilities), got "
-                             f"beta={self.beta}, off_policy_mask_threshold={self.off_policy_mask_threshold}.")
 
     def _validate_limits(self) -> None:
         if self.max_minutes is not None and not self.max_minutes > 0:

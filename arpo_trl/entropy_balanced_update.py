@@ -90,3 +90,25 @@ class EntropyBalancedUpdate:
         clipped = rescaled_clip_mask(logps, old, inputs["advantages"], mask, self.epsilon_high)
         self._trl.log_metric(mode, "aepo/rescaled_clip_ratio", (clipped.sum() / mask.sum().clamp(min=1)).item())
         return keep_clipped_gradients(logps, old, clipped, self.epsilon_high)
+
+
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL's losses with PPO's clipped ratio
+
+
+def check_entropy_balanced_update(config) -> None:
+    """AEPO's entropy-balanced clipping needs a clipped token-level loss and no term that reads the rescaled
+    log-probabilities (`ARPOConfig` calls this)."""
+    if not math.isfinite(config.entropy_advantage_weight):
+        raise ValueError(f"entropy_advantage_weight must be a finite number, got {config.entropy_advantage_weight}.")
+    if not config.entropy_balanced_clipping:
+        return
+    if config.loss_type not in CLIPPED_LOSS_TYPES:
+        raise ValueError(f"entropy_balanced_clipping rescales the gradient of PPO's clipped term, so loss_type "
+                         f"must be one of {CLIPPED_LOSS_TYPES}; got {config.loss_type!r}.")
+    if config.importance_sampling_level != "token":
+        raise ValueError("entropy_balanced_clipping works on token ratios: set importance_sampling_level='token', "
+                         f"got {config.importance_sampling_level!r}.")
+    if config.beta != 0.0 or config.off_policy_mask_threshold is not None:
+        raise ValueError("entropy_balanced_clipping needs beta=0 and off_policy_mask_threshold=None (AEPO trains "
+                         "without a KL term; both would read the rescaled tokens' log-probabilities), got "
+                         f"beta={config.beta}, off_policy_mask_threshold={config.off_policy_mask_threshold}.")

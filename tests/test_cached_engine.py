@@ -131,7 +131,7 @@ def test_continuation_and_fork_prefill_only_new_tokens(tool_model64, tokenizer):
 
     continued, forked, forks = asyncio.run(rollout())
     assert continued == len(result) + 1  # the tool result and the last sampled token, never fed before
-    assert forked <= 3  # each fork: at most its last context token, recomputed for its logits
+    assert forked == 0  # the context's logits outlive its entry, superseded when the continuation finished
     assert len({tuple(f.token_ids) for f in forks}) == 1  # greedy: forks of one context agree
     assert len(engine.prefix_cache) == 0 and engine.prefix_cache.tokens == 0
 
@@ -191,18 +191,19 @@ def _two_sample_chi2(a: list[int], b: list[int]) -> tuple[float, float]:
 def test_trees_have_the_waves_engines_distribution(tool_model_dir, tokenizer):
     """Sampled rollouts (entropy forking, tool calls) of one seeded model through each engine and scheduler: the
     distributions of tree shapes (branches per group, tool calls per trajectory), of first segments' lengths and of
-    first tokens agree (two-sample chi-square at p = 1e-6: failing takes a real difference, not bad luck)."""
+    first tokens agree (two-sample chi-square at p = 1e-6: failing takes a real difference, not bad luck). Also with
+    a fork's copies started after the probe keeps them (`speculative_branches=False`)."""
     model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
     prompts = [_prompt(tokenizer, f"What is {a}+{b}?") for a, b in ((12, 30), (7, 5), (40, 2), (3, 9))]
     sampling = SamplingSettings(temperature=1.3, entropy_top_k=None)
 
-    def statistics(engine, scheduler: str, rollouts: int = 20) -> dict[str, list[int]]:
+    def statistics(engine, scheduler: str, speculative_branches: bool = True, rollouts: int = 20) -> dict:
         seen = {"branches": [], "calls": [], "first_length": [], "first_token": []}
         for seed in range(rollouts):
             torch.manual_seed(seed)
             sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=4,
                                        max_completion_length=48, branch_threshold=0.6, seed=seed,
-                                       scheduler=scheduler)
+                                       scheduler=scheduler, speculative_branches=speculative_branches)
             result = sampler.sample(prompts)
             seen["branches"] += [sum(t.kind == "branch" for t in group) for group in result.groups]
             for t in result.trajectories:
@@ -215,11 +216,11 @@ def test_trees_have_the_waves_engines_distribution(tool_model_dir, tokenizer):
 
     waves = statistics(TransformersEngine(model, tokenizer, sampling=sampling), "waves")
     assert sum(waves["branches"]) > 20 and sum(waves["calls"]) > 100  # the trees fork and call tools
-    for scheduler in ("events", "waves"):
-        cached = statistics(CachedTransformersEngine(model, tokenizer, sampling=sampling), scheduler)
+    for scheduler, speculative in (("events", True), ("waves", True), ("events", False)):
+        cached = statistics(CachedTransformersEngine(model, tokenizer, sampling=sampling), scheduler, speculative)
         for name in waves:
             chi2, bound = _two_sample_chi2(waves[name], cached[name])
-            assert chi2 < bound, f"{scheduler}: {name} differs (chi2 {chi2:.1f} > {bound:.1f})"
+            assert chi2 < bound, f"{scheduler}, {speculative}: {name} differs (chi2 {chi2:.1f} > {bound:.1f})"
 
 
 @pytest.mark.parametrize("top_k", [0, 50])
@@ -265,6 +266,14 @@ def test_prefix_cache_lookup_store_and_budget():
     assert cache.lookup([1, 2, 9])[1] == 2 and cache.lookup([7])[0] is None
     cache.store(CachedPrefix((7, 8, 9, 10), kv))  # over budget: the least recently used goes
     assert len(cache) == 1 and cache.lookup([7, 8])[1] == 2
+    logits = torch.ones(1, 4)
+    cache = PrefixCache()
+    cache.store(CachedPrefix((1, 2), kv, logits))
+    cache.store(CachedPrefix((1, 2, 3, 4), kv))  # supersedes (1, 2) and keeps its next-token logits
+    entry, shared = cache.lookup([1, 2])
+    assert shared == 2 and entry.logits_after(2) is logits and entry.logits_after(3) is None
+    cache.store(CachedPrefix((1, 2, 3), kv, 2 * logits))  # a longer entry covers it: its logits go there
+    assert len(cache) == 1 and torch.equal(cache.lookup([1, 2, 3])[0].logits_after(3), 2 * logits)
     assert common_prefix_length([1, 2, 3, 4], [1, 2, 3, 5]) == 3 and common_prefix_length([], [1]) == 0
     assert cache_budget({"num_blocks": 4, "block_size": 16}) == 64 and cache_budget(None) is None
     with pytest.raises(ValueError, match="max_tokens"):

@@ -129,6 +129,26 @@ def test_exactly_m_per_prompt_and_branch_prefixes(tokenizer, policy, seed, sched
         assert all(t.kind == "global" for t in result.trajectories) and result.stats.forks == 0
 
 
+@pytest.mark.parametrize("scheduler", ["waves", "events"])
+@pytest.mark.parametrize("seed", range(3))
+def test_deferred_branches_start_from_the_tool_result_and_discard_nothing(tokenizer, seed, scheduler):
+    """`speculative_branches=False`: a fork's copies start once the probe keeps them, from the path as it was at the
+    tool result (its probe's tokens not included); nothing is generated for copies that are not kept."""
+    sampler = _sampler(tokenizer, calls_then_answers(3), num_generations=8, initial_rollouts=2, seed=seed,
+                       engine_seed=seed, max_completion_length=200, scheduler=scheduler, speculative_branches=False,
+                       speculative_fill_ups=False, engine_class=AsyncScriptedEngine if scheduler == "events" else None)
+    result = sampler.sample(_prompts(tokenizer, 3))
+    assert [len(g) for g in result.groups] == [8, 8, 8] and result.stats.forks > 0
+    assert result.stats.discarded_tokens == 0 and not any(not t.committed for t in result.trajectories)
+    by_id = {t.id: t for t in result.trajectories}
+    for t in result.trajectories:
+        if t.kind == "branch":
+            parent = by_id[t.parent]
+            assert t.completion_ids[: t.fork_position] == parent.completion_ids[: t.fork_position]
+            assert tokenizer.decode(t.completion_ids[: t.fork_position]).endswith("</result>")
+            assert t.fork_decisions <= t.tool_calls
+
+
 def test_mask_is_zero_exactly_on_result_spans(tokenizer):
     sampler = _sampler(tokenizer, calls_then_answers(3), num_generations=6, max_completion_length=300, seed=3)
     for t in sampler.sample(_prompts(tokenizer, 2)).trajectories:

@@ -200,8 +200,8 @@ class CachedTransformersEngine(TransformersEngine):
                 request = requests[index]
                 entry, shared = self.prefix_cache.lookup(request.prefix)
                 request.cached = shared
-                if _serves_whole(entry, shared, request.prefix):
-                    admitted[index] = entry.kv, entry.logits
+                if shared == len(request.prefix) and (logits := entry.logits_after(shared)) is not None:
+                    admitted[index] = crop(entry.kv, shared), logits  # nothing to prefill
                     self._count(shared)
                 elif (twin := first.setdefault(tuple(request.prefix), index)) != index:
                     twins.append((index, twin))
@@ -394,7 +394,3 @@ class CachedTransformersEngine(TransformersEngine):
         if finished:
             self._release(finished)
 
-
-def _serves_whole(entry: CachedPrefix | None, shared: int, prefix: list[int]) -> bool:
-    """The entry is exactly this prefix, with its next-token logits: nothing to prefill."""
-    return entry is not None and entry.logits is not None and shared == len(prefix) == len(entry.tokens)

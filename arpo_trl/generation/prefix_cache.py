@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,11 +14,28 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape
 
 @dataclass
 class CachedPrefix:
-    """The KV of `tokens` (one row); `logits`: the next-token logits after them, when known (a prefill's)."""
+    """The KV of `tokens` (one row); `logits`: the next-token logits after them, when known (a prefill's);
+    `inner_logits`: those after its first n tokens, by n, kept from the shorter entries it superseded (a fork that
+    starts once its parent went on finds its tool result's logits here, so nothing is prefilled for it)."""
 
     tokens: tuple[int, ...]
     kv: KV
     logits: torch.Tensor | None = None
+    inner_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def logits_after(self, length: int) -> torch.Tensor | None:
+        """The next-token logits after the first `length` tokens, when known."""
+        return self.logits if length == len(self.tokens) else self.inner_logits.get(length)
+
+    def absorb(self, shorter: CachedPrefix) -> None:
+        """Keep the logits of an entry whose tokens begin this one's."""
+        self.inner_logits.update(shorter.inner_logits)
+        if shorter.logits is None:
+            return
+        if len(shorter.tokens) < len(self.tokens):
+            self.inner_logits[len(shorter.tokens)] = shorter.logits
+        elif self.logits is None:  # the same tokens stored again, without logits (a request that wrote one token)
+            self.logits = shorter.logits
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -43,8 +60,8 @@ def crop(kv: KV, length: int) -> KV:
 
 class PrefixCache:
     """Entries evicted least-recently-used once they hold more than `max_tokens` positions (None: unbounded; the
-    engine clears the cache after every rollout anyway). An entry whose tokens begin a newer entry's is dropped:
-    the newer one serves it at the cost of one prefilled token (its logits are then recomputed)."""
+    engine clears the cache after every rollout anyway). An entry whose tokens begin a newer entry's is dropped: the
+    newer one serves it, with its logits if it had any (`CachedPrefix.inner_logits`)."""
 
     def __init__(self, max_tokens: int | None = None):
         if max_tokens is not None and max_tokens < 1:
@@ -78,9 +95,12 @@ class PrefixCache:
 
     def store(self, entry: CachedPrefix) -> None:
         for tokens in [t for t in self._entries if len(t) <= len(entry.tokens) and entry.tokens[: len(t)] == t]:
+            entry.absorb(self._entries[tokens])
             self._drop(tokens)
-        if any(len(t) > len(entry.tokens) and t[: len(entry.tokens)] == entry.tokens for t in self._entries):
-            return  # a longer entry already covers it
+        if longer := next((t for t in self._entries if len(t) > len(entry.tokens) and
+                           t[: len(entry.tokens)] == entry.tokens), None):
+            self._entries[longer].absorb(entry)  # a longer entry already covers it
+            return
         self._entries[entry.tokens] = entry
         self._tokens += len(entry.tokens)
         while self.max_tokens is not None and self._tokens > self.max_tokens and self._entries:
