@@ -281,8 +281,11 @@ class CachedTransformersEngine(TransformersEngine):
         log-probabilities of the distribution sampled, after top-k / top-p / min-p (None: greedy)."""
         tempered = torch.log_softmax(scores / (self.temperature if self.temperature > 0 else 1.0), dim=-1)
         entropies = token_entropy(tempered, self.entropy_estimator, self.entropy_top_k, self.vocab_size)
-        sampled = torch.log_softmax(self._warpers(None, scores), dim=-1) if self.temperature > 0 else None
-        return tempered, entropies, sampled
+        if self.temperature <= 0:
+            return tempered, entropies, None
+        if not self._warpers:  # temperature 1, no truncation: the distribution sampled is the tempered one
+            return tempered, entropies, tempered
+        return tempered, entropies, torch.log_softmax(self._warpers(None, scores), dim=-1)
 
     def _residual(self, sampled: torch.Tensor) -> torch.Tensor:
         """The distributions to draw from: where a draft was just rejected at this position, p without it."""
