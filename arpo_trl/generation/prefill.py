@@ -107,15 +107,21 @@ def _row(keys: torch.Tensor, row: int, begin: int, end: int) -> torch.Tensor:
 
 
 def _padded_past(jobs: list[PrefillJob], past: int) -> KV:
-    """The rows' cached KV, right-aligned at column `past` (zeros in front: masked)."""
+    """The rows' cached KV, right-aligned at column `past` (zeros in front: masked, but finite, so that their zero
+    attention weights give exact zeros). One row with the whole past: its cached KV as is (views of a prefix-cache
+    entry, which the model's cache update does not write: it concatenates into new tensors)."""
+    if len(jobs) == 1 and jobs[0].start == past:
+        return list(jobs[0].cached)
     reference = next(job.cached for job in jobs if job.cached)
     padded = []
     for layer, (keys, values) in enumerate(reference):
         shape = (len(jobs), keys.shape[1], past, keys.shape[3])
-        layer_keys, layer_values = keys.new_zeros(shape), values.new_zeros(shape)
+        layer_keys, layer_values = keys.new_empty(shape), values.new_empty(shape)
         for row, job in enumerate(jobs):
+            pad = past - job.start
+            layer_keys[row, :, :pad], layer_values[row, :, :pad] = 0.0, 0.0
             if job.start:
-                layer_keys[row, :, past - job.start:] = job.cached[layer][0][0]
-                layer_values[row, :, past - job.start:] = job.cached[layer][1][0]
+                layer_keys[row, :, pad:] = job.cached[layer][0][0]
+                layer_values[row, :, pad:] = job.cached[layer][1][0]
         padded.append((layer_keys, layer_values))
     return padded
