@@ -239,9 +239,9 @@ class ARPOConfig(GRPOConfig):
         default=True,
         metadata={
             "help": "Start a fork's Z-1 copies at the tool result, beside the probe whose entropy decides whether they "
-            "are kept (they are dropped otherwise; the trees are unchanged either way). True shortens each fork "
-            "level's chain by the probe's k tokens, for the k tokens of every copy not kept. False suits an engine "
-            "bound by rows rather than steps (docs/in_process_engine.md).",
+            "are kept (dropped otherwise). False: they start once the probe keeps them, from the same state, so "
+            "nothing is discarded but each fork level's chain is k tokens longer. The trees are the same in "
+            "distribution either way; docs/in_process_engine.md measures both.",
         },
     )
     max_draft_tokens: int = field(
