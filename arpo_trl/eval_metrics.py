@@ -241,6 +241,7 @@ def paired_bootstrap(mine: dict[Any, Sequence[float]], base: dict[Any, Sequence[
     for _ in range(resamples):
         chosen = [pairs[i] for i in rng.integers(len(pairs), size=len(pairs))]
         draws.append(value([p[:, rng.integers(p.shape[1], size=p.shape[1])] for p in chosen]))
-    low, high = np.nanquantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    defined = np.array([d for d in draws if not math.isnan(d)])  # a ratio is undefined where the base mean is 0
+    low, high = np.quantile(defined, [(1 - level) / 2, (1 + level) / 2]) if defined.size else (math.nan, math.nan)
     return {"estimate": value(pairs), "low": float(low), "high": float(high), "groups": len(groups),
-            "units": int(sum(p.shape[1] for p in pairs))}
+            "units": int(sum(p.shape[1] for p in pairs)), "undefined_resamples": resamples - int(defined.size)}

@@ -4,6 +4,7 @@ the benchmark's intervals come from."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -72,6 +73,12 @@ def test_paired_bootstrap_estimates_and_intervals():
     difference = paired_bootstrap({0: [1.0, 0.0], 1: [1.0, 1.0]}, {0: [0.0, 0.0], 1: [0.0, 1.0]}, "difference")
     assert difference["estimate"] == pytest.approx(0.5)
     assert 0.0 <= difference["low"] <= 0.5 <= difference["high"] <= 1.0
+    assert ratio["undefined_resamples"] == 0
+    zero_base = paired_bootstrap({0: [1.0, 2.0]}, {0: [0.0, 0.0]}, "ratio", resamples=50)
+    assert math.isnan(zero_base["estimate"]) and math.isnan(zero_base["low"]) and math.isnan(zero_base["high"])
+    assert zero_base["undefined_resamples"] == 50
+    some_zero = paired_bootstrap({0: [1.0, 2.0]}, {0: [0.0, 1.0]}, "ratio", resamples=200)
+    assert 0 < some_zero["undefined_resamples"] < 200 and some_zero["low"] <= some_zero["high"]
     with pytest.raises(ValueError, match="statistic"):
         paired_bootstrap(mine, base, "median")
     with pytest.raises(ValueError, match="no group"):
