@@ -275,91 +275,112 @@ class EventScheduler:
             raise outcome["error"]
 
     async def _run(self, sampler: BranchingSampler, rollout: Rollout) -> None:
-        engine, stats = sampler.engine, rollout.stats
-        runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
-        activity = _Activity(stats)
-        clock: dict[int, int] = {}  # path id -> tokens on its chain so far
-        depth: dict[int, int] = {}  # path id -> requests on its chain so far
-        tasks: dict[int, asyncio.Task] = {}
-        commits: dict[int, asyncio.Event] = {}  # branches waiting for their parent's decision
-        done = asyncio.get_running_loop().create_future()
+        await _EventRollout(sampler, rollout).run()
 
-        def start_new() -> None:
-            for path, creator in rollout.started:
-                clock[path.id] = clock.get(creator.id, 0) if creator is not None else 0
-                depth[path.id] = depth.get(creator.id, 0) if creator is not None else 0
-                tasks[path.id] = task = asyncio.create_task(drive(path))
-                task.add_done_callback(lambda task, key=path.id: finished(key, task))
-            rollout.started.clear()
-            for path in rollout.committed:
-                commits.setdefault(path.id, asyncio.Event()).set()
-            for path in rollout.cancelled:  # speculative paths the decisions made unnecessary
-                if path.id in tasks:
-                    tasks[path.id].cancel()
-            rollout.committed.clear(), rollout.cancelled.clear()
 
-        def finished(key: int, task: asyncio.Task) -> None:
-            tasks.pop(key, None)
-            error = None if task.cancelled() else task.exception()  # retrieved always, even after the first failure
-            if done.done():
-                return
-            if error is not None:
-                done.set_exception(error)
-            elif not tasks:
-                done.set_result(None)
+class _EventRollout:
+    """One rollout under `EventScheduler`: a task per path, started as the sampler's decisions start paths and
+    cancelled as they drop them; the rollout ends when every task has, or at the first failure."""
 
-        async def drive(path: Trajectory) -> None:
-            try:
-                await advance(path)
-            except Exception as error:
-                error.add_note(_path_context([path]))
-                raise
+    def __init__(self, sampler: BranchingSampler, rollout: Rollout):
+        self.sampler, self.rollout, self.stats = sampler, rollout, rollout.stats
+        self.runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
+        self.activity = _Activity(rollout.stats)
+        self.clock: dict[int, int] = {}  # path id -> tokens on its chain so far
+        self.depth: dict[int, int] = {}  # path id -> requests on its chain so far
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.commits: dict[int, asyncio.Event] = {}  # branches waiting for their parent's decision
+        self.done: asyncio.Future | None = None
 
-        async def advance(path: Trajectory) -> None:
-            program, answer = sampler.grow(rollout, path), None
-            while True:
-                start = time.perf_counter()
-                try:
-                    request = program.send(answer)
-                except StopIteration:
-                    return
-                finally:
-                    start_new()
-                    stats.overhead_seconds += time.perf_counter() - start
-                if isinstance(request, GenerateRequest):
-                    with activity.busy("generating"):
-                        answer = await engine.agenerate(path.prompt_ids + path.completion_ids, request.max_new_tokens,
-                                                        sampler.call_format.stop_strings)
-                    clock[path.id] += len(answer.token_ids)
-                    depth[path.id] += 1
-                    stats.requests += 1
-                elif isinstance(request, CommitRequest):
-                    answer = await commits.setdefault(path.id, asyncio.Event()).wait()
-                elif request.call.error is not None:
-                    answer = None
-                else:
-                    with activity.busy("calling"):
-                        answer = await asyncio.wrap_future(runner.submit(_bind(request.call)))
-
-        start_new()
+    async def run(self) -> None:
+        self.done = asyncio.get_running_loop().create_future()
+        self.start_new()
         try:
-            if tasks:
-                await done
+            if self.tasks:
+                await self.done
         except BaseException:
-            runner.cancel_pending()
-            _interrupt_tools(sampler)
+            self.runner.cancel_pending()
+            _interrupt_tools(self.sampler)
             raise
         finally:
-            runner.close()
-            for task in list(tasks.values()):
-                task.cancel()
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
-            if done.done() and not done.cancelled():
-                done.exception()  # retrieved: the rollout was cancelled after a path had failed
-            close = getattr(engine, "aclose", None)
-            if close is not None:
-                await close()
-        kept = [path.id for group in rollout.groups for path in group if path.committed]
-        rollout.chains = {key: clock[key] for key in kept}
-        stats.critical_path_tokens = max(rollout.chains.values(), default=0)
-        stats.waves = max((depth[key] for key in kept), default=0)
+            await self._close()
+        self._record_chains()
+
+    def start_new(self) -> None:
+        """Start a task for each path the sampler started, resume the committed, cancel the dropped."""
+        rollout = self.rollout
+        for path, creator in rollout.started:
+            self.clock[path.id] = self.clock.get(creator.id, 0) if creator is not None else 0
+            self.depth[path.id] = self.depth.get(creator.id, 0) if creator is not None else 0
+            self.tasks[path.id] = task = asyncio.create_task(self._drive(path))
+            task.add_done_callback(lambda task, key=path.id: self._finished(key, task))
+        rollout.started.clear()
+        for path in rollout.committed:
+            self.commits.setdefault(path.id, asyncio.Event()).set()
+        for path in rollout.cancelled:  # speculative paths the decisions made unnecessary
+            if path.id in self.tasks:
+                self.tasks[path.id].cancel()
+        rollout.committed.clear(), rollout.cancelled.clear()
+
+    def _finished(self, key: int, task: asyncio.Task) -> None:
+        self.tasks.pop(key, None)
+        error = None if task.cancelled() else task.exception()  # retrieved always, even after the first failure
+        if self.done.done():
+            return
+        if error is not None:
+            self.done.set_exception(error)
+        elif not self.tasks:
+            self.done.set_result(None)
+
+    async def _drive(self, path: Trajectory) -> None:
+        try:
+            await self._advance(path)
+        except Exception as error:
+            error.add_note(_path_context([path]))
+            raise
+
+    async def _advance(self, path: Trajectory) -> None:
+        """Run `path`'s program: send each answer back and await its next request."""
+        sampler, stats = self.sampler, self.stats
+        program, answer = sampler.grow(self.rollout, path), None
+        while True:
+            start = time.perf_counter()
+            try:
+                request = program.send(answer)
+            except StopIteration:
+                return
+            finally:
+                self.start_new()
+                stats.overhead_seconds += time.perf_counter() - start
+            if isinstance(request, GenerateRequest):
+                with self.activity.busy("generating"):
+                    answer = await sampler.engine.agenerate(path.prompt_ids + path.completion_ids,
+                                                            request.max_new_tokens, sampler.call_format.stop_strings)
+                self.clock[path.id] += len(answer.token_ids)
+                self.depth[path.id] += 1
+                stats.requests += 1
+            elif isinstance(request, CommitRequest):
+                answer = await self.commits.setdefault(path.id, asyncio.Event()).wait()
+            elif request.call.error is not None:
+                answer = None
+            else:
+                with self.activity.busy("calling"):
+                    answer = await asyncio.wrap_future(self.runner.submit(_bind(request.call)))
+
+    async def _close(self) -> None:
+        self.runner.close()
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        if self.done.done() and not self.done.cancelled():
+            self.done.exception()  # retrieved: the rollout was cancelled after a path had failed
+        close = getattr(self.sampler.engine, "aclose", None)
+        if close is not None:
+            await close()
+
+    def _record_chains(self) -> None:
+        """The kept paths' chain lengths; the longest is the rollout's critical path."""
+        kept = [path.id for group in self.rollout.groups for path in group if path.committed]
+        self.rollout.chains = {key: self.clock[key] for key in kept}
+        self.stats.critical_path_tokens = max(self.rollout.chains.values(), default=0)
+        self.stats.waves = max((self.depth[key] for key in kept), default=0)
