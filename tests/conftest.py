@@ -3,6 +3,7 @@ copy of it taught to call `<python>` so that rollouts really contain tool calls.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -91,6 +92,15 @@ def vllm_server(tool_model_dir, tmp_path_factory):
     with VLLMServer(tool_model_dir, lora_rank=8, max_model_len=1024, extra_args=["--block-size", "32"],
                     log_path=log) as server:
         yield server
+
+
+@pytest.fixture
+def poisoned_buffers(monkeypatch):
+    """`KVBatch`'s new buffers hold NaN where nothing was written yet (the allocator hands out zeroed pages too often
+    for a column read before it is written to show otherwise)."""
+    from arpo_trl.generation import kv_batch
+
+    monkeypatch.setattr(kv_batch, "_new_buffer", lambda reference, shape: reference.new_full(shape, math.nan))
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,7 @@ def _as_tuples(result):
     return [(t.id, t.kind, t.parent, t.fork_position, t.completion_ids, t.mask) for t in result.trajectories]
 
 
-def test_greedy_segments_equal_the_waves_engine(tool_model64, tokenizer):
+def test_greedy_segments_equal_the_waves_engine(tool_model64, tokenizer, poisoned_buffers):
     prefixes = [_prompt(tokenizer, "What is 12+30?"), _prompt(tokenizer, "hi")[:5], [5, 6, 7],
                 _prompt(tokenizer, "What is 12+30?")]
     budgets, stop = [40, 9, 13, 3], ["</python>"]
@@ -49,7 +49,7 @@ def test_greedy_segments_equal_the_waves_engine(tool_model64, tokenizer):
 
 
 @pytest.mark.parametrize("scheduler", ["waves", "events"])
-def test_greedy_trees_equal_the_waves_engine(tool_model64, tokenizer, scheduler):
+def test_greedy_trees_equal_the_waves_engine(tool_model64, tokenizer, scheduler, poisoned_buffers):
     """Same seeded sampler, greedy model: the new engine under either scheduler grows the waves engine's trees."""
     def grow(engine, scheduler):
         sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=4,

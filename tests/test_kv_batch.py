@@ -37,7 +37,7 @@ def decode(batch: KVBatch, expected: list[list[tuple[torch.Tensor, torch.Tensor]
         batch.hole(row, start + keep, start + count)
 
 
-def test_rows_read_back_exactly_through_joins_leaves_and_regrowth():
+def test_rows_read_back_exactly_through_joins_leaves_and_regrowth(poisoned_buffers):
     torch.manual_seed(0)
     rng = random.Random(0)
     batch, expected = KVBatch(), []
@@ -53,6 +53,8 @@ def test_rows_read_back_exactly_through_joins_leaves_and_regrowth():
             expected = [expected[row] for row in order]
         count = rng.choice([1, 1, 3, 6])  # some steps feed drafts, and rows keep some of them
         decode(batch, expected, count, [rng.randint(1, count) for _ in range(batch.rows)])
+        for layer in batch.cache.layers:  # what the model reads: padding and holes included, all finite
+            assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
         for row in range(batch.rows):
             kv, mask = batch.row(row), batch.mask[row, batch.first: batch.width]
             length = expected[row][0][0].shape[2]
@@ -63,7 +65,7 @@ def test_rows_read_back_exactly_through_joins_leaves_and_regrowth():
     assert batch.column_capacity < 2 * longest + 200  # holes squeezed out, not grown without bound
 
 
-def test_a_decode_step_through_it_equals_one_through_a_dynamic_cache(tiny_model_dir):
+def test_a_decode_step_through_it_equals_one_through_a_dynamic_cache(tiny_model_dir, poisoned_buffers):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
