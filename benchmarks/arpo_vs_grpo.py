@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import shutil
 import statistics
@@ -384,7 +385,8 @@ def _interval(value: dict | None) -> str:
     if not value:
         return "-"
     null = 1.0 if value["statistic"] == "ratio" else 0.0
-    mark = "*" if not value["low"] <= null <= value["high"] else ""
+    defined = not (math.isnan(value["low"]) or math.isnan(value["high"]))  # NaN: no resample had a defined ratio
+    mark = "*" if defined and not value["low"] <= null <= value["high"] else ""
     return f"{value['estimate']:.3g} [{value['low']:.3g}, {value['high']:.3g}]{mark}"
 
 

