@@ -227,8 +227,7 @@ class TransformersEngine:
     ) -> list[Segment]:
         _check_budgets(prefixes, max_new_tokens)
         step = self.max_batch_size or len(prefixes) or 1
-        context = self.model_context() if self.model_context else contextlib.nullcontext(self.model)
-        with context as model, torch.no_grad():
+        with model_for_generation(self.model, self.model_context) as model, torch.no_grad():
             segments = []
             for i in range(0, len(prefixes), step):
                 segments += self._generate_batch(model, prefixes[i : i + step], max_new_tokens[i : i + step], stop)
@@ -287,3 +286,26 @@ def check_recorder_ran(steps: int, new_tokens: int, model) -> None:
             "or prompt_lookup_num_tokens in generation_kwargs). Use the standard transformers `generate`, or a vLLM "
             "server (use_vllm=True)."
         )
+
+
+@contextlib.contextmanager
+def decoding_attention(model):
+    """Generate with SDPA where the model trains with FlexAttention, and switch back afterwards. FlexAttention
+    compiles a kernel per input shape, and a decode step's shapes change every step: on a GPU it recompiled up to
+    torch._dynamo's limit and then ran unfused (docs/gpu_checks.md). SDPA computes the same attention."""
+    if getattr(model.config, "_attn_implementation", None) != "flex_attention":
+        yield model
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation("flex_attention")
+
+
+@contextlib.contextmanager
+def model_for_generation(model, model_context: Callable[[], AbstractContextManager] | None = None):
+    """The model an engine generates with: through `model_context` where given (TRL's unwrap for generation, which
+    merges or gathers the current weights), decoding through SDPA (`decoding_attention`)."""
+    with (model_context() if model_context else contextlib.nullcontext(model)) as held, decoding_attention(held):
+        yield held

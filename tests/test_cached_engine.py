@@ -48,6 +48,23 @@ def test_greedy_segments_equal_the_waves_engine(tool_model64, tokenizer, poisone
         torch.testing.assert_close(torch.tensor(b.entropies), torch.tensor(a.entropies), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("engine_class", [TransformersEngine, CachedTransformersEngine])
+def test_a_flex_attention_model_generates_with_sdpa_and_is_handed_back_flex(tool_model_dir, tool_model64, tokenizer,
+                                                                            engine_class):
+    """FlexAttention compiles per input shape and a decode step's shapes change every step, so both engines decode
+    through SDPA (the same segments as the SDPA model's) and hand the model back with FlexAttention set for training."""
+    flex = AutoModelForCausalLM.from_pretrained(tool_model_dir, attn_implementation="flex_attention").eval().double()
+    seen = []
+    flex.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args: seen.append(module.config._attn_implementation))
+    prefixes, budgets, stop = [_prompt(tokenizer, "What is 12+30?"), [5, 6, 7]], [30, 9], ["</python>"]
+    got = engine_class(flex, tokenizer, sampling=GREEDY).generate(prefixes, budgets, stop)
+    want = engine_class(tool_model64, tokenizer, sampling=GREEDY).generate(prefixes, budgets, stop)
+    assert [(s.token_ids, s.finish_reason) for s in got] == [(s.token_ids, s.finish_reason) for s in want]
+    assert seen and set(seen) == {"sdpa"}
+    assert flex.config._attn_implementation == "flex_attention"
+
+
 @pytest.mark.parametrize("scheduler", ["waves", "events"])
 def test_greedy_trees_equal_the_waves_engine(tool_model64, tokenizer, scheduler, poisoned_buffers):
     """Same seeded sampler, greedy model: the new engine under either scheduler grows the waves engine's trees."""

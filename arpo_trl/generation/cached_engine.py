@@ -27,6 +27,7 @@ from arpo_trl.engines import (
     Segment,
     TransformersEngine,
     _check_budgets,
+    model_for_generation,
     stop_window,
     tail_has_stop,
 )
@@ -167,8 +168,7 @@ class CachedTransformersEngine(TransformersEngine):
     def _model(self):
         if self._model_in_use is None:
             self._model_stack = contextlib.ExitStack()
-            context = self.model_context() if self.model_context else contextlib.nullcontext(self.model)
-            self._model_in_use = self._model_stack.enter_context(context)
+            self._model_in_use = self._model_stack.enter_context(model_for_generation(self.model, self.model_context))
             check_full_attention(self._model_in_use)
         return self._model_in_use
 
