@@ -42,7 +42,7 @@ def tree_mask(packed: PackedBatch, attn_implementation: str, dtype: torch.dtype,
     SDPA, additive float for eager (transformers passes a prepared 4D mask through as is)."""
     if attn_implementation == "flex_attention":
         return packed.block_mask(device)
-    visible = packed.visible().to(device)
+    visible = packed.visible(device)
     if attn_implementation == "sdpa":
         return visible
     return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)

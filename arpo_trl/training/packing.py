@@ -101,11 +101,13 @@ class PackedBatch:
     def real_tokens(self) -> int:
         return sum(self.lengths)
 
-    def visible(self) -> torch.Tensor:
-        """(P, 1, L, L) bool: query slot i may attend to key slot j (the dense mask SDPA and eager read)."""
-        index = torch.arange(self.input_ids.size(1))
-        return sees(index[None, :, None], index[None, None, :], self.anchors[:, :, None], self.ends[:, None, :],
-                    self.nodes[:, None, None])[:, None]
+    def visible(self, device=None) -> torch.Tensor:
+        """(P, 1, L, L) bool: query slot i may attend to key slot j (the dense mask SDPA and eager read), built on
+        `device` from the O(L) indices, so that no L × L mask crosses from the host to a GPU."""
+        anchors, ends, nodes = self.anchors.to(device), self.ends.to(device), self.nodes.to(device)
+        index = torch.arange(self.input_ids.size(1), device=anchors.device)
+        return sees(index[None, :, None], index[None, None, :], anchors[:, :, None], ends[:, None, :],
+                    nodes[:, None, None])[:, None]
 
     def block_mask(self, device):
         """The same visibility as a FlexAttention `BlockMask` whose mask function reads O(L) indices per pack: the
