@@ -19,6 +19,7 @@ from tiny import (
     hermes_tokenizer,
     question,
     qwen_chat_tokenizer,
+    save_random_architecture,
     save_random_model,
     train_tool_model,
 )
@@ -67,6 +68,13 @@ def hermes():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tokenizer, tmp_path_factory):
     return save_random_model(tokenizer, tmp_path_factory.mktemp("tiny-random"))
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tokenizer, tmp_path_factory):
+    """Random tiny Llama, Qwen2 and Qwen3 folders (the architectures tree packing is tested on)."""
+    return {arch: save_random_architecture(tokenizer, tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
+            for arch in ("llama", "qwen2", "qwen3")}
 
 
 @pytest.fixture(scope="session")

@@ -28,34 +28,11 @@ def length_reward(completions, **kwargs):
     return [len(completion_text(c)) / 100 for c in completions]
 
 
-def _save_tiny(tokenizer, path, architecture: str):
-    from tiny import save_random_model
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
-
-    if architecture == "llama":
-        return save_random_model(tokenizer, path, seed=4)
-    config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[architecture]
-    torch.manual_seed(5)
-    config = config_class(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
-                          tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="session")
-def model_dirs(tokenizer, tmp_path_factory):
-    return {arch: _save_tiny(tokenizer, tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
-            for arch in ("llama", "qwen2", "qwen3")}
-
-
 def make_trainer(model_dir, tokenizer, dataset, tmp_path, *, lora=False, beta=0.0, checkpointing=False,
-                 attention="sdpa", **kw):
+                 attention="sdpa", use_cpu=True, **kw):
     args = ARPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=M, max_completion_length=48,
-        use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0, beta=beta, log_trees=False,
+        use_cpu=use_cpu, bf16=False, report_to="none", save_strategy="no", seed=0, beta=beta, log_trees=False,
         gradient_checkpointing=checkpointing, model_init_kwargs={"attn_implementation": attention}, **kw,
     )
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]) if lora else None
@@ -90,7 +67,8 @@ def loss_and_grads(trainer, batch: dict, *, packed: bool, old_logps: bool) -> tu
     with torch.no_grad():
         if old_logps:  # num_iterations 2: TRL's old-logprob pass; shifted so that ratios leave 1 and some clip
             old = trainer._get_per_token_logps_and_entropies(model, ids, mask, width, batch_size=4)[0]
-            inputs["old_per_token_logps"] = old + 0.15 * torch.sin(torch.arange(old.numel()).view_as(old) * 1.3)
+            shift = torch.sin(torch.arange(old.numel(), device=old.device).view_as(old) * 1.3)
+            inputs["old_per_token_logps"] = old + 0.15 * shift
         if trainer.beta:
             reference, context = _reference_model(trainer)
             with context:

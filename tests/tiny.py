@@ -75,6 +75,23 @@ def save_random_model(tokenizer, path, seed: int = 0, tie: bool = True):
     return path
 
 
+def save_random_architecture(tokenizer, path, architecture: str):
+    """A random tiny Llama, Qwen2 or Qwen3 (untied, head_dim 32) saved with the tokenizer."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    if architecture == "llama":
+        return save_random_model(tokenizer, path, seed=4)
+    config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[architecture]
+    torch.manual_seed(5)
+    config = config_class(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+                          tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def train_tool_model(tokenizer, path):
     """The tiny Llama after a few hundred SFT steps on tool transcripts: it writes `<python>…</python>`. Untied
     embeddings, so that a vLLM server can also reload its full weights from disk."""
