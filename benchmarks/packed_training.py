@@ -2,20 +2,23 @@
 
     python benchmarks/packed_training.py                                  # M16N8 and M4N2, 3 seeds × 3 steps
     python benchmarks/packed_training.py --settings 4:2 --seeds 0 --steps 2   # a quick look
+    python benchmarks/packed_training.py --device cuda --settings 16:8 --seeds 0 1   # on a GPU, bf16 autocast
 
 Each run is a fresh process doing TRL's training phase on SmolLM2-135M's architecture (random weights: the cost of
 a forward does not depend on them) with the multi-call recipe's LoRA (r 16 on q/k/v/o) and loss (dapo, beta 0,
-num_iterations 1: the policy pass and its backward), fp32 on CPU: `ARPOTrainer.compute_loss` and `backward` on each
-step's micro-batch, packed (`tree_packing=True`) or not. The micro-batches are rollout trees built by construction
-with the shapes the multi-call benchmark's rollouts have (benchmarks/arpo_vs_grpo.py, recipes/arpo_vs_grpo.yaml and
-recipes/quickstart.yaml): per prompt, `arpo` has N global paths and M-N branches forked after a tool result (at 30 %
-or 60 % of a path, so about 0.75 of GRPO's unique tokens), `grpo` M global paths sharing only the prompt; a path is
-60-100 % of max_completion_length long. Every configuration sees the same trees for a (setting, seed, step).
+num_iterations 1: the policy pass and its backward), fp32 on CPU or, with `--device cuda`, bf16 autocast on the GPU:
+`ARPOTrainer.compute_loss` and `backward` on each step's micro-batch, packed (`tree_packing=True`) or not. The
+micro-batches are rollout trees built by construction with the shapes the multi-call benchmark's rollouts have
+(benchmarks/arpo_vs_grpo.py, recipes/arpo_vs_grpo.yaml and recipes/quickstart.yaml): per prompt, `arpo` has N global
+paths and M-N branches forked after a tool result (at 30 % or 60 % of a path, so about 0.75 of GRPO's unique tokens),
+`grpo` M global paths sharing only the prompt; a path is 60-100 % of max_completion_length long. Every configuration
+sees the same trees for a (setting, seed, step).
 
-Per step: tokens forwarded per group (padding included), training-phase seconds (wall clock, and the process's CPU
-seconds, which other jobs on a shared machine disturb less), and the peak resident memory the training phase adds to
-the process (ru_maxrss after the steps minus before them). Ratios get the two-level paired
-bootstrap intervals of `arpo_trl.eval_metrics.paired_bootstrap` (seeds, then steps), as benchmarks/arpo_vs_grpo.py.
+Per step: tokens forwarded per group (padding included), training-phase seconds (wall clock, the GPU synchronised
+before the clock is read; and the process's CPU seconds, which other jobs on a shared machine disturb less), and the
+peak memory the training phase adds (on CPU the process's ru_maxrss after the steps minus before them; on a GPU the
+peak allocated GPU memory above what was allocated before them). Ratios get the two-level paired bootstrap intervals
+of `arpo_trl.eval_metrics.paired_bootstrap` (seeds, then steps), as benchmarks/arpo_vs_grpo.py.
 Step seconds (rollout included) come from the multi-call benchmark's runs with `--tree_packing true/false`; this
 script measures the phase packing changes. Writes `<out>/results.json` and `<out>/results.md`.
 """
@@ -52,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per run (after one warm-up step)")
     parser.add_argument("--max-length", type=int, default=None, help="tree_packing_max_length (default: ARPOConfig's)")
     parser.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M: 30)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: bf16 autocast on the GPU, seconds between synchronisations, peak GPU memory")
+    parser.add_argument("--attention", choices=["sdpa", "eager", "flex_attention"], default="sdpa")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny Llama instead (checks the script only)")
     parser.add_argument("--bootstrap", type=int, default=2000)
     parser.add_argument("--out", default="runs/packed_training")
@@ -92,13 +98,14 @@ def worker(spec: dict) -> dict:
             dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                  num_key_value_heads=3, head_dim=64))  # SmolLM2-135M's
     config = LlamaConfig(num_hidden_layers=spec["layers"], max_position_embeddings=8192, rope_theta=100000.0,
-                         tie_word_embeddings=True, attn_implementation="sdpa", **dims)
+                         tie_word_embeddings=True, attn_implementation=spec["attention"], **dims)
     model = LlamaForCausalLM(config)
+    cuda = spec["device"] == "cuda"
     tokenizer = build_tokenizer()
     extra = {} if spec["max_length"] is None else {"tree_packing_max_length": spec["max_length"]}
     args = ARPOConfig(output_dir=spec["out"], per_device_train_batch_size=shape["prompts"] * m, num_generations=m,
                       initial_rollouts=n, max_completion_length=shape["max_completion_length"], loss_type="dapo",
-                      beta=0.0, use_cpu=True, bf16=False, report_to="none", save_strategy="no", log_trees=False,
+                      beta=0.0, use_cpu=not cuda, bf16=cuda, report_to="none", save_strategy="no", log_trees=False,
                       tree_packing=spec["packed"], **extra)
     from datasets import Dataset
 
@@ -115,26 +122,48 @@ def worker(spec: dict) -> dict:
         trees = [tree_paths(rng, m, n, spec["method"], shape["max_completion_length"]) for _ in range(shape["prompts"])]
         batch = micro_batch(trees, config.vocab_size, 0, seed=rng.randrange(1 << 30),
                             prompt_lengths=[PROMPT_TOKENS + 3 * i for i in range(len(trees))])
+        batch = {key: value.to(trainer.accelerator.device) for key, value in batch.items()}
         if baseline is None:
-            baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            baseline = _memory_now(cuda)
         started, cpu_started = time.perf_counter(), time.process_time()
         loss = trainer.compute_loss(trainer.model, batch)
         loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
         seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
         trainer.model.zero_grad(set_to_none=True)
         tokens = trainer._metrics["train"]["arpo/tokens_forwarded_per_group"][-1]
         if step:
             steps.append({"tokens_forwarded_per_group": tokens, "training_seconds": seconds,
                           "training_cpu_seconds": cpu_seconds})
-    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024
+    peak = _peak_memory(cuda) - baseline
     for record in steps:
         record["peak_memory_mb"] = peak
     return {"steps": steps}
 
 
+def _memory_now(cuda: bool) -> float:
+    """MiB: the process's peak resident memory so far, or on the GPU the memory allocated now (its peak reset)."""
+    import torch
+
+    if not cuda:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated() / 2**20
+
+
+def _peak_memory(cuda: bool) -> float:
+    import torch
+
+    if not cuda:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
 def run_config(args, setting, seed: int, method: str, packed: bool) -> dict:
     spec = {"setting": list(setting), "seed": seed, "method": method, "packed": packed, "steps": args.steps,
-            "max_length": args.max_length, "layers": args.layers, "tiny": args.tiny, "threads": 2, "out": args.out}
+            "max_length": args.max_length, "layers": args.layers, "tiny": args.tiny, "threads": 2, "out": args.out,
+            "device": args.device, "attention": args.attention}
     done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
                           cwd=ROOT)
     if done.returncode != 0:
@@ -171,7 +200,8 @@ def markdown(report: dict) -> str:
     rows = [[setting, config, *(f"{values[k]:.4g}" for k in METRICS)]
             for setting, configs in report["summary"].items() for config, values in configs.items()]
     table = [[name, *(_interval(values.get(k)) for k in METRICS)] for name, values in report["comparisons"].items()]
-    return "\n".join([f"Load: {report['uptime']}", "", "Means over seeds and steps:", "",
+    device = f"{report['device']}, {report['attention']}"
+    return "\n".join([f"Device: {device}. Load: {report['uptime']}", "", "Means over seeds and steps:", "",
                       markdown_table(["setting", "configuration", *METRICS], rows), "",
                       "Ratios, 95 % paired bootstrap intervals (seeds, then steps); * = the interval excludes 1:", "",
                       markdown_table(["comparison", *METRICS], table)])
@@ -196,7 +226,8 @@ def main(argv=None) -> dict:
                    for s in args.settings for mine, base in PAIRS}
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     report = {"settings": [_label(s) for s in args.settings], "seeds": args.seeds, "steps": args.steps,
-              "layers": args.layers, "tiny": args.tiny, "uptime": uptime, "runs": runs, "summary": summarize(runs),
+              "layers": args.layers, "tiny": args.tiny, "device": args.device,
+              "attention": args.attention, "uptime": uptime, "runs": runs, "summary": summarize(runs),
               "comparisons": comparisons}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
