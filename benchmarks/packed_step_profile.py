@@ -10,7 +10,6 @@ batches, then five steps per mode on batches the run has not seen (the first sig
 
 from __future__ import annotations
 
-import random
 import sys
 import time
 from pathlib import Path
@@ -20,53 +19,20 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from packed_batches import micro_batch  # noqa: E402
-from peft import LoraConfig  # noqa: E402
-from tiny import build_tokenizer  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from arpo_trl import ARPOConfig, ARPOTrainer  # noqa: E402
-from benchmarks.packed_training import PROMPT_TOKENS, SETTINGS, tree_paths  # noqa: E402
-
-M, N = 16, 8
-SHAPE = SETTINGS[(M, N)]
-LORA = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+from benchmarks.packed_training import make_trainer, step_batch  # noqa: E402
 
 
-def zero_reward(completions, **kwargs) -> list[float]:
-    return [0.0] * len(completions)
+def spec(attention: str) -> dict:
+    """benchmarks/packed_training.py's worker spec: M16N8, SmolLM2-135M's 30 layers, bf16 on the GPU, seed 0, the
+    process's CPU threads left as they are."""
+    return {"setting": [16, 8], "seed": 0, "method": "arpo", "packed": True, "max_length": None, "layers": 30,
+            "tiny": False, "threads": torch.get_num_threads(), "out": "runs/packed_step_profile", "device": "cuda",
+            "attention": attention}
 
 
-def make_trainer(attention: str) -> ARPOTrainer:
-    config = LlamaConfig(num_hidden_layers=30, max_position_embeddings=8192, rope_theta=100000.0,
-                         tie_word_embeddings=True, attn_implementation=attention, vocab_size=49152, hidden_size=576,
-                         intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
-    torch.manual_seed(0)
-    args = ARPOConfig(output_dir="runs/packed_step_profile", per_device_train_batch_size=SHAPE["prompts"] * M,
-                      num_generations=M, initial_rollouts=N, max_completion_length=SHAPE["max_completion_length"],
-                      loss_type="dapo", beta=0.0, bf16=True, report_to="none", save_strategy="no", log_trees=False)
-    trainer = ARPOTrainer(model=LlamaForCausalLM(config), reward_funcs=zero_reward,
-                          args=args, train_dataset=Dataset.from_list([{"prompt": "x"}] * 4),
-                          processing_class=build_tokenizer(), peft_config=LORA)
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.model.train()
-    return trainer
-
-
-def micro_batches(count: int, vocab: int) -> list[dict]:
-    batches = []
-    for step in range(count):
-        rng = random.Random(f"0/{step}/{M}")
-        trees = [tree_paths(rng, M, N, "arpo", SHAPE["max_completion_length"]) for _ in range(SHAPE["prompts"])]
-        batch = micro_batch(trees, vocab, 0, seed=rng.randrange(1 << 30),
-                            prompt_lengths=[PROMPT_TOKENS + 3 * i for i in range(len(trees))])
-        batches.append({key: value.cuda() for key, value in batch.items()})
-    return batches
-
-
-def step_seconds(trainer: ARPOTrainer, batch: dict, packed: bool) -> float:
+def step_seconds(trainer, batch: dict, packed: bool) -> float:
     trainer.args.tree_packing = packed
     torch.cuda.synchronize()
     started = time.perf_counter()
@@ -77,8 +43,8 @@ def step_seconds(trainer: ARPOTrainer, batch: dict, packed: bool) -> float:
 
 
 def main(attention: str) -> None:
-    trainer = make_trainer(attention)
-    batches = micro_batches(8, trainer.model.config.vocab_size)
+    trainer = make_trainer(spec(attention))
+    batches = [step_batch(spec(attention), step, trainer) for step in range(8)]
     for packed in (True, False):
         for batch in batches[:3]:
             step_seconds(trainer, batch, packed)

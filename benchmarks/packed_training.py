@@ -79,10 +79,16 @@ def tree_paths(rng: random.Random, m: int, n: int, method: str, width: int) -> l
     return paths
 
 
-def worker(spec: dict) -> dict:
-    """One configuration in this process: its per-step metrics."""
+def zero_reward(completions, **kwargs) -> list[float]:
+    """The training phase's cost does not depend on the rewards."""
+    return [0.0] * len(completions)
+
+
+def make_trainer(spec: dict):
+    """The trainer a run measures: SmolLM2-135M's architecture (or the tiny Llama), LoRA, the spec's device,
+    attention and packing."""
     import torch
-    from packed_batches import micro_batch
+    from datasets import Dataset
     from peft import LoraConfig
     from tiny import build_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -99,30 +105,43 @@ def worker(spec: dict) -> dict:
                  num_key_value_heads=3, head_dim=64))  # SmolLM2-135M's
     config = LlamaConfig(num_hidden_layers=spec["layers"], max_position_embeddings=8192, rope_theta=100000.0,
                          tie_word_embeddings=True, attn_implementation=spec["attention"], **dims)
-    model = LlamaForCausalLM(config)
     cuda = spec["device"] == "cuda"
-    tokenizer = build_tokenizer()
     extra = {} if spec["max_length"] is None else {"tree_packing_max_length": spec["max_length"]}
     args = ARPOConfig(output_dir=spec["out"], per_device_train_batch_size=shape["prompts"] * m, num_generations=m,
                       initial_rollouts=n, max_completion_length=shape["max_completion_length"], loss_type="dapo",
                       beta=0.0, use_cpu=not cuda, bf16=cuda, report_to="none", save_strategy="no", log_trees=False,
                       tree_packing=spec["packed"], **extra)
-    from datasets import Dataset
-
-    dataset = Dataset.from_list([{"prompt": "x"}] * 4)
-    trainer = ARPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=dataset, processing_class=tokenizer,
-                          peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj",
-                                                                                      "o_proj"]))
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    trainer = ARPOTrainer(model=LlamaForCausalLM(config), reward_funcs=zero_reward, args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "x"}] * 4), processing_class=build_tokenizer(),
+                          peft_config=lora)
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
+    return trainer
+
+
+def step_batch(spec: dict, step: int, trainer) -> dict:
+    """The (setting, seed, step)'s micro-batch of `spec["method"]`'s trees, on the trainer's device: every
+    configuration sees the same trees."""
+    from packed_batches import micro_batch
+
+    m, n = spec["setting"]
+    shape = SETTINGS[(m, n)]
+    rng = random.Random(f"{spec['seed']}/{step}/{m}")
+    trees = [tree_paths(rng, m, n, spec["method"], shape["max_completion_length"]) for _ in range(shape["prompts"])]
+    batch = micro_batch(trees, trainer.model.config.vocab_size, 0, seed=rng.randrange(1 << 30),
+                        prompt_lengths=[PROMPT_TOKENS + 3 * i for i in range(len(trees))])
+    return {key: value.to(trainer.accelerator.device) for key, value in batch.items()}
+
+
+def worker(spec: dict) -> dict:
+    """One configuration in this process: its per-step metrics."""
+    import torch
+
+    trainer, cuda = make_trainer(spec), spec["device"] == "cuda"
     baseline, steps = None, []
     for step in range(spec["steps"] + 1):  # step 0 warms up
-        rng = random.Random(f"{spec['seed']}/{step}/{m}")
-        trees = [tree_paths(rng, m, n, spec["method"], shape["max_completion_length"]) for _ in range(shape["prompts"])]
-        batch = micro_batch(trees, config.vocab_size, 0, seed=rng.randrange(1 << 30),
-                            prompt_lengths=[PROMPT_TOKENS + 3 * i for i in range(len(trees))])
-        batch = {key: value.to(trainer.accelerator.device) for key, value in batch.items()}
+        batch = step_batch(spec, step, trainer)
         if baseline is None:
             baseline = _memory_now(cuda)
         started, cpu_started = time.perf_counter(), time.process_time()

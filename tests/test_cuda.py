@@ -130,12 +130,11 @@ def _distinct_rewards(completions, **kwargs):
     return [row / len(completions) for row in range(len(completions))]
 
 
-def _train(tool_model_dir, tokenizer, addition_dataset, tmp_path, **kw):
+def _train(tool_model_dir, tokenizer, addition_dataset, tmp_path, lora: bool, **kw):
     args = ARPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, initial_rollouts=2,
                       max_completion_length=48, max_steps=2, learning_rate=5e-3, logging_steps=1, bf16=True,
                       report_to="none", save_strategy="no", seed=0, beta=0.04, log_trees=False,
                       use_transformers_continuous_batching=True, **kw)
-    lora = kw.get("model_init_kwargs", {}).get("attn_implementation") == "flex_attention"
     trainer = ARPOTrainer(model=str(tool_model_dir), reward_funcs=[arpo_math_reward, _distinct_rewards],
                           args=args, train_dataset=addition_dataset, processing_class=tokenizer,
                           tools=[Tool("python", lambda code: "42")],
@@ -152,8 +151,8 @@ def test_arpo_trains_on_cuda_with_the_cached_engine_and_tree_packing(attention, 
                                                                      addition_dataset, tmp_path):
     """sdpa: full fine-tuning; flex_attention: LoRA. Two steps, bf16 autocast; the trainable weights move and every
     logged loss and reward is finite."""
-    trainer, before = _train(tool_model_dir, tokenizer, addition_dataset, tmp_path, tree_packing=True,
-                             model_init_kwargs={"attn_implementation": attention})
+    trainer, before = _train(tool_model_dir, tokenizer, addition_dataset, tmp_path, lora=attention == "flex_attention",
+                             tree_packing=True, model_init_kwargs={"attn_implementation": attention})
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2 and all(math.isfinite(entry["loss"]) for entry in logs)
     assert all(math.isfinite(entry["reward"]) for entry in logs)

@@ -76,7 +76,8 @@ def save_random_model(tokenizer, path, seed: int = 0, tie: bool = True):
 
 
 def save_random_architecture(tokenizer, path, architecture: str):
-    """A random tiny Llama, Qwen2 or Qwen3 (untied, head_dim 32) saved with the tokenizer."""
+    """A random tiny Llama (`save_random_model`, tied) or Qwen2/Qwen3 (untied, head_dim 32), saved with the
+    tokenizer."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
     if architecture == "llama":
