@@ -3,8 +3,8 @@
 - The cached engine on CUDA tensors (KV batch, prefill, two-level sampling, prefix cache): greedy segments and trees
   equal the waves engine's on the CPU; a sampled event-driven rollout keeps exactly M paths per prompt.
 - Tree-packed training under the GPU's attention kernels: loss and every gradient equal the unpacked forward's in
-  fp32 (SDPA, eager; FlexAttention, whose backward PyTorch runs on GPUs only, is xfail where Inductor lowers no kernel
-  for the packs); a bf16 model's packed log-probabilities within bf16's rounding.
+  fp32 (SDPA, eager, and FlexAttention, whose backward PyTorch runs on GPUs only, on packs of whole blocks); a bf16
+  model's packed log-probabilities within bf16's rounding.
 - ARPO training steps on the GPU (cached engine, tree packing, bf16 autocast; full fine-tuning and LoRA).
 """
 
@@ -14,7 +14,6 @@ import math
 
 import pytest
 import torch
-import torch._inductor.exc
 from peft import LoraConfig
 from test_cached_engine import GREEDY, _as_tuples, _prompt
 from test_tree_packing import LOSS_TYPES, assert_packed_matches_unpacked, make_trainer, micro_batch
@@ -72,17 +71,12 @@ def test_cached_engine_samples_on_cuda_with_exact_m(tool_model_dir, tokenizer):
     assert all(math.isfinite(x) for t in result.trajectories for x in t.logprobs)
 
 
-# Seen on an H200 (torch 2.11.0+cu130, transformers 5.24): Inductor finds no kernel for FlexAttention on these
-# packs (NoValidChoicesError), also in a fresh process; the same packed forward runs on this CPU and inside a GPU
-# training run (the last test here). Any other failure, a wrong number included, still fails (docs/gpu_checks.md).
-INDUCTOR_FLEX = pytest.mark.xfail(raises=torch._inductor.exc.InductorError, strict=False,
-                                  reason="Inductor found no FlexAttention kernel for these packs on torch 2.11")
 CUDA_SETUPS = [  # (architecture, attention, lora, beta, gradient checkpointing)
     ("llama", "sdpa", False, 0.04, False),
     ("qwen3", "sdpa", True, 0.0, True),
     ("llama", "eager", True, 0.04, False),
-    pytest.param("llama", "flex_attention", False, 0.04, False, marks=INDUCTOR_FLEX),
-    pytest.param("qwen3", "flex_attention", True, 0.0, True, marks=INDUCTOR_FLEX),
+    ("llama", "flex_attention", False, 0.04, False),
+    ("qwen3", "flex_attention", True, 0.0, True),
 ]
 
 
@@ -105,7 +99,7 @@ def test_packed_loss_and_gradients_equal_unpacked_on_cuda(architecture, attentio
                                        what=f"{attention}/{loss_type}/{attribution}/{trees}")
 
 
-@pytest.mark.parametrize("attention", ["sdpa", pytest.param("flex_attention", marks=INDUCTOR_FLEX)])
+@pytest.mark.parametrize("attention", ["sdpa", "flex_attention"])
 def test_packed_log_probabilities_in_bf16_on_cuda(attention, model_dirs, tokenizer, addition_dataset, tmp_path):
     """A bf16 model: the packed forward's log-probabilities are the unpacked ones within bf16's rounding (the
     reductions run in another order over other shapes, so exact equality is not expected)."""

@@ -16,8 +16,10 @@ from peft import LoraConfig
 
 from arpo_trl import ARPOConfig, ARPOTrainer
 from arpo_trl.rewards import completion_text
+from arpo_trl.training import packed_logps as packed_logps_module
 from arpo_trl.training import packing
 from arpo_trl.training.grouping import ROW_INDEX, regroup
+from arpo_trl.training.packed_logps import pack_length_multiple
 from arpo_trl.training.packing import IGNORE, pack_rows
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
@@ -201,11 +203,33 @@ def test_the_block_mask_is_the_dense_mask(tokenizer):
     assert torch.equal(dense, packed.visible())
 
 
-def test_flex_attention_packs_give_the_unpacked_log_probabilities(model_dirs, tokenizer, addition_dataset, tmp_path,
-                                                                  monkeypatch):
+def test_packs_rounded_to_whole_blocks_add_only_padding_that_sees_itself(tokenizer):
+    batch = micro_batch(["several_forks", "one_fork"], len(tokenizer), tokenizer.pad_token_id)
+    rows, width = _rows(batch), batch["completion_ids"].size(1)
+    exact, rounded = pack_rows(*rows, width, 40), pack_rows(*rows, width, 40, length_multiple=128)
+    length = exact.input_ids.size(1)
+    assert rounded.input_ids.size(1) == 128 and rounded.lengths == exact.lengths
+    assert torch.equal(rounded.visible()[..., :length, :length], exact.visible())
+    assert torch.equal(rounded.visible()[0, 0, length:], torch.eye(128, dtype=torch.bool)[length:])
+    assert (rounded.labels[:, length:] == IGNORE).all() and torch.equal(rounded.input_ids[:, :length], exact.input_ids)
+    flat = rounded.labels.reshape(-1)
+    assert torch.equal(torch.cat([flat, flat.new_full((1,), IGNORE)])[rounded.gather_index],
+                       torch.cat([exact.labels.reshape(-1), flat.new_full((1,), IGNORE)])[exact.gather_index])
+
+
+def test_flex_attention_packs_are_whole_blocks_off_the_cpu_only():
+    assert pack_length_multiple("flex_attention", "cuda") == 128
+    assert pack_length_multiple("flex_attention", "cpu") == pack_length_multiple("sdpa", "cuda") == 1
+
+
+@pytest.mark.parametrize("length_multiple", [1, 128])
+def test_flex_attention_packs_give_the_unpacked_log_probabilities(length_multiple, model_dirs, tokenizer,
+                                                                  addition_dataset, tmp_path, monkeypatch):
     """attn_implementation='flex_attention': the packs' tree goes in as a block mask. PyTorch runs FlexAttention's
     backward on GPUs only, so on this CPU the forward passes are compared (the old-logprob and reference passes; the
-    policy pass runs the same forward): packed with the block mask against TRL's unpacked rows under SDPA."""
+    policy pass runs the same forward): packed with the block mask against TRL's unpacked rows under SDPA. Also with
+    the packs rounded to whole blocks, as on a GPU."""
+    monkeypatch.setattr(packed_logps_module, "pack_length_multiple", lambda attention, device: length_multiple)
     trainer = make_trainer(model_dirs["llama"], tokenizer, addition_dataset, tmp_path, attention="flex_attention")
     batch = micro_batch(["several_forks", "grpo"], len(tokenizer), tokenizer.pad_token_id, truncate_row=1)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
@@ -213,8 +237,8 @@ def test_flex_attention_packs_give_the_unpacked_log_probabilities(model_dirs, to
     width, model = batch["completion_ids"].size(1), trainer.model.eval()
     block_masks = []
     build = packing.PackedBatch.block_mask
-    monkeypatch.setattr(packing.PackedBatch, "block_mask", lambda self, device: block_masks.append(1) or build(
-        self, device))
+    monkeypatch.setattr(packing.PackedBatch, "block_mask", lambda self, device: block_masks.append(
+        self.input_ids.size(1) % length_multiple == 0) or build(self, device))
     results = []
     for packed, attention in ((True, "flex_attention"), (False, "sdpa")):
         model.set_attn_implementation(attention)
@@ -223,7 +247,7 @@ def test_flex_attention_packs_give_the_unpacked_log_probabilities(model_dirs, to
             results.append(trainer._get_per_token_logps_and_entropies(model, ids, mask, width,
                                                                       compute_entropy=True)[:2])
     (packed_logps, packed_entropies), (logps, entropies) = results
-    assert block_masks and trainer._packing_fallback(model) is None  # the packs went through FlexAttention
+    assert block_masks and all(block_masks) and trainer._packing_fallback(model) is None  # whole blocks, via Flex
     real = batch["completion_mask"].bool()
     assert torch.allclose(packed_logps[real], logps[real], atol=1e-5)
     assert torch.allclose(packed_entropies[real], entropies[real], atol=1e-5)

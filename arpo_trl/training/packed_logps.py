@@ -37,6 +37,17 @@ def real_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return rows, prompt_lengths.tolist()
 
 
+def pack_length_multiple(attn_implementation: str, device) -> int:
+    """FlexAttention off the CPU gets packs of whole 128-slot blocks: on an H200 (torch 2.11) Inductor lowered no GPU
+    kernel for a sequence shorter than one block (`NoValidChoicesError`), and whole blocks also keep the number of
+    shapes it compiles for small (docs/gpu_checks.md)."""
+    if attn_implementation == "flex_attention" and torch.device(device).type != "cpu":
+        from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE
+
+        return _DEFAULT_SPARSE_BLOCK_SIZE
+    return 1
+
+
 def tree_mask(packed: PackedBatch, attn_implementation: str, dtype: torch.dtype, device):
     """The packs' tree mask in the form the attention implementation reads: a FlexAttention block mask, bool for
     SDPA, additive float for eager (transformers passes a prepared 4D mask through as is)."""
@@ -95,9 +106,10 @@ class TreePackedTraining:
     def _packed_logps(self, model, rows: list[list[int]], prompt_lengths: list[int], width: int, batch_size: int,
                       compute_entropy: bool):
         logps, entropies, forwarded = [], [], 0
+        multiple = pack_length_multiple(self._packing_config(model)._attn_implementation, self.accelerator.device)
         for start in range(0, len(rows), batch_size):  # TRL's chunks, so the memory peak stays where TRL puts it
             packed = pack_rows(rows[start:start + batch_size], prompt_lengths[start:start + batch_size], width,
-                               self.args.tree_packing_max_length)
+                               self.args.tree_packing_max_length, multiple)
             chunk_logps, chunk_entropies = self._forward_packed(model, packed, compute_entropy)
             logps.append(chunk_logps)
             entropies.append(chunk_entropies)

@@ -171,11 +171,12 @@ def sees(query, key, anchor, key_end, nodes):
 
 
 def pack_rows(rows: Sequence[Sequence[int]], prompt_lengths: Sequence[int], width: int,
-              max_length: int | None) -> PackedBatch:
+              max_length: int | None, length_multiple: int = 1) -> PackedBatch:
     """Pack `rows` (real tokens: prompt then completion) into tries of at most `max_length` slots each (a row longer
     than that gets a pack of its own; a tree too large for one pack is split, its shared ancestors repeated in each).
     `prompt_lengths[r]` >= 1 tokens of row r are its prompt; completion token t of row r is token
-    prompt_lengths[r] + t, and `width` is TRL's completion width T."""
+    prompt_lengths[r] + t, and `width` is TRL's completion width T. The packs' common length is rounded up to a
+    multiple of `length_multiple` with padding slots that see only themselves."""
     tries: list[_Trie] = [_Trie()]
     readers: list[tuple[int, list[tuple[_Node, int]]]] = []
     for row, prompt_length in zip(rows, prompt_lengths):
@@ -185,7 +186,7 @@ def pack_rows(rows: Sequence[Sequence[int]], prompt_lengths: Sequence[int], widt
             tries.append(trie)
         readers.append((len(tries) - 1, trie.insert(row, prompt_length)))
     packs = [_layout(trie) for trie in tries]
-    length = max(len(pack.tokens) for pack, _ in packs)
+    length = -(-max(len(pack.tokens) for pack, _ in packs) // length_multiple) * length_multiple
     input_ids = torch.zeros(len(packs), length, dtype=torch.long)
     position_ids = torch.zeros(len(packs), length, dtype=torch.long)
     labels = torch.full((len(packs), length), IGNORE, dtype=torch.long)
