@@ -3,6 +3,7 @@ and the sampler's invariants on a real model driven event by event."""
 
 import asyncio
 import contextlib
+import gc
 import math
 
 import pytest
@@ -85,6 +86,26 @@ def test_greedy_trees_equal_the_waves_engine(tool_model64, tokenizer, scheduler,
             globals_ = [{tuple(t.completion_ids) for t in group if t.kind == "global"} for group in (got, want)]
             assert globals_[0] == globals_[1]
     assert len(engine.prefix_cache) == 0  # freed after the rollout
+
+
+def test_no_tensor_outlives_a_rollout(tool_model_dir, tokenizer):
+    """The rollout's KV (running batch, prefix cache), logits and sampled tokens are all released when it ends: no
+    tensor created during a sampled, event-driven rollout with forks is still reachable afterwards."""
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+    engine = CachedTransformersEngine(model, tokenizer)
+    sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=8,
+                               initial_rollouts=2, max_completion_length=64, branch_policy="random", seed=0,
+                               scheduler="events")
+
+    def live_tensors() -> dict[int, torch.Tensor]:
+        gc.collect()
+        return {id(o): o for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+
+    before = live_tensors()
+    result = sampler.sample([_prompt(tokenizer, f"What is {a}+{b}?") for a, b in ((12, 30), (7, 5), (40, 2))])
+    assert any(t.kind == "branch" for t in result.trajectories)
+    survivors = [(tuple(t.shape), t.dtype) for key, t in live_tensors().items() if key not in before]
+    assert survivors == []
 
 
 def test_waves_keep_the_cache_for_the_rollout_and_a_seed_fixes_the_trees(tool_model_dir, tool_model64, tokenizer):

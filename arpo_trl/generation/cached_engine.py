@@ -163,7 +163,7 @@ class CachedTransformersEngine(TransformersEngine):
             if not request.future.done():
                 request.future.set_exception(error)
         self._pending, self._rows = [], []
-        self._batch = self._positions = self._logits = self._excluded = None
+        self._batch = self._positions = self._logits = self._excluded = self._tokens = None
 
     def _model(self):
         if self._model_in_use is None:
