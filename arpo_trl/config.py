@@ -162,7 +162,8 @@ class ARPOConfig(GRPOConfig):
         metadata={
             "help": "Most slots in one packed sequence (tree_packing): a micro-batch whose tree is larger is split "
             "into several packs, each repeating the ancestors it needs, so the L x L attention mask stays bounded. A "
-            "row longer than this gets a pack of its own. None: one pack per micro-batch.",
+            "row longer than this gets a pack of its own. None: one pack per micro-batch. With FlexAttention on a GPU "
+            "a pack is padded to a multiple of 128 slots, so it can exceed this by up to 127.",
         },
     )
     log_trees: bool = field(

@@ -207,19 +207,27 @@ def test_packs_rounded_to_whole_blocks_add_only_padding_that_sees_itself(tokeniz
     batch = micro_batch(["several_forks", "one_fork"], len(tokenizer), tokenizer.pad_token_id)
     rows, width = _rows(batch), batch["completion_ids"].size(1)
     exact, rounded = pack_rows(*rows, width, 40), pack_rows(*rows, width, 40, length_multiple=128)
-    length = exact.input_ids.size(1)
-    assert rounded.input_ids.size(1) == 128 and rounded.lengths == exact.lengths
-    assert torch.equal(rounded.visible()[..., :length, :length], exact.visible())
-    assert torch.equal(rounded.visible()[0, 0, length:], torch.eye(128, dtype=torch.bool)[length:])
-    assert (rounded.labels[:, length:] == IGNORE).all() and torch.equal(rounded.input_ids[:, :length], exact.input_ids)
-    flat = rounded.labels.reshape(-1)
-    assert torch.equal(torch.cat([flat, flat.new_full((1,), IGNORE)])[rounded.gather_index],
-                       torch.cat([exact.labels.reshape(-1), flat.new_full((1,), IGNORE)])[exact.gather_index])
+    packs, length = exact.input_ids.shape
+    assert packs > 1 and length < 128 and rounded.input_ids.shape == (packs, 128)
+    assert rounded.lengths == exact.lengths and torch.equal(rounded.nodes, exact.nodes)
+    expected = torch.zeros(packs, 1, 128, 128, dtype=torch.bool)
+    expected[..., :length, :length] = exact.visible()
+    expected[..., range(length, 128), range(length, 128)] = True  # padding sees itself, and nothing sees padding
+    assert torch.equal(rounded.visible(), expected)
+    for name in ("input_ids", "position_ids", "labels"):
+        assert torch.equal(getattr(rounded, name)[:, :length], getattr(exact, name)), name
+    assert (rounded.labels[:, length:] == IGNORE).all()
+    # every label is read from the same (pack, slot), and unread positions from the always-zero slot
+    assert torch.equal(rounded.gather_index == packs * 128, exact.gather_index == packs * length)
+    read = exact.gather_index != packs * length
+    assert torch.equal(rounded.gather_index[read] // 128, exact.gather_index[read] // length)  # the pack
+    assert torch.equal(rounded.gather_index[read] % 128, exact.gather_index[read] % length)  # the slot in it
 
 
 def test_flex_attention_packs_are_whole_blocks_off_the_cpu_only():
-    assert pack_length_multiple("flex_attention", "cuda") == 128
-    assert pack_length_multiple("flex_attention", "cpu") == pack_length_multiple("sdpa", "cuda") == 1
+    assert pack_length_multiple("flex_attention", torch.device("cuda", 0)) == pack_length_multiple(
+        "flex_attention", "cuda") == 128
+    assert pack_length_multiple("flex_attention", torch.device("cpu")) == pack_length_multiple("sdpa", "cuda") == 1
 
 
 @pytest.mark.parametrize("length_multiple", [1, 128])
@@ -238,7 +246,8 @@ def test_flex_attention_packs_give_the_unpacked_log_probabilities(length_multipl
     block_masks = []
     build = packing.PackedBatch.block_mask
     monkeypatch.setattr(packing.PackedBatch, "block_mask", lambda self, device: block_masks.append(
-        self.input_ids.size(1) % length_multiple == 0) or build(self, device))
+        self.input_ids.size(1) % length_multiple == 0 and (length_multiple == 1 or self.input_ids.size(1) > max(
+            self.lengths))) or build(self, device))
     results = []
     for packed, attention in ((True, "flex_attention"), (False, "sdpa")):
         model.set_attn_implementation(attention)
@@ -247,7 +256,8 @@ def test_flex_attention_packs_give_the_unpacked_log_probabilities(length_multipl
             results.append(trainer._get_per_token_logps_and_entropies(model, ids, mask, width,
                                                                       compute_entropy=True)[:2])
     (packed_logps, packed_entropies), (logps, entropies) = results
-    assert block_masks and all(block_masks) and trainer._packing_fallback(model) is None  # whole blocks, via Flex
+    # through FlexAttention, in whole blocks padded past the packs' own lengths where rounded
+    assert block_masks and all(block_masks) and trainer._packing_fallback(model) is None
     real = batch["completion_mask"].bool()
     assert torch.allclose(packed_logps[real], logps[real], atol=1e-5)
     assert torch.allclose(packed_entropies[real], entropies[real], atol=1e-5)

@@ -325,7 +325,8 @@ class CachedTransformersEngine(TransformersEngine):
                                                     request.stop))
         order = self._batch.remove(finished)
         if not order:  # the batch is empty: its buffers go
-            self._rows, self._batch, self._positions, self._logits, self._excluded = [], None, None, None, None
+            self._rows, self._batch = [], None
+            self._positions = self._logits = self._excluded = self._tokens = None
             return
         index = torch.tensor(order, device=self._positions.device)
         self._rows = [self._rows[row] for row in order]
