@@ -290,3 +290,14 @@ def test_prefill_batching_replays_the_joins_its_rollouts_made(tool_model_dir, ca
         assert all(new >= 1 and start >= 0 for call in run["joins"] for start, new in call)
         assert run["seconds"]["batched"] > 0 and run["seconds"]["one_by_one"] > 0
     assert "| entropy |" in capsys.readouterr().out
+
+
+def test_packed_head_times_both_ways_on_the_same_steps(tiny_model_dir, capsys):
+    """benchmarks/packed_head.py on the tiny Llama: every row count timed both ways, with logits that agree."""
+    report = load("packed_head").main(["--model", str(tiny_model_dir), "--rows", "1,3", "--context", "9",
+                                       "--steps", "2"])
+    assert [step["rows"] for step in report["decode_steps"]] == [1, 3]
+    for step in report["decode_steps"]:
+        assert step["plain_ms"] > 0 and step["packed_ms"] > 0 and step["pack_seconds"] >= 0
+        assert step["max_logit_difference"] < 1e-4
+    assert "| 3 |" in capsys.readouterr().out
