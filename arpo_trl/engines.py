@@ -323,9 +323,9 @@ def packed_head(model):
 
     On the CPU, `F.linear` hands the weight to MKL's sgemm, which repacks it into blocks on every call; at a decode
     step's few rows that costs more than the product, and most for the vocabulary-wide head: SmolLM2-135M's took
-    83 ms for 6 rows and 18 ms for 1 (docs/in_process_engine.md). oneDNN packs it once (0.2 s) and then took 23 ms
-    for 6 rows. Other layers gained little for the time packing them takes. An input the packed product would treat
-    differently (another dtype, autocast, autograd) goes to `F.linear`."""
+    39.5 ms for 6 rows and 16 ms for 1 on a 2-core CPU; oneDNN packs it once (0.07 s) and then took 12.7 ms for 6 rows
+    (docs/in_process_engine.md). Packing every linear layer gained more at 6 rows, nothing at 16, and lost at 64. An
+    input the packed product would treat differently (another dtype, autocast, autograd) goes to `F.linear`."""
     head = packable_head(model)
     if head is None:
         yield False
