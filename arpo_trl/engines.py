@@ -306,14 +306,17 @@ def decoding_attention(model):
 def packable_head(model) -> torch.nn.Linear | None:
     """The model's LM head (a PEFT layer's base layer where adapters wrap it) if `packed_head` computes the same
     product with it: a plain `nn.Linear` in float32 on the CPU whose `forward` nothing else replaced (accelerate's
-    offloading hooks do), with oneDNN in this build of torch."""
+    offloading hooks do), with oneDNN in this build of torch, and a whole weight of its own: not a ZeRO-3 partition
+    (gathered by hooks at each forward) or another sharded tensor."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = getattr(head, "base_layer", head)
     if type(head) is not torch.nn.Linear or "forward" in vars(head) or not torch.backends.mkldnn.is_available():
         return None
-    if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in head.parameters(recurse=False)):
-        return None
-    return head
+    for p in head.parameters(recurse=False):
+        if type(p) is not torch.nn.Parameter or hasattr(p, "ds_id") or p.device.type != "cpu" \
+                or p.dtype != torch.float32:
+            return None
+    return head if head.weight.shape == (head.out_features, head.in_features) else None
 
 
 @contextlib.contextmanager

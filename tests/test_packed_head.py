@@ -77,6 +77,13 @@ def test_what_is_not_packed(model, tokenizer):
     with packed_head(model) as packed:
         assert not packed
     assert packable_head(object()) is None
+    head = model.get_output_embeddings()
+    del head.forward
+    head.weight.ds_id = 7  # a ZeRO-3 parameter: its hooks gather it at each forward
+    assert packable_head(model) is None
+    del head.weight.ds_id
+    head.weight = torch.nn.Parameter(torch.empty(0))  # a ZeRO-3 partition outside its gathering
+    assert packable_head(model) is None
 
 
 def test_a_lora_wrapped_head_packs_its_base_layer_and_keeps_the_adapter(model):
