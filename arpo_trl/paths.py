@@ -127,6 +127,7 @@ class Rollout:
     cancelled: list[Trajectory] = field(default_factory=list)  # speculative paths to stop
     committed: list[Trajectory] = field(default_factory=list)  # speculative branches just confirmed
     pending_branches: dict[int, list[Trajectory]] = field(default_factory=dict)  # path id -> its undecided copies
+    fork_draws: dict[int, float] = field(default_factory=dict)  # path id -> the uniform draw its pending fork compares
     chains: dict[int, int] = field(default_factory=dict)  # event-driven: path id -> tokens on its chain
     next_id: int = 0
     segments: int = 0  # segments finished so far, and how many ended with a tool call (speculation's estimate)

@@ -240,22 +240,31 @@ class BranchingSampler:
         """A tool result was appended. If a fork is possible here, start its Z-1 copies now, unconfirmed, beside the
         path's probe, whose entropy decides whether they are kept (`_decide_fork`): the copies' tokens do not depend
         on the decision, so the trees are those of forking after the probe, without the wait. Also for the 'random'
-        ablation, so that it differs from ARPO in the decision only. Else settle the decision at once."""
+        ablation, so that it differs from ARPO in the decision only. Else settle the decision at once.
+        The uniform number u that the probe's fork probability P is compared with is drawn here: it is independent of
+        the probe, so no tree changes, but it shows a certain fork (u below the P of the lowest entropy the probe could
+        read), whose copies are confirmed at once and go on without waiting for the probe. Without
+        `speculative_branches` an uncertain fork's copies start once the probe keeps them: nothing is discarded."""
         if not self._may_fork(rollout, path):
             self._decide_fork(rollout, path, None)
             return False
-        if not self.speculative_branches:  # the copies start once the probe keeps them (`_decide_fork`)
-            return True
+        draw = rollout.fork_draws[path.id] = self.rng.random()
+        lowest = (0.0 if self.entropy_weight >= 0 else self.entropy_window) - (path.initial_entropy or 0.0)  # H ≥ 0
+        certain = draw < self.fork_probability(lowest, rollout.policy, path.consecutive_forks)
+        if not (certain or self.speculative_branches):
+            return True  # the copies start once the probe keeps them (`_decide_fork`)
         copies = min(self.branch_factor - 1, self.fill_ups.shares.free(rollout, path))
-        rollout.pending_branches[path.id] = [self._branch(rollout, path) for _ in range(copies)]
+        rollout.pending_branches[path.id] = [self._branch(rollout, path, certain) for _ in range(copies)]
+        self.fill_ups.make_room(rollout, path.group)
         return True
 
-    def _branch(self, rollout: Rollout, source: Trajectory) -> Trajectory:
-        """An unconfirmed copy of `source` as it is now, at a tool result."""
+    def _branch(self, rollout: Rollout, source: Trajectory, certain: bool = False) -> Trajectory:
+        """A copy of `source` as it is now, at a tool result; unconfirmed unless its fork is `certain`."""
         child = rollout.start(source.group, source.prompt_ids, "branch", source)
         child.completion_ids, child.mask, child.logprobs, child.entropies = source.snapshot(len(source.completion_ids))
         child.parent, child.fork_position, child.segment_start = source.id, source.segment_start, source.segment_start
-        child.fork_decisions, child.committed = source.fork_decisions + 1, False
+        child.fork_decisions, child.committed = source.fork_decisions + 1, certain
+        child.consecutive_forks = source.consecutive_forks + 1
         child.calls = list(source.calls)
         child.initial_entropy, child.segment_entropies = source.initial_entropy, list(source.segment_entropies)
         return child
@@ -277,24 +286,25 @@ class BranchingSampler:
 
     def _decide_fork(self, rollout: Rollout, path: Trajectory, delta: float | None) -> None:
         """Settle the fork at the path's latest tool result: Z-1 copies with probability P (paper §3.1 step 3)."""
-        copies, kept = rollout.pending_branches.pop(path.id, []), 0
-        if delta is not None and self._may_fork(rollout, path):  # None: no fork was possible at the result
+        copies, kept = rollout.pending_branches.pop(path.id, None), 0
+        draw, held = rollout.fork_draws.pop(path.id, None), bool(copies) and copies[0].committed  # a certain fork
+        if delta is not None and (held or self._may_fork(rollout, path)):  # None: no fork was possible at the result
             probability = self.fork_probability(delta, rollout.policy, path.consecutive_forks)
             rollout.fork_probabilities.append(probability)
-            if self.rng.random() < probability:
-                kept = self.fill_ups.shares.free(rollout, path)
-                if not self.speculative_branches:  # from the same state at the tool result: the probe is not absorbed
+            if draw < probability:
+                kept = len(copies) if held else self.fill_ups.shares.free(rollout, path)
+                if copies is None:  # from the same state at the tool result: the probe is not absorbed
                     copies = [self._branch(rollout, path) for _ in range(min(self.branch_factor - 1, kept))]
                 for child in copies[:kept]:
+                    if not child.committed:
+                        rollout.committed.append(child)
                     child.committed, child.fork_delta = True, delta
-                    child.consecutive_forks = path.consecutive_forks + 1
-                    rollout.committed.append(child)
                     rollout.stats.forks += 1
                     rollout.stats.fork_deltas.append(delta)
                 self.fill_ups.make_room(rollout, path.group)
         path.fork_decisions += 1
         path.consecutive_forks = path.consecutive_forks + 1 if kept else 0  # AEPO's l: forks in a row on this line
-        for child in copies[kept:]:
+        for child in (copies or [])[kept:]:
             rollout.drop(child)
         self.fill_ups.update(rollout, path.group, path)
 

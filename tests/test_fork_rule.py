@@ -148,11 +148,11 @@ def test_a_fill_ups_chain_continues_the_decision_that_started_it(tokenizer):
 
 def test_a_branchs_chain_continues_its_parents_at_the_fork(tokenizer):
     """τ = 1: the branch starts at the global's tool result, so its chain counts the global's call before its own
-    tokens. Its first request matches the global's probe; the rest of that segment goes to the global (the scripted
-    engine continues a cut segment once), and the branch writes the answer anew."""
+    tokens. The fork is certain before the probe reads anything (P = 1 whatever the entropy), so the branch is
+    confirmed at once and writes its whole answer beside the global's probe, without stopping where the probe stops."""
     result, call, answer = _one_call_event_rollout(tokenizer, branch_threshold=1.0)
-    assert kinds(result) == [["global", "branch"]]
-    assert result.stats.critical_path_tokens == call + 2 + answer  # the branch's: the global's call, then its own
+    assert kinds(result) == [["global", "branch"]] and result.stats.discarded_tokens == 0
+    assert result.stats.critical_path_tokens == call + answer  # the branch's: the global's call, then its own
 
 
 def _line(path, by_id) -> int:
@@ -201,3 +201,35 @@ def test_a_short_segment_reads_at_its_tokens_entropy_not_its_length(tokenizer, s
     assert len(tokenizer.encode(ANSWER)) + 1 < 20 < len(tokenizer.encode("let me think about it step by step " * 3))
     first, after = path.segment_entropies[:2]
     assert (after == pytest.approx(first)) is same
+
+
+@pytest.mark.parametrize("speculative_branches", [False, True])
+def test_a_fork_certain_before_its_probe_starts_at_once_and_forks_as_often_as_p(tokenizer, speculative_branches):
+    """k = 2, |V| = 1000: the call's entropy 3.454 gives H_initial = 2·3.454/ln 1000 = 1.0, the probe's 1.727 gives
+    H = 0.5, so P = clip(τ + β·ΔH) = 0.6 - 0.4·0.5 = 0.4. The uniform number u is drawn at the tool result: with u
+    below 0.6 - 0.4·1.0 = 0.2 (the P of a probe reading no entropy at all) the fork is certain and its copy starts
+    confirmed, beside the probe; otherwise the copy starts beside the probe only with `speculative_branches`, and is
+    dropped unless u < P. Over 300 rollouts the forks follow Binomial(300, 0.4), within 4.5 standard deviations;
+    without speculation the copies that start beside the probe follow Binomial(300, 0.2), every one of them is kept,
+    and nothing is discarded."""
+    def script(text, rng):
+        return (CALL, 3.454, "stop") if "</result>" not in text else (ANSWER, 1.727, "eos")
+    forks = beside = beside_kept = discarded = 0
+    for seed in range(300):
+        sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=0.6,
+                           entropy_weight=0.4, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False,
+                           speculative_branches=speculative_branches, seed=seed)
+        result = sampler.sample(_prompts(tokenizer, 1))
+        assert len(result.groups[0]) == 2 and result.stats.fill_ups == result.stats.forks ^ 1
+        forks += result.stats.forks
+        copy_beside_probe = len(sampler.engine.calls[1]) == 2  # the wave after the tool result
+        beside += copy_beside_probe
+        beside_kept += copy_beside_probe and result.stats.forks == 1
+        discarded += result.stats.discarded_tokens
+        if result.stats.forks:
+            assert result.stats.fork_deltas == [pytest.approx(-0.5, abs=1e-3)]
+    assert abs(forks - 120) <= 4.5 * (300 * 0.4 * 0.6) ** 0.5
+    if speculative_branches:  # every copy starts beside its probe; those the probe does not keep are dropped
+        assert beside == 300 and beside_kept == forks
+    else:
+        assert discarded == 0 and beside == beside_kept and abs(beside - 60) <= 4.5 * (300 * 0.2 * 0.8) ** 0.5
