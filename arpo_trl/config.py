@@ -237,12 +237,14 @@ class ARPOConfig(GRPOConfig):
         },
     )
     speculative_branches: bool = field(
-        default=True,
+        default=False,
         metadata={
-            "help": "Start a fork's Z-1 copies at the tool result, beside the probe whose entropy decides whether they "
-            "are kept (dropped otherwise). False: they start once the probe keeps them, from the same state, so "
-            "nothing is discarded but each fork level's chain is k tokens longer. The trees are the same in "
-            "distribution either way; docs/in_process_engine.md measures both.",
+            "help": "Start an uncertain fork's Z-1 copies at the tool result, beside the probe whose entropy decides "
+            "whether they are kept (dropped otherwise). False (default): they start once the probe keeps them, from "
+            "the same state, so nothing is discarded, and that fork level's chain is k tokens longer. Either way a "
+            "fork that is certain before the probe reads anything (its uniform draw below the P of zero entropy) "
+            "starts at once, confirmed. The trees are the same in distribution; docs/in_process_engine.md measures "
+            "both.",
         },
     )
     max_draft_tokens: int = field(

@@ -9,7 +9,7 @@ Per prompt, with a budget of M trajectories, N global paths start the tree, and 
   3. probe: generate the next k tokens only, and measure their entropy H;
   4. right then, while the prompt has fewer than M paths, fork Z-1 copies of the path at the tool result with
      probability clip(τ + β·(H - H_initial), 0, 1); the copies start from the result beside the path, which goes
-     on after its probe;
+     on after its probe (the uniform draw is made at the result: a fork it makes certain starts confirmed);
   5. back to 1, until EOS, the call limit or the budget.
 When forking can no longer fill a prompt's M slots (even if every live path forked at every tool result it may
 still reach), all the missing trajectories start at once as fresh global samples ("fill-ups", paper §3.1 step 4:
@@ -117,7 +117,7 @@ class BranchingSampler:
         call_format: CallFormat | None = None,
         scheduler: str = "auto",
         speculative_fill_ups: bool = True,
-        speculative_branches: bool = True,
+        speculative_branches: bool = False,
         branch_penalty: float = 0.05,  # AEPO (`arpo_trl.entropy_balance`)
         pre_monitoring_beta: float | None = 0.5,  # AEPO
         segment_statistic: str = "mean",  # `arpo_trl.entropy.segment_entropy`

@@ -42,12 +42,14 @@ QUESTIONS = [f"What is {a} * {b} + {c}?" for a, b, c in [(17, 23, 5), (48, 12, 9
 
 
 def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") -> BranchingSampler:
-    """`policy`: a branch policy, optionally with ':deferred' (a fork's copies start after the probe keeps them)."""
+    """`policy`: a branch policy, optionally with ':speculative' or ':deferred' (an uncertain fork's copies start
+    beside the probe, or once it keeps them; the sampler's default otherwise)."""
     policy, _, variant = policy.partition(":")
     n = args.num_generations if policy == "none" else args.initial_rollouts
+    mode = {"speculative": {"speculative_branches": True}, "deferred": {"speculative_branches": False}}.get(variant, {})
     return BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
                             initial_rollouts=n, max_completion_length=args.max_tokens, branch_policy=policy,
-                            seed=args.seed, scheduler=scheduler, speculative_branches=variant != "deferred")
+                            seed=args.seed, scheduler=scheduler, **mode)
 
 
 def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
@@ -177,7 +179,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rollouts per policy and backend (paired seeds)")
     parser.add_argument("--policies", default="entropy,none",
                         help="branch policies to run: 'entropy' (ARPO, N of M global) and/or 'none' (all M at once); "
-                        "'entropy:deferred': ARPO whose fork copies start after the probe keeps them")
+                        "'entropy:speculative' / 'entropy:deferred': ARPO whose uncertain forks' copies start beside "
+                        "the probe / once it keeps them (default: the sampler's)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
     parser.add_argument("--engines", default="waves,cached",

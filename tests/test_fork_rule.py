@@ -77,8 +77,8 @@ def test_each_tool_result_settles_one_fork_decision(tokenizer):
                        speculative_fill_ups=False)
     prompts = _prompts(tokenizer, 1)
     result = sampler.sample(prompts)
-    # waves: the global to its call; its probe beside the copy; on to its second call; probe and copy; the global's
-    # answer beside the fill-up's first call; the fill-up's second call; its answer
+    # waves: the global to its call; its probe (P = 0: no copy starts); on to its second call; its probe; the
+    # global's answer beside the fill-up's first call; the fill-up's second call; its answer
     assert _waves_with_bare_prompts(sampler.engine, prompts) == [1, 0, 0, 0, 1, 0, 0]
     assert kinds(result) == [["global", "fill"]] and result.stats.fill_ups == 1
 
@@ -102,7 +102,8 @@ def test_a_branch_inherits_its_parents_settled_decisions(tokenizer):
     # continuation (the engine's rest went to the global); the probes (fork, no fork) beside the new copies
     script = entropy_per_request([1.0, 5.0, 1.0, 1.0, 5.0, 0.0], calls=2)
     sampler = _sampler(tokenizer, script, num_generations=4, initial_rollouts=1, branch_threshold=0.5,
-                       entropy_weight=10.0, entropy_window=2, max_tool_calls=2, speculative_fill_ups=False)
+                       entropy_weight=10.0, entropy_window=2, max_tool_calls=2, speculative_fill_ups=False,
+                       speculative_branches=True)
     prompts = _prompts(tokenizer, 1)
     result = sampler.sample(prompts)
     assert _waves_with_bare_prompts(sampler.engine, prompts) == [1, 0, 0, 0, 1, 0, 0]

@@ -241,7 +241,8 @@ def test_fill_ups_wait_for_the_last_fork_decision_that_could_fill(tokenizer):
         return (CALL, 0.1, "stop") if "</result>" not in text else ("<answer>\\boxed{2}</answer>", 0.1, "eos")
     prompts = _prompts(tokenizer, 1)
     sampler = _sampler(tokenizer, script, num_generations=4, initial_rollouts=2, branch_threshold=0.0,
-                       entropy_weight=0.0, entropy_window=3, max_tool_calls=1, speculative_fill_ups=False)
+                       entropy_weight=0.0, entropy_window=3, max_tool_calls=1, speculative_fill_ups=False,
+                       speculative_branches=True)
     result = sampler.sample(prompts)
     engine = sampler.engine
     # wave 1: globals to their call; wave 2: their probes (3 tokens) beside the unconfirmed copies; wave 3: the probes
