@@ -50,7 +50,7 @@ class Trajectory:
     segment_start: int = 0  # where the segment being generated began (after the last environment tokens)
     fork_decisions: int = 0  # tool results whose fork decision is settled (inherited by branches)
     consecutive_forks: int = 0  # AEPO's l: the latest fork decisions on this path's line that forked, in a row
-    committed: bool = True  # False: a speculative fill-up, dropped if forks take its slot
+    committed: bool = True  # False: a speculative fill-up or branch, dropped if forks take its slot / not kept
     environment: Any = None  # environment_factory: this path's own environment (docs/environments.md)
     line: int | None = None  # the id of the global path this one descends from (itself if global; None: fill-up)
 

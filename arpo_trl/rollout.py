@@ -241,16 +241,16 @@ class BranchingSampler:
         path's probe, whose entropy decides whether they are kept (`_decide_fork`): the copies' tokens do not depend
         on the decision, so the trees are those of forking after the probe, without the wait. Also for the 'random'
         ablation, so that it differs from ARPO in the decision only. Else settle the decision at once.
-        The uniform number u that the probe's fork probability P is compared with is drawn here: it is independent of
-        the probe, so no tree changes, but it shows a certain fork (u below the P of the lowest entropy the probe could
-        read), whose copies are confirmed at once and go on without waiting for the probe. Without
-        `speculative_branches` an uncertain fork's copies start once the probe keeps them: nothing is discarded."""
+        The u that the probe's P is compared with is drawn here, independent of the probe: a certain fork (u below the
+        P of the lowest entropy the probe can read) has its copies confirmed at once, without waiting for the probe.
+        Without `speculative_branches` an uncertain fork's copies start once the probe keeps them: none discarded."""
         if not self._may_fork(rollout, path):
             self._decide_fork(rollout, path, None)
             return False
         draw = rollout.fork_draws[path.id] = self.rng.random()
         lowest = (0.0 if self.entropy_weight >= 0 else self.entropy_window) - (path.initial_entropy or 0.0)  # H ≥ 0
-        certain = draw < self.fork_probability(lowest, rollout.policy, path.consecutive_forks)
+        certain = path.initial_entropy is not None and draw < self.fork_probability(lowest, rollout.policy,
+                                                                                   path.consecutive_forks)
         if not (certain or self.speculative_branches):
             return True  # the copies start once the probe keeps them (`_decide_fork`)
         copies = min(self.branch_factor - 1, self.fill_ups.shares.free(rollout, path))
@@ -291,7 +291,7 @@ class BranchingSampler:
         if delta is not None and (held or self._may_fork(rollout, path)):  # None: no fork was possible at the result
             probability = self.fork_probability(delta, rollout.policy, path.consecutive_forks)
             rollout.fork_probabilities.append(probability)
-            if draw < probability:
+            if held or draw < probability:  # held: certain at the tool result, whatever (even < 0) the probe read
                 kept = len(copies) if held else self.fill_ups.shares.free(rollout, path)
                 if copies is None:  # from the same state at the tool result: the probe is not absorbed
                     copies = [self._branch(rollout, path) for _ in range(min(self.branch_factor - 1, kept))]

@@ -234,3 +234,23 @@ def test_a_fork_certain_before_its_probe_starts_at_once_and_forks_as_often_as_p(
         assert beside == 300 and beside_kept == forks
     else:
         assert discarded == 0 and beside == beside_kept and abs(beside - 60) <= 4.5 * (300 * 0.2 * 0.8) ** 0.5
+
+
+@pytest.mark.parametrize("speculative_branches", [False, True])
+def test_a_certain_fork_stands_when_the_probe_reads_below_zero_entropy(tokenizer, speculative_branches):
+    """A server's top logprobs may sit a rounding above 0, which makes a token's entropy slightly negative. As above,
+    P₀ = 0.2; the probe now reads H = -0.5, so its own P is 0. The forks made certain at the tool result (u < 0.2)
+    stand, and their running copies are not dropped: Binomial(300, 0.2) forks, and no others."""
+    def script(text, rng):
+        return (CALL, 3.454, "stop") if "</result>" not in text else (ANSWER, -1.727, "eos")
+    forks = 0
+    for seed in range(300):
+        sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=0.6,
+                           entropy_weight=0.4, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False,
+                           speculative_branches=speculative_branches, seed=seed)
+        result = sampler.sample(_prompts(tokenizer, 1))
+        assert len(result.groups[0]) == 2 and result.stats.fill_ups == result.stats.forks ^ 1
+        forks += result.stats.forks
+        if result.stats.forks:  # kept only where certain: its copy started beside the probe, nothing was discarded
+            assert len(sampler.engine.calls[1]) == 2 and result.stats.discarded_tokens == 0
+    assert abs(forks - 60) <= 4.5 * (300 * 0.2 * 0.8) ** 0.5
