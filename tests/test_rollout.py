@@ -195,8 +195,9 @@ def _fork_rate(tokenizer, h_initial, h_after, prompts=6000, policy="entropy", sc
 def test_fork_frequency_matches_clip_tau_plus_beta_delta(tokenizer, delta):
     vocab_log = math.log(1000)
     per_token = lambda h: h * vocab_log / 4  # noqa: E731  (4 tokens summed, then / ln|V|)
-    # "<answer>…" is more than 4 tokens and the call is too: both windows hold exactly 4 tokens.
-    rate = _fork_rate(tokenizer, per_token(1.0), per_token(1.0 + delta))
+    # "<answer>…" is more than 4 tokens and the call is too: both windows hold exactly 4 tokens. Entropies stay ≥ 0.
+    start = max(1.0, -delta)
+    rate = _fork_rate(tokenizer, per_token(start), per_token(start + delta))
     expected = min(1.0, max(0.0, 0.5 + 0.2 * delta))
     # 6000 trials: ±0.02 is over 3σ at p=0.5 and τ or β off by 0.03 fails (p=0.3 ↔ 0.27: 4.6σ)
     assert rate == pytest.approx(expected, abs=0.02)
