@@ -204,6 +204,20 @@ def test_a_short_segment_reads_at_its_tokens_entropy_not_its_length(tokenizer, s
     assert (after == pytest.approx(first)) is same
 
 
+def _one_call_rollouts(tokenizer, probe_entropy: float, speculative_branches: bool, rollouts: int = 300):
+    """M = 2, N = 1, one call (entropy 3.454, so H_initial = 2·3.454/ln 1000 = 1.0 with k = 2, |V| = 1000), τ = 0.6,
+    β = 0.4: per seed, the result and the engine's waves (wave 1: the probe, and any copy started beside it)."""
+    def script(text, rng):
+        return (CALL, 3.454, "stop") if "</result>" not in text else (ANSWER, probe_entropy, "eos")
+    for seed in range(rollouts):
+        sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=0.6,
+                           entropy_weight=0.4, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False,
+                           speculative_branches=speculative_branches, seed=seed)
+        result = sampler.sample(_prompts(tokenizer, 1))
+        assert len(result.groups[0]) == 2 and result.stats.fill_ups == result.stats.forks ^ 1
+        yield result, sampler.engine.calls
+
+
 @pytest.mark.parametrize("speculative_branches", [False, True])
 def test_a_fork_certain_before_its_probe_starts_at_once_and_forks_as_often_as_p(tokenizer, speculative_branches):
     """k = 2, |V| = 1000: the call's entropy 3.454 gives H_initial = 2·3.454/ln 1000 = 1.0, the probe's 1.727 gives
@@ -213,17 +227,10 @@ def test_a_fork_certain_before_its_probe_starts_at_once_and_forks_as_often_as_p(
     dropped unless u < P. Over 300 rollouts the forks follow Binomial(300, 0.4), within 4.5 standard deviations;
     without speculation the copies that start beside the probe follow Binomial(300, 0.2), every one of them is kept,
     and nothing is discarded."""
-    def script(text, rng):
-        return (CALL, 3.454, "stop") if "</result>" not in text else (ANSWER, 1.727, "eos")
     forks = beside = beside_kept = discarded = 0
-    for seed in range(300):
-        sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=0.6,
-                           entropy_weight=0.4, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False,
-                           speculative_branches=speculative_branches, seed=seed)
-        result = sampler.sample(_prompts(tokenizer, 1))
-        assert len(result.groups[0]) == 2 and result.stats.fill_ups == result.stats.forks ^ 1
+    for result, waves in _one_call_rollouts(tokenizer, 1.727, speculative_branches):
         forks += result.stats.forks
-        copy_beside_probe = len(sampler.engine.calls[1]) == 2  # the wave after the tool result
+        copy_beside_probe = len(waves[1]) == 2  # the wave after the tool result
         beside += copy_beside_probe
         beside_kept += copy_beside_probe and result.stats.forks == 1
         discarded += result.stats.discarded_tokens
@@ -241,16 +248,9 @@ def test_a_certain_fork_stands_when_the_probe_reads_below_zero_entropy(tokenizer
     """A server's top logprobs may sit a rounding above 0, which makes a token's entropy slightly negative. As above,
     P₀ = 0.2; the probe now reads H = -0.5, so its own P is 0. The forks made certain at the tool result (u < 0.2)
     stand, and their running copies are not dropped: Binomial(300, 0.2) forks, and no others."""
-    def script(text, rng):
-        return (CALL, 3.454, "stop") if "</result>" not in text else (ANSWER, -1.727, "eos")
     forks = 0
-    for seed in range(300):
-        sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=0.6,
-                           entropy_weight=0.4, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False,
-                           speculative_branches=speculative_branches, seed=seed)
-        result = sampler.sample(_prompts(tokenizer, 1))
-        assert len(result.groups[0]) == 2 and result.stats.fill_ups == result.stats.forks ^ 1
+    for result, waves in _one_call_rollouts(tokenizer, -1.727, speculative_branches):
         forks += result.stats.forks
         if result.stats.forks:  # kept only where certain: its copy started beside the probe, nothing was discarded
-            assert len(sampler.engine.calls[1]) == 2 and result.stats.discarded_tokens == 0
+            assert len(waves[1]) == 2 and result.stats.discarded_tokens == 0
     assert abs(forks - 60) <= 4.5 * (300 * 0.2 * 0.8) ** 0.5
