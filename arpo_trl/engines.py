@@ -9,7 +9,8 @@ cache, and `server.engine.VLLMServerEngine` generates through a vLLM server.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 from typing import Literal, Protocol
@@ -43,6 +44,17 @@ class GenerationCounters:
     prefill_forwards: int = 0  # forwards that prefilled (several requests may share one)
     drafted_tokens: int = 0  # n-gram drafts fed to decode steps (`generation/speculation.py`)
     accepted_tokens: int = 0  # drafts kept as generated tokens
+    decode_steps: int = 0  # decode forwards (the cached engine: one per step, all running rows together)
+    seconds: dict[str, float] = field(default_factory=dict)  # the cached engine's wall time per phase of its steps
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Adds the wall time of the block to `seconds[phase]`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
 @dataclass

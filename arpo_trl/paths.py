@@ -96,6 +96,8 @@ class RolloutStats:
     waves: int = 0  # batch engines: engine calls; event-driven: most requests in sequence along one chain
     global_samples: dict[int, int] = field(default_factory=dict)  # AEPO pre-monitoring: group -> its m
     critical_path_tokens: int = 0  # longest chain of sequentially generated tokens the rollout waited for
+    critical_path_kind: str | None = None  # event-driven: the kind of the path that ends the longest chain
+    latest_fill_up_start_tokens: int = 0  # event-driven: tokens on the chain before the latest kept fill-up started
     requests: int = 0
     tool_calls: int = 0
     tool_failures: int = 0

@@ -287,6 +287,7 @@ class _EventRollout:
         self.runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
         self.activity = _Activity(rollout.stats)
         self.clock: dict[int, int] = {}  # path id -> tokens on its chain so far
+        self.started_at: dict[int, int] = {}  # path id -> tokens on its chain when it started
         self.depth: dict[int, int] = {}  # path id -> requests on its chain so far
         self.tasks: dict[int, asyncio.Task] = {}
         self.commits: dict[int, asyncio.Event] = {}  # branches waiting for their parent's decision
@@ -310,7 +311,7 @@ class _EventRollout:
         """Start a task for each path the sampler started, resume the committed, cancel the dropped."""
         rollout = self.rollout
         for path, creator in rollout.started:
-            self.clock[path.id] = self.clock.get(creator.id, 0) if creator is not None else 0
+            self.clock[path.id] = self.started_at[path.id] = self.clock.get(creator.id, 0) if creator is not None else 0
             self.depth[path.id] = self.depth.get(creator.id, 0) if creator is not None else 0
             self.tasks[path.id] = task = asyncio.create_task(self._drive(path))
             task.add_done_callback(lambda task, key=path.id: self._finished(key, task))
@@ -380,7 +381,11 @@ class _EventRollout:
 
     def _record_chains(self) -> None:
         """The kept paths' chain lengths; the longest is the rollout's critical path."""
-        kept = [path.id for group in self.rollout.groups for path in group if path.committed]
-        self.rollout.chains = {key: self.clock[key] for key in kept}
-        self.stats.critical_path_tokens = max(self.rollout.chains.values(), default=0)
-        self.stats.waves = max((self.depth[key] for key in kept), default=0)
+        kept = [path for group in self.rollout.groups for path in group if path.committed]
+        self.rollout.chains = {path.id: self.clock[path.id] for path in kept}
+        if kept:
+            longest = max(kept, key=lambda path: self.clock[path.id])
+            self.stats.critical_path_tokens, self.stats.critical_path_kind = self.clock[longest.id], longest.kind
+        self.stats.latest_fill_up_start_tokens = max(
+            (self.started_at[path.id] for path in kept if path.kind == "fill"), default=0)
+        self.stats.waves = max((self.depth[path.id] for path in kept), default=0)

@@ -59,8 +59,9 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
     client = getattr(engine, "client", None)
     before = client.metrics() if client else {}
     counters = getattr(engine, "counters", None)
-    names = ("prefill_tokens", "decode_tokens", "prefill_forwards", "drafted_tokens", "accepted_tokens")
+    names = ("prefill_tokens", "decode_tokens", "prefill_forwards", "drafted_tokens", "accepted_tokens", "decode_steps")
     before_counts = {name: getattr(counters, name) for name in names} if counters else {}
+    before_seconds = dict(counters.seconds) if counters else {}
     torch.manual_seed(seed)
     start = time.perf_counter()
     result = sampler.sample(prompts)
@@ -74,6 +75,10 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
            "waves": stats.waves, "critical_path_tokens": stats.critical_path_tokens,
            "discarded_tokens": stats.discarded_tokens, "sampler_overhead_s": round(stats.overhead_seconds, 2),
            "trajectories_per_group": statistics.mean(map(len, result.groups)),
+           # 1 when the longest chain is a fill-up's (averaged: the share of repeats); the tokens on the chain before
+           # the latest kept fill-up started (0: all started with the rollout)
+           "critical_path_is_fill_up": int(stats.critical_path_kind == "fill"),
+           "latest_fill_up_start_tokens": stats.latest_fill_up_start_tokens,
            # per group, its longest trajectory's model tokens (tool results not counted), averaged over the groups
            "longest_trajectory_tokens": statistics.mean(max(sum(t.mask) for t in group) for group in result.groups)}
     if counters:
@@ -83,6 +88,9 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
         run["decoded_positions_per_group"] = per_group["decode_tokens"]  # speculative paths and drafts included
         run["drafted_tokens_per_group"] = per_group["drafted_tokens"]  # n-gram drafts fed (cached engine)
         run["accepted_tokens_per_group"] = per_group["accepted_tokens"]
+        run["decode_steps"] = counters.decode_steps - before_counts["decode_steps"]  # the cached engine's forwards
+        for phase, seconds in counters.seconds.items():  # the cached engine's steps: admit, sample, decode
+            run[f"{phase}_s"] = round(seconds - before_seconds.get(phase, 0.0), 2)
     if client:  # the server's own count: every token it generated, aborted requests included
         after = client.metrics()
         run["prefix_cache_hit_tokens"] = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
@@ -221,7 +229,8 @@ def main() -> None:
             {key: round(runs[f"{backend}/{policy}"][key] / runs[f"{backend}/none"][key], 3)
              if runs[f"{backend}/none"][key] else None
              for key in ("wall_s", "critical_path_tokens", "tokens_generated", "tool_calls_per_group",
-                         "decoded_positions_per_group") if key in runs[f"{backend}/none"]}
+                         "decoded_positions_per_group", "decode_steps", "admit_s", "sample_s", "decode_s")
+             if key in runs[f"{backend}/none"]}
         for backend in {name.split("/")[0] for name in runs} for policy in policies
         if policy != "none" and f"{backend}/{policy}" in runs and f"{backend}/none" in runs}
     report["drafts_vs_nodraft"] = {  # rollout seconds, cached engine with / without speculative decoding

@@ -178,6 +178,18 @@ def test_continuation_and_fork_prefill_only_new_tokens(tool_model64, tokenizer):
     assert len(engine.prefix_cache) == 0 and engine.prefix_cache.tokens == 0
 
 
+def test_counters_time_each_phase_and_count_decode_forwards(tool_model64, tokenizer):
+    """One row, no drafts: every generated token but the first (from the prefill's logits) and the last (never fed)
+    costs one decode forward; the step's phases are timed."""
+    engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=0)
+    segment = asyncio.run(engine.agenerate(_prompt(tokenizer, "What is 12+30?"), 6, []))
+    asyncio.run(engine.aclose())
+    assert engine.counters.decode_steps == engine.counters.decode_tokens == len(segment.token_ids) - 1
+    assert set(engine.counters.seconds) == {"admit", "sample", "decode"} if engine.counters.decode_steps else \
+        {"admit", "sample"}
+    assert all(seconds > 0 for seconds in engine.counters.seconds.values())
+
+
 def test_waves_engine_counts_its_padded_prefills(tool_model64, tokenizer):
     """The waves engine recomputes every row's whole prefix, left-padded to the wave's longest: rows × width."""
     engine = TransformersEngine(tool_model64, tokenizer, sampling=GREEDY)

@@ -145,6 +145,7 @@ def test_a_fill_ups_chain_continues_the_decision_that_started_it(tokenizer):
     result, call, answer = _one_call_event_rollout(tokenizer, branch_threshold=0.0)
     assert kinds(result) == [["global", "fill"]]
     assert result.stats.critical_path_tokens == (call + 2) + (call + answer)
+    assert result.stats.critical_path_kind == "fill" and result.stats.latest_fill_up_start_tokens == call + 2
 
 
 def test_a_branchs_chain_continues_its_parents_at_the_fork(tokenizer):
@@ -154,6 +155,8 @@ def test_a_branchs_chain_continues_its_parents_at_the_fork(tokenizer):
     result, call, answer = _one_call_event_rollout(tokenizer, branch_threshold=1.0)
     assert kinds(result) == [["global", "branch"]] and result.stats.discarded_tokens == 0
     assert result.stats.critical_path_tokens == call + answer  # the branch's: the global's call, then its own
+    # the global's chain is as long (its call, then the same answer): a tie goes to the earlier path
+    assert result.stats.critical_path_kind == "global" and result.stats.latest_fill_up_start_tokens == 0
 
 
 def _line(path, by_id) -> int:

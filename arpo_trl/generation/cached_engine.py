@@ -1,15 +1,14 @@
 """`CachedTransformersEngine`: the model being trained, generating request by request with a persistent KV cache.
 
-The events scheduler calls `agenerate` once per path segment. Requests join the running batch as they come and
-leave it when they finish (stop string, EOS, budget); every step decodes one token for all running rows in one
-forward, writing its keys and values in place into preallocated buffers (`KVBatch`, rows left-padded to a common
-cache length) instead of concatenating the cache anew. A request's prefix is looked up in a `PrefixCache`: only
-the tokens after the longest cached prefix are prefilled, so a continuation after a tool result prefills the
-result's tokens, and a fork starts from its parent's state (shared, never written: a prefill copies its rows out of
-its forward). The requests that join in one step are prefilled together, a forward per group (`prefill.py`).
-Entropy and logprobs come from the logits at hand, exactly as `TransformersEngine` records them. The cache lives for
-one rollout (`aclose` frees it and lets the weights go), so every rollout samples the current weights, LoRA adapters
-included.
+The events scheduler calls `agenerate` once per path segment. Requests join the running batch as they come and leave it
+when they finish (stop string, EOS, budget); every step decodes one token for all running rows in one forward, writing
+its keys and values in place into preallocated buffers (`KVBatch`, rows left-padded to a common cache length) instead of
+concatenating the cache anew. A request's prefix is looked up in a `PrefixCache`: only the tokens after the longest
+cached prefix are prefilled, so a continuation after a tool result prefills the result's tokens, and a fork starts from
+its parent's state (shared, never written: a prefill copies its rows out of its forward). The requests that join in one
+step are prefilled together, a forward per group (`prefill.py`). Entropy and logprobs come from the logits at hand,
+exactly as `TransformersEngine` records them. The cache lives for one rollout (`aclose` frees it and lets the weights
+go), so every rollout samples the current weights, LoRA adapters included.
 """
 
 from __future__ import annotations
@@ -57,10 +56,10 @@ class _Request:
 class CachedTransformersEngine(TransformersEngine):
     """`TransformersEngine`'s sampling settings and segment rules, generated event-driven with a KV cache.
 
-    `max_cached_tokens` bounds the positions the prefix cache keeps between requests of one rollout (None:
-    unbounded; the running rows' own KV is not counted). `max_draft_tokens`: drafts per row and step of n-gram
-    speculative decoding (`speculation.py`; exact in distribution; 0 turns it off; off with a repetition penalty).
-    `counters` accumulate over the engine's life.
+    `max_cached_tokens` bounds the positions the prefix cache keeps between requests of one rollout (None: unbounded;
+    the running rows' own KV is not counted). `max_draft_tokens`: drafts per row and step of n-gram speculative decoding
+    (`speculation.py`; exact in distribution; 0 turns it off; off with a repetition penalty). `counters` accumulate over
+    the engine's life (positions, forwards, and each phase's seconds).
     """
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
@@ -91,17 +90,16 @@ class CachedTransformersEngine(TransformersEngine):
 
     # --- the interface the schedulers use -------------------------------------------------------------------
 
-    def generate(
-        self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop: Sequence[str]
-    ) -> list[Segment]:
+    def generate(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                 stop: Sequence[str]) -> list[Segment]:
         """A wave, for the waves scheduler and evaluation: its requests share the batch and each other's prefixes;
         the cache is freed afterwards, unless a `rollout_scope` keeps it for the rollout's next waves."""
         _check_budgets(prefixes, max_new_tokens)
 
         async def wave() -> list[Segment]:
             try:
-                requests = (self.agenerate(p, b, stop) for p, b in zip(prefixes, max_new_tokens))
-                return list(await asyncio.gather(*requests))
+                segments = (self.agenerate(p, b, stop) for p, b in zip(prefixes, max_new_tokens))
+                return list(await asyncio.gather(*segments))
             finally:
                 await self.aclose(keep_cache=self._scoped)
 
@@ -174,16 +172,18 @@ class CachedTransformersEngine(TransformersEngine):
 
     @torch.no_grad()
     def _step(self, model) -> None:
-        pending, self._pending = self._pending, []
+        pending, self._pending, timed = self._pending, [], self.counters.timed
         if joining := [request for request in pending if not request.future.done()]:  # not cancelled
-            self._join(self._admit(model, joining))
+            with timed("admit"):  # prefix-cache lookups, prefill forwards, rows written into the batch
+                self._join(self._admit(model, joining))
         if not self._rows:
             return
-        finished = self._sample()
-        if finished:
-            self._release(finished)
+        with timed("sample"):  # a token per row; the rows that finished are released
+            self._release(self._sample())
         if self._rows:
-            self._decode_step(model)
+            with timed("decode"):  # the forward, and the verification of drafts
+                self._decode_step(model)
+            self.counters.decode_steps += 1
 
     def _admit(self, model, requests: list[_Request]) -> list[tuple[_Request, KV, torch.Tensor]]:
         """Prefill what the cache does not hold, all joining requests together; returns their rows, in order.
@@ -316,6 +316,8 @@ class CachedTransformersEngine(TransformersEngine):
 
     def _release(self, finished: list[int]) -> None:
         """Answer the finished rows, keep their KV in the prefix cache, and take them out of the batch."""
+        if not finished:
+            return
         for row in finished:
             request = self._rows[row]
             if request.future.done():
@@ -328,8 +330,7 @@ class CachedTransformersEngine(TransformersEngine):
             self._rows, self._batch = [], None
             self._positions = self._logits = self._excluded = self._tokens = None
             return
-        index = torch.tensor(order, device=self._positions.device)
-        self._rows = [self._rows[row] for row in order]
+        self._rows, index = [self._rows[row] for row in order], torch.tensor(order, device=self._positions.device)
         self._positions, self._tokens = self._positions[index], self._tokens[index]
         self._logits, self._excluded = self._logits[index], self._excluded[index]
 
@@ -392,9 +393,8 @@ class CachedTransformersEngine(TransformersEngine):
             kept.append(count)
             if not done and count < len(drafts[row]):
                 self._excluded[row] = drafts[row][count]
-        index = torch.arange(rows, device=logits.device)
-        self._positions = self._positions + 1 + torch.tensor(kept, device=logits.device)
-        self._logits = logits[index, torch.tensor(kept, device=logits.device)]
-        if finished:
-            self._release(finished)
+        advanced = torch.tensor(kept, device=logits.device)
+        self._positions = self._positions + 1 + advanced
+        self._logits = logits[torch.arange(rows, device=logits.device), advanced]
+        self._release(finished)
 
