@@ -12,7 +12,8 @@ engine (`CachedTransformersEngine`, event-driven with a prefix KV cache), with t
         --max-tokens 160 --system-prompt python_short --model runs/multi-call-sft --dataset arithmetic_chain:64
                                                                   # the multi-call benchmark's M16N8 setting
 
-Prints one JSON object, then a markdown table.
+Prints one JSON object, then a markdown table. The cached engine's runs also say where the time went: seconds per step
+phase (`admit_s`, `sample_s`, `decode_s`), `decode_steps`, and what ended the longest chain.
 """
 
 from __future__ import annotations
