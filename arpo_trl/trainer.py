@@ -95,6 +95,7 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
     }
 
     _prefilled = 0  # the engine's prefill counter when the last rollout was logged
+    _engine_seconds: dict[str, float] | None = None  # the engine's seconds per step phase, likewise
 
     def __init__(
         self,
@@ -322,6 +323,7 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
             "arpo/discarded_tokens_per_group": stats.discarded_tokens / groups,
             "arpo/waves": stats.waves,
             "arpo/critical_path_tokens": stats.critical_path_tokens,
+            "arpo/latest_fill_up_start_tokens": stats.latest_fill_up_start_tokens,
             "arpo/tool_calls_per_trajectory": statistics.fmean(t.tool_calls for t in trajectories),
             "arpo/tool_calls_per_group": stats.tool_calls / groups,
             "arpo/tool_failures_per_group": stats.tool_failures / groups,
@@ -341,5 +343,8 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
         if counters := getattr(self.engine, "counters", None):  # in-process engines: positions prefilled, not cached
             metrics["arpo/prefill_tokens_per_group"] = (counters.prefill_tokens - self._prefilled) / groups
             self._prefilled = counters.prefill_tokens
+            for phase, seconds in counters.seconds.items():  # the cached engine: admit, sample, decode
+                metrics[f"arpo/engine_{phase}_seconds"] = seconds - (self._engine_seconds or {}).get(phase, 0.0)
+            self._engine_seconds = dict(counters.seconds)
         for key, value in metrics.items():
             self._trl.log_metric(mode, key, value)

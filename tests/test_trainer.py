@@ -1,6 +1,7 @@
 """ARPOTrainer end to end on CPU: a tiny model that calls `<python>`, real PythonTool subprocesses, TRL's loss."""
 
 import json
+import math
 import re
 
 import pytest
@@ -173,6 +174,9 @@ def test_end_to_end_full_finetune_with_python_tool(tool_model_dir, tokenizer, ad
     check_loss_ignores_tool_tokens(trainer)
     prefilled = [e["arpo/prefill_tokens_per_group"] for e in trainer.state.log_history if "arpo/waves" in e]
     assert len(prefilled) == 2 and sum(prefilled) * 2 == trainer.engine.counters.prefill_tokens  # 2 groups per step
+    decoding = [e["arpo/engine_decode_seconds"] for e in trainer.state.log_history if "arpo/waves" in e]
+    assert len(decoding) == 2 and all(s > 0 for s in decoding)  # the cached engine: each rollout's own share
+    assert math.isclose(sum(decoding), trainer.engine.counters.seconds["decode"], rel_tol=1e-6)
     rewards = [e["rewards/arpo_math_reward/mean"] for e in trainer.state.log_history if "reward" in e]
     assert rewards and all(-1.0 <= r <= 1.1 for r in rewards)
     check_run_folder(tmp_path, trainer, steps=2)
