@@ -52,6 +52,47 @@ def test_draft_length_pays_for_the_positions_it_costs():
     assert confident.draft_length([8]) == 8 and confident.draft_length([3, 8]) >= 3
 
 
+def test_draft_length_weighs_each_row_at_its_own_rate():
+    """25 rows that follow text written before them (late paths) pay for drafts at their own α, although the
+    rollout's rate (rows decoding side by side) would not; a lone confident row among many does not pay for all."""
+    acceptance = Acceptance(max_draft=8)
+    acceptance.record(drafted=1000, accepted=300)
+    assert acceptance.draft_length([8] * 25) == 0
+    assert acceptance.draft_length([8] * 25, [0.95] * 25) > 0
+    assert acceptance.draft_length([8] * 25, [0.95] + [0.3] * 24) == 0
+    assert acceptance.draft_length([8, 0, 0], [0.95, 0.3, 0.3]) > 0  # few rows: the fixed cost dominates
+    assert acceptance.may_pay(25, 0.95) and not acceptance.may_pay(25)
+
+
+def test_a_guess_is_the_first_token_a_draft_would_start_with():
+    index = DraftIndex(sizes=(3, 2))
+    index.add([1, 2, 3, 4, 5])
+    assert index.guess([7, 2, 3]) == 4 == index.draft([7, 2, 3], 1)[0]
+    assert index.guess([5, 9]) == -1
+    looping = [6, 6]
+    index.add(looping)  # (6,) has no token after it yet: the suffix (6, 6) is not followed by anything
+    assert index.guess(looping) == -1
+
+
+def test_a_late_row_learns_its_own_rate_and_drafts_from_text_written_before_it(tool_model64, tokenizer):
+    """Greedy: a prompt decoded once, then again beside two other prompts while the rollout's rate says drafts never
+    pay (as after a bulk of rows decoding side by side). The repeat's guesses match the first decoding, so its own α
+    rises from observation alone and its drafts are fed and accepted; its tokens equal plain decoding's."""
+    prompts = [_prompt(tokenizer, "What is 12+30?"), _prompt(tokenizer, "What is 7+5?"), _prompt(tokenizer, "hi")]
+    plain = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=0)
+    expected = plain.generate(prompts, [30] * 3, [])
+    engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY)
+    with engine.rollout_scope():
+        first = engine.generate(prompts[:1], [30], [])
+        engine.acceptance.record(drafted=10_000, accepted=0)
+        assert not engine.acceptance.may_pay(3)
+        accepted = engine.counters.accepted_tokens
+        again = engine.generate(prompts, [30] * 3, [])
+        assert engine.counters.accepted_tokens - accepted >= 10
+    assert first[0].token_ids == again[0].token_ids == expected[0].token_ids
+    assert [s.token_ids for s in again] == [s.token_ids for s in expected]
+
+
 @pytest.fixture(scope="module")
 def tool_model64(tool_model_dir):
     return AutoModelForCausalLM.from_pretrained(tool_model_dir).eval().double()
@@ -108,7 +149,7 @@ def test_tokens_after_a_verified_draft_follow_the_model_distribution(tiny_model_
     likeliest = dict(zip(support.tolist(), second.argmax(1).tolist()))
 
     engine.drafts.draft = lambda tokens, limit: [likeliest[tokens[-1]]][:limit]  # under test: the verification
-    engine.acceptance.draft_length = lambda available: max(available)
+    engine.acceptance.draft_length = lambda available, alphas=None: max(available)
     torch.manual_seed(0)
     segments = engine.generate([prefix] * n, [2] * n, [])
     counters = engine.counters

@@ -34,8 +34,15 @@ from arpo_trl.entropy import sampling_warpers, token_entropy
 from arpo_trl.generation.kv_batch import KVBatch
 from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, prefill
 from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, common_prefix_length, crop
-from arpo_trl.generation.sampling import accept_drafts, sample_tokens
-from arpo_trl.generation.speculation import MAX_DRAFT_TOKENS, Acceptance, DraftIndex, check_draft_tokens
+from arpo_trl.generation.sampling import sample_tokens
+from arpo_trl.generation.speculation import (
+    MAX_DRAFT_TOKENS,
+    PRIOR_ACCEPTANCE,
+    Acceptance,
+    DraftIndex,
+    SpeculativeDecoding,
+    check_draft_tokens,
+)
 from arpo_trl.generation.support import SUPPORTED_KEYS, check_full_attention
 
 
@@ -51,9 +58,10 @@ class _Request:
     cached: int = 0  # leading prefix tokens the prefix cache held at admission (their n-grams are indexed already)
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
+    alpha: float = PRIOR_ACCEPTANCE  # the row's draft acceptance rate (`SpeculativeDecoding`), the rollout's at join
 
 
-class CachedTransformersEngine(TransformersEngine):
+class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
     """`TransformersEngine`'s sampling settings and segment rules, generated event-driven with a KV cache.
 
     `max_cached_tokens` bounds the positions the prefix cache keeps between requests of one rollout (None: unbounded;
@@ -257,11 +265,14 @@ class CachedTransformersEngine(TransformersEngine):
         if self.speculating:
             for request, _, _ in joining:
                 self.drafts.add(request.text, request.cached - 1)
+                request.alpha = self.acceptance.rate
 
     def _sample(self) -> list[int]:
         """One token per running row; returns the rows that finished."""
         scores = self._penalized(self._logits)
         tempered, entropies, sampled = self._distributions(scores)
+        if self.speculating:
+            self._observe_acceptance(tempered, sampled)
         if sampled is not None:
             tokens = sample_tokens(self._residual(sampled))
         else:  # greedy: a rejected draft was not the argmax, so the argmax stands
@@ -356,45 +367,3 @@ class CachedTransformersEngine(TransformersEngine):
             self._logits = logits[:, -1]
         else:
             self._verify(logits, drafts, start)
-
-    def _drafts(self) -> list[list[int]]:
-        """Per row, the draft tokens this step feeds after its sampled one (`speculation.py`): as many as pay."""
-        if not self.speculating or not self.acceptance.may_pay(len(self._rows)):
-            return [[] for _ in self._rows]
-        found = [self.drafts.draft(request.text, min(self.acceptance.max_draft, request.budget - len(request.ids)))
-                 for request in self._rows]
-        length = self.acceptance.draft_length([len(draft) for draft in found])
-        return [draft[:length] for draft in found]
-
-    def _verify(self, logits: torch.Tensor, drafts: list[list[int]], start: int) -> None:
-        """Keep each row's drafts while p accepts them (probability p(d); greedy: d is the argmax), append them as
-        sampled tokens, and leave the next position's logits (and the rejected draft, which its sample avoids).
-        The columns of rejected drafts become holes."""
-        rows, width = logits.shape[:2]
-        tempered, entropies, sampled = self._distributions(logits[:, :-1].flatten(0, 1))
-        entropies = entropies.view(rows, width - 1).tolist()
-        accepted, chosen = accept_drafts(tempered.view(rows, width - 1, -1),
-                                         None if sampled is None else sampled.view(rows, width - 1, -1), drafts)
-        finished, kept = [], []
-        for row, request in enumerate(self._rows):
-            count, done = 0, False
-            while count < accepted[row] and not done:
-                self._append(request, drafts[row][count], chosen[row][count], entropies[row][count])
-                count += 1
-                done = self._is_done(request)
-            if done:
-                finished.append(row)
-            self.acceptance.record(min(len(drafts[row]), accepted[row] + 1), accepted[row])
-            self.counters.drafted_tokens += len(drafts[row])
-            self.counters.accepted_tokens += count
-            end = start + count + (not done)  # a finished row's last token is not in its cache
-            if end < start + width:
-                self._batch.hole(row, end, start + width)
-            kept.append(count)
-            if not done and count < len(drafts[row]):
-                self._excluded[row] = drafts[row][count]
-        advanced = torch.tensor(kept, device=logits.device)
-        self._positions = self._positions + 1 + advanced
-        self._logits = logits[torch.arange(rows, device=logits.device), advanced]
-        self._release(finished)
-

@@ -12,21 +12,45 @@ and keeps the drafts the target distribution accepts:
   (P(d) = p(d); P(x ≠ d) = (1 - p(d)) · p(x) / (1 - p(d))), so the trees are those of plain decoding. Logprobs and
   entropies come from the same logits plain decoding would use (p, not the residual). Greedy: accepted iff argmax.
 * D is chosen per step to maximise expected tokens per unit of forward time: a row with L drafts yields
-  1 + Σ_{j≤min(D, L)} αʲ tokens, α the acceptance rate seen so far, and a forward costs `DECODE_FORWARD_COST` +
-  rows × (1 + D) positions, plus one more per row when D > 0 (several query positions take a slower attention path).
-  Measured for SmolLM2-135M on a 2-core CPU: 1 row, 1 token 88 ms, 9 tokens 120 ms; 16 rows, 1 token 153 ms, 3 tokens
-  336 ms; 128 rows, 1 token 516 ms, 2 tokens 1.4 s. So drafts pay in a rollout's tail, where few rows run, and not in
-  its bulk; drafts that are rarely accepted give D = 0, a plain step.
+  1 + Σ_{j≤min(D, L)} α_rowʲ tokens, and a forward costs `step_cost(rows, D)`, in units of a row's share of a plain
+  step. A step with drafts pays a jump (several query positions take a slower attention path), then little per draft
+  position, until the positions of all rows together outgrow the CPU's caches. Measured for SmolLM2-135M on a 2-core
+  CPU (250 cached positions, ms per step for D = 0, 1, 2, 4, 8): 1 row 101, 157, 180, 154, 170; 16 rows 181, 340,
+  387, 413, 568; 32 rows 288, 518, 660, 773, 903; 64 rows 432, 930, 1885, 2717, 3500. So drafts pay in a rollout's
+  tail, where few rows run, and not in its bulk; drafts that are rarely accepted give D = 0, a plain step.
+* α is each row's own: a path that starts late (a fill-up, a fork's copy) finds its siblings' text ahead of it and
+  drafts from it nearly always accepted, while rows decoding side by side find little. It is learned at every step
+  whether or not drafts are verified, for free: before a row samples, the probability that the distribution gives
+  the token its draft would have started with is the chance that draft token would have been accepted
+  (`SpeculativeDecoding._observe_acceptance`). Rows start from the rollout's rate, and verified drafts count too.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+import torch
+
+from arpo_trl.generation.sampling import accept_drafts
 
 NGRAM_SIZES = (4, 3, 2)  # the longest suffix that occurred before wins
 MAX_DRAFT_TOKENS = 8
-PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 16  # α before any draft was verified, worth this many drafted tokens
-DECODE_FORWARD_COST = 24  # a decode forward's fixed cost in positions (88 ms for 1 row, ~3.7 ms per position more)
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 16  # α before any draft was observed, worth this many drafted tokens
+ROW_MEMORY = 0.5  # a row's α keeps this share of its previous value at each observation (recent steps weigh most)
+# A decode step's cost in units of one row of a plain step (~5.3 ms): fixed part (~96 ms), the jump a step with drafts
+# pays (fixed and per row), each draft position, and each position beyond WIDE_POSITIONS in all (module docstring).
+DECODE_FORWARD_COST, DRAFT_STEP_COST, DRAFT_ROW_COST, DRAFT_POSITION_COST = 18, 6, 1.5, 0.4
+WIDE_POSITIONS, WIDE_POSITION_COST = 160, 1.0
+
+
+def step_cost(rows: int, draft_length: int) -> float:
+    """What a decode step of `rows` rows, each fed its token and `draft_length` drafts, costs (measured above)."""
+    if not draft_length:
+        return DECODE_FORWARD_COST + rows
+    wide = max(0, rows * (1 + draft_length) - WIDE_POSITIONS)
+    return (DECODE_FORWARD_COST + DRAFT_STEP_COST + rows * (1 + DRAFT_ROW_COST + DRAFT_POSITION_COST * draft_length)
+            + WIDE_POSITION_COST * wide)
 
 
 class DraftIndex:
@@ -46,6 +70,14 @@ class DraftIndex:
         for size in self.sizes:
             for end in range(max(begin, size - 1) + 1, len(tokens)):
                 self.seen[tuple(tokens[end - size: end])] = (tokens, end)
+
+    def guess(self, tokens: list[int]) -> int:
+        """The first token `draft` would give after `tokens`, or -1 when the suffix never occurred before."""
+        for size in self.sizes:
+            if len(tokens) >= size and (found := self.seen.get(tuple(tokens[-size:]))) is not None:
+                source, end = found
+                return source[end] if end < len(source) else -1
+        return -1
 
     def draft(self, tokens: list[int], limit: int) -> list[int]:
         """Up to `limit` tokens that followed the longest suffix of `tokens` where it last occurred (in another
@@ -80,27 +112,95 @@ class Acceptance:
         """A new rollout learns α anew: what it samples then depends on its seed alone, not on earlier rollouts."""
         self.drafted = self.accepted = 0
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: float, accepted: float) -> None:
+        """Drafted tokens and how many were accepted (or, for observed ones, their summed acceptance chances)."""
         self.drafted += drafted
         self.accepted += accepted
 
-    def may_pay(self, rows: int) -> bool:
-        """Whether drafts could pay for `rows` rows at all, were every row to hold `max_draft` of them (the bulk of a
-        rollout skips the lookups when not)."""
-        return self.draft_length([self.max_draft] * rows) > 0
+    def may_pay(self, rows: int, alpha: float | None = None) -> bool:
+        """Whether drafts could pay for `rows` rows at all, were every row to hold `max_draft` of them accepted at
+        `alpha` (default: the rollout's rate); the bulk of a rollout skips the lookups when not."""
+        return self.draft_length([self.max_draft] * rows, [self.rate if alpha is None else alpha] * rows) > 0
 
-    def draft_length(self, available: Sequence[int], forward_cost: int = DECODE_FORWARD_COST) -> int:
+    def draft_length(self, available: Sequence[int], alphas: Sequence[float] | None = None) -> int:
         """The D in 0..max(available) that maximises expected tokens per unit of forward time for rows that have
-        `available` draft tokens each (see the module docstring)."""
-        alpha, rows, longest = self.rate, len(available), min(self.max_draft, max(available, default=0))
-        holding = [0] * (longest + 1)  # holding[j]: rows with at least j drafts
-        for row in available:
-            holding[min(row, longest)] += 1
-        for j in range(longest - 1, 0, -1):
-            holding[j] += holding[j + 1]
-        best, best_value, tokens = 0, rows / (forward_cost + rows), float(rows)
+        `available` draft tokens each, accepted at `alphas` per row (default: the rollout's rate; module docstring)."""
+        rows, longest = len(available), min(self.max_draft, max(available, default=0))
+        alphas = [self.rate] * rows if alphas is None else alphas
+        best, best_value, tokens = 0, rows / step_cost(rows, 0), float(rows)
         for length in range(1, longest + 1):
-            tokens += alpha ** length * holding[length]
-            if (value := tokens / (forward_cost + rows * (2 + length))) > best_value:
+            tokens += sum(alpha ** length for alpha, held in zip(alphas, available) if held >= length)
+            if (value := tokens / step_cost(rows, length)) > best_value:
                 best, best_value = length, value
         return best
+
+
+class SpeculativeDecoding:
+    """The cached engine's side of speculative decoding: each row's α learned as it samples, the drafts a step feeds,
+    and their verification. Mixed into `CachedTransformersEngine`, whose batch state (`_rows`, `_batch`,
+    `_positions`, `_logits`, `_excluded`) and token bookkeeping (`_append`, `_is_done`, `_release`) it uses."""
+
+    def _observe_acceptance(self, tempered: torch.Tensor, sampled: torch.Tensor | None) -> None:
+        """Before the rows sample from `sampled` (None: greedy, from `tempered`'s argmax): for each row with a draft,
+        the chance its first token would be accepted here, p(guess), which moves the row's α and the rollout's rate.
+        A row whose draft was just rejected at this position was observed by the verification already."""
+        guesses = [self.drafts.guess(request.text) for request in self._rows]
+        rows = [row for row, guess in enumerate(guesses) if guess >= 0 and self._excluded[row] < 0]
+        if not rows:
+            return
+        index = torch.tensor(rows, device=tempered.device)
+        tokens = torch.tensor([guesses[row] for row in rows], device=tempered.device)
+        chances = (sampled[index, tokens].exp() if sampled is not None
+                   else (tempered[index].argmax(-1) == tokens).double()).tolist()
+        for row, chance in zip(rows, chances):
+            self._learn_alpha(self._rows[row], [chance])
+        self.acceptance.record(len(rows), sum(chances))
+
+    @staticmethod
+    def _learn_alpha(request, chances: list[float]) -> None:
+        for chance in chances:
+            request.alpha = ROW_MEMORY * request.alpha + (1 - ROW_MEMORY) * chance
+
+    def _drafts(self) -> list[list[int]]:
+        """Per row, the draft tokens this step feeds after its sampled one: as many as pay at the rows' own α."""
+        alphas = [request.alpha for request in self._rows]
+        if not self.speculating or not self.acceptance.may_pay(len(self._rows), max(alphas)):
+            return [[] for _ in self._rows]
+        found = [self.drafts.draft(request.text, min(self.acceptance.max_draft, request.budget - len(request.ids)))
+                 for request in self._rows]
+        length = self.acceptance.draft_length([len(draft) for draft in found], alphas)
+        return [draft[:length] for draft in found]
+
+    def _verify(self, logits: torch.Tensor, drafts: list[list[int]], start: int) -> None:
+        """Keep each row's drafts while p accepts them (probability p(d); greedy: d is the argmax), append them as
+        sampled tokens, and leave the next position's logits (and the rejected draft, which its sample avoids).
+        The columns of rejected drafts become holes."""
+        rows, width = logits.shape[:2]
+        tempered, entropies, sampled = self._distributions(logits[:, :-1].flatten(0, 1))
+        entropies = entropies.view(rows, width - 1).tolist()
+        accepted, chosen = accept_drafts(tempered.view(rows, width - 1, -1),
+                                         None if sampled is None else sampled.view(rows, width - 1, -1), drafts)
+        finished, kept = [], []
+        for row, request in enumerate(self._rows):
+            count, done, tried = 0, False, min(len(drafts[row]), accepted[row] + 1)
+            while count < accepted[row] and not done:
+                self._append(request, drafts[row][count], chosen[row][count], entropies[row][count])
+                count += 1
+                done = self._is_done(request)
+            if done:
+                finished.append(row)
+            self.acceptance.record(tried, accepted[row])
+            if sampled is not None:  # greedy rows keep the argmax observations
+                self._learn_alpha(request, [math.exp(logprob) for logprob in chosen[row][:tried]])
+            self.counters.drafted_tokens += len(drafts[row])
+            self.counters.accepted_tokens += count
+            end = start + count + (not done)  # a finished row's last token is not in its cache
+            if end < start + width:
+                self._batch.hole(row, end, start + width)
+            kept.append(count)
+            if not done and count < len(drafts[row]):
+                self._excluded[row] = drafts[row][count]
+        advanced = torch.tensor(kept, device=logits.device)
+        self._positions = self._positions + 1 + advanced
+        self._logits = logits[torch.arange(rows, device=logits.device), advanced]
+        self._release(finished)
