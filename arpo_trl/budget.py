@@ -61,8 +61,11 @@ class FillUps:
     """Decides, for one prompt at a time, which fill-ups to start, confirm or drop (`update`, `make_room`)."""
 
     def __init__(self, max_tool_calls: int, branch_factor: int, branch_threshold: float, speculative: bool = True,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, after_first_decision: bool = False):
         self.max_tool_calls, self.branch_factor, self.speculative = max_tool_calls, branch_factor, speculative
+        # speculative fill-ups wait for the prompt's first fork decision: for an engine that drafts a late path from
+        # its siblings' text (the cached engine), which writes their first segment in a few steps
+        self.after_first_decision = after_first_decision
         self.call_rate, self.fork_rate = 0.5, branch_threshold  # priors, learned from each rollout
         self.shares = ForkShares(rng or random.Random(0))
 
@@ -150,7 +153,7 @@ class FillUps:
                 rollout.start(g, group[0].prompt_ids, "fill", creator)
             rollout.stats.fill_ups += certain
         self.make_room(rollout, g)
-        if not self.speculative:
+        if not self.speculative or (self.after_first_decision and not any(path.fork_decisions for path in group)):
             return
         missing = m - committed_count(group)
         expected = self.expected_slots(rollout, g)

@@ -252,7 +252,8 @@ class ARPOConfig(GRPOConfig):
         metadata={
             "help": "Cached in-process engine: n-gram drafts per row and decode step, from the rollout's own text, "
             "verified so that tokens are sampled exactly as without them (docs/in_process_engine.md); fed only where "
-            "they pay (few rows running). 0: off. Unused with a repetition penalty, the waves engine or a server.",
+            "they pay at the rows' own acceptance rates (few rows running, or late paths whose siblings' text is ahead "
+            "of them). 0: off. Unused with a repetition penalty, the waves engine or a server.",
         },
     )
     max_minutes: float | None = field(

@@ -144,9 +144,9 @@ class BranchingSampler:
         self.max_tool_calls, self.max_completion_length = max_tool_calls, max_completion_length
         self.tool_timeout, self.max_tool_workers = tool_timeout, max_tool_workers
         self.rng = random.Random(seed)
-        self.speculative_branches = speculative_branches
-        self.scheduler = make_scheduler(scheduler, engine)
-        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups, self.rng)
+        self.speculative_branches, self.scheduler = speculative_branches, make_scheduler(scheduler, engine)
+        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups, self.rng, (
+            getattr(engine, "drafts_late_paths", False) and self.scheduler.event_driven))
         eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
         self.eos_token_id = eos[0]
         self._max_token_chars: int | None = None

@@ -110,6 +110,8 @@ def _interrupt_tools(sampler: BranchingSampler) -> None:
 class WaveScheduler:
     """Ready requests → one `engine.generate` batch per wave; the tool calls of a moment run before it."""
 
+    event_driven = False  # paths join in path order, so a seed fixes the trees with either in-process engine
+
     def run(self, sampler: BranchingSampler, rollout: Rollout) -> None:
         self.sampler, self.rollout = sampler, rollout
         self.runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
@@ -243,6 +245,8 @@ class _Activity:
 
 class EventScheduler:
     """One asyncio task per path; requests and tool calls are awaited as they come."""
+
+    event_driven = True
 
     def run(self, sampler: BranchingSampler, rollout: Rollout) -> None:
         try:

@@ -44,15 +44,19 @@ QUESTIONS = [f"What is {a} * {b} + {c}?" for a, b, c in [(17, 23, 5), (48, 12, 9
 
 def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") -> BranchingSampler:
     """`policy`: a branch policy, optionally with ':speculative' or ':deferred' (an uncertain fork's copies start
-    beside the probe, or once it keeps them; the sampler's default otherwise) or ':certain-fills' (fill-ups start
-    only once certain: `speculative_fill_ups=False`)."""
+    beside the probe, or once it keeps them; the sampler's default otherwise), ':certain-fills' (fill-ups start
+    only once certain: `speculative_fill_ups=False`) or ':early-fills' (speculative fill-ups from the rollout's start
+    even on an engine that drafts late paths)."""
     policy, _, variant = policy.partition(":")
     n = args.num_generations if policy == "none" else args.initial_rollouts
     mode = {"speculative": {"speculative_branches": True}, "deferred": {"speculative_branches": False},
             "certain-fills": {"speculative_fill_ups": False}}.get(variant, {})
-    return BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
-                            initial_rollouts=n, max_completion_length=args.max_tokens, branch_policy=policy,
-                            seed=args.seed, scheduler=scheduler, **mode)
+    sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
+                               initial_rollouts=n, max_completion_length=args.max_tokens, branch_policy=policy,
+                               seed=args.seed, scheduler=scheduler, **mode)
+    if variant == "early-fills":  # speculative fill-ups from the start, as for engines that do not draft late paths
+        sampler.fill_ups.after_first_decision = False
+    return sampler
 
 
 def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:

@@ -106,6 +106,23 @@ def test_speculative_fill_ups_cover_what_forking_is_not_expected_to_fill():
     assert len(r.groups[0]) == 7 and r.stats.speculative_fill_ups == 5
 
 
+def test_speculative_fill_ups_can_wait_for_the_prompts_first_fork_decision():
+    """On an engine that drafts late paths from their siblings' text, speculation starts at the prompt's first fork
+    decision; certain fill-ups never wait."""
+    fills, r = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5, after_first_decision=True), \
+        rollout(m=8, n=2)
+    creator = r.groups[0][0]
+    fills.update(r, 0, creator)
+    assert kinds(r) == [("global", True)] * 2 and r.stats.speculative_fill_ups == 0
+    creator.fork_decisions = 1  # its first tool result, decided without a fork
+    fills.update(r, 0, creator)
+    assert kinds(r)[2:] and set(kinds(r)[2:]) == {("fill", False)} and r.stats.fill_ups == 0
+    certain, lone = FillUps(max_tool_calls=0, branch_factor=2, branch_threshold=0.5, after_first_decision=True), \
+        rollout(3, 1)
+    certain.update(lone, 0, None)
+    assert kinds(lone) == [("global", True)] + [("fill", True)] * 2
+
+
 def test_a_lone_global_speculates_too():
     fills, r = FillUps(max_tool_calls=1, branch_factor=2, branch_threshold=0.5), rollout(m=2, n=1)
     fills.update(r, 0, None)  # the one slot is expected to be filled a quarter of the time: ceil(1 - 0.25) = 1

@@ -296,16 +296,18 @@ def test_speculative_fill_ups_leave_the_trees_unchanged(tokenizer, seed):
     """Forks take precedence over speculative fill-ups, which are committed in start order: on a policy whose output
     depends only on its own prefix, the committed trees are those of fill-ups started only once certain."""
     shapes, stats = [], []
-    for speculate in (True, False):
+    for speculate, after_first_decision in ((True, False), (False, False), (True, True)):
         sampler = _sampler(tokenizer, None, num_generations=8, initial_rollouts=3, seed=seed, engine_class=PrefixPolicy,
                            speculative_fill_ups=speculate)
+        sampler.fill_ups.after_first_decision = after_first_decision  # as on an engine that drafts late paths
         result = sampler.sample(_prompts(tokenizer, 6))
         stats.append(result.stats)
         by_id = {t.id: t for t in result.trajectories}  # a path: its kind, tokens and its parent's (ids differ)
         shapes.append([sorted((t.kind, t.fork_position, t.completion_ids, by_id[t.parent].completion_ids
                                if t.parent is not None else None) for t in g) for g in result.groups])
-    assert shapes[0] == shapes[1]
-    assert stats[0].forks == stats[1].forks > 0 and stats[0].fill_ups == stats[1].fill_ups > 0
+    assert shapes[0] == shapes[1] == shapes[2]
+    assert stats[0].forks == stats[1].forks == stats[2].forks > 0
+    assert stats[0].fill_ups == stats[1].fill_ups == stats[2].fill_ups > 0
     assert stats[0].speculative_fill_ups > 0 and stats[0].discarded_tokens > 0  # some were dropped for forks
     assert stats[1].speculative_fill_ups == stats[1].discarded_tokens == 0
 

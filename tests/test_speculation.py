@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from arpo_trl.engines import SamplingSettings
+from arpo_trl.engines import SamplingSettings, TransformersEngine
 from arpo_trl.generation import CachedTransformersEngine
-from arpo_trl.generation.speculation import Acceptance, DraftIndex
+from arpo_trl.generation.speculation import Acceptance, DraftIndex, step_cost
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool
 from tests.test_cached_engine import GREEDY, _chi2_and_bound, _prompt
@@ -64,6 +64,24 @@ def test_draft_length_weighs_each_row_at_its_own_rate():
     assert acceptance.may_pay(25, 0.95) and not acceptance.may_pay(25)
 
 
+def test_step_cost_follows_the_measured_steps():
+    """The cost model against the step times measured on the development CPU (speculation.py's docstring, ms for
+    D = 0, 1, 2, 4, 8 at 1, 16, 32 and 64 rows): within 25 % where drafts can pay, and never cheaper than measured
+    where many positions make them too dear."""
+    measured = {1: [101, 157, 180, 154, 170], 16: [181, 340, 387, 413, 568], 32: [288, 518, 660, 773, 903],
+                64: [432, 930, 1885, 2717, 3500]}
+    unit = 101 / step_cost(1, 0)
+    for rows, times in measured.items():
+        for length, ms in zip([0, 1, 2, 4, 8], times):
+            modelled = unit * step_cost(rows, length)
+            if rows * (1 + length) <= 160:
+                assert modelled == pytest.approx(ms, rel=0.25), (rows, length)
+            else:  # where the model errs low, drafts must still not pay (α 0.9, every row holding 8)
+                assert modelled >= 0.8 * ms or Acceptance().draft_length([8] * rows, [0.9] * rows) < length
+    assert all(step_cost(rows, d) < step_cost(rows, d + 1) < step_cost(rows + 1, d + 1) for rows in (1, 16, 64)
+               for d in range(8))
+
+
 def test_a_guess_is_the_first_token_a_draft_would_start_with():
     index = DraftIndex(sizes=(3, 2))
     index.add([1, 2, 3, 4, 5])
@@ -106,6 +124,7 @@ def test_greedy_trees_equal_plain_decoding(tool_model64, tokenizer, scheduler):
         engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=max_draft_tokens)
         sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=4,
                                    max_completion_length=80, branch_policy="random", seed=3, scheduler=scheduler)
+        sampler.fill_ups.after_first_decision = False  # the same fill-up timing with and without drafts
         return sampler.sample([_prompt(tokenizer, "What is 12+30?"), _prompt(tokenizer, "What is 7+5?")]), engine
 
     (plain, _), (speculative, engine) = grow(0), grow(8)
@@ -162,3 +181,15 @@ def test_tokens_after_a_verified_draft_follow_the_model_distribution(tiny_model_
         x1, x2 = segment.token_ids
         row = int((support == x1).nonzero())
         assert segment.logprobs[1] == pytest.approx(math.log(second[row, x2]), abs=1e-3)
+
+
+def test_fill_ups_wait_for_the_first_fork_decision_only_on_an_engine_that_drafts_late_paths(tool_model64, tokenizer):
+    """Event-driven only: under the waves scheduler a seed fixes the trees with either in-process engine."""
+    def waits(engine, scheduler="auto"):
+        return BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=4, seed=0,
+                                scheduler=scheduler).fill_ups.after_first_decision
+
+    assert waits(CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY))
+    assert not waits(CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY), "waves")
+    assert not waits(CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=0))
+    assert not waits(TransformersEngine(tool_model64, tokenizer, sampling=GREEDY))

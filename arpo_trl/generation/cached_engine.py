@@ -83,6 +83,7 @@ class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
         check_draft_tokens(max_draft_tokens)
         self.drafts, self.acceptance = DraftIndex(), Acceptance(max_draft_tokens)
         self.speculating = max_draft_tokens > 0 and self.repetition_penalty in (None, 1.0)
+        self.drafts_late_paths = self.speculating  # a path started late decodes its siblings' text in a few steps
         self._warpers = LogitsProcessorList(sampling_warpers(*self.warper_settings))
         self._pending: list[_Request] = []
         self._rows: list[_Request] = []
