@@ -4,7 +4,9 @@ so that it does not stretch the rollout's critical path.
 A prompt's missing slots are *certain* to need fill-ups once forking cannot fill them even if every live path forked
 at every tool result it may still reach; those start (or are confirmed) at once. Besides, as many *speculative*
 fill-ups run as forking is expected not to fill, from the rates seen so far; a fork takes a speculative fill-up's slot
-back (the youngest is dropped), and they are confirmed oldest first once certain. Forks never wait for fill-ups and
+back (the youngest is dropped), and they are confirmed oldest first once certain. On an engine that drafts a late
+path from its siblings' text they start at the prompt's first fork decision (`after_first_decision`), when the
+estimate knows more and their first segment costs a few steps. Forks never wait for fill-ups and
 confirmation never looks at a fill-up's content, so the trees are those of the certain rule, only sooner
 (docs/differences.md).
 """

@@ -233,7 +233,9 @@ class ARPOConfig(GRPOConfig):
             "help": "Start fill-ups (the global paths that complete a prompt's M when forking falls short) before they "
             "are certain to be needed, as many as forking is expected not to fill; a fork takes their slot back and "
             "they are confirmed oldest first, so the trees are unchanged. Shortens the rollout's critical path for "
-            "some discarded tokens. False: fill-ups start only once certain.",
+            "some discarded tokens. On the cached in-process engine, event-driven, they wait for the prompt's first "
+            "fork decision (that engine drafts a late path's first segment from its siblings' text in a few steps). "
+            "False: fill-ups start only once certain.",
         },
     )
     speculative_branches: bool = field(
