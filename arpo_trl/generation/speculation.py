@@ -144,8 +144,8 @@ class SpeculativeDecoding:
         """Before the rows sample from `sampled` (None: greedy, from `tempered`'s argmax): for each row with a draft,
         the chance its first token would be accepted here, p(guess), which moves the row's α and the rollout's rate.
         A row whose draft was just rejected at this position was observed by the verification already."""
-        guesses = [self.drafts.guess(request.text) for request in self._rows]
-        rows = [row for row, guess in enumerate(guesses) if guess >= 0 and self._excluded[row] < 0]
+        guesses, excluded = [self.drafts.guess(request.text) for request in self._rows], self._excluded.tolist()
+        rows = [row for row, guess in enumerate(guesses) if guess >= 0 and excluded[row] < 0]
         if not rows:
             return
         index = torch.tensor(rows, device=tempered.device)
