@@ -71,25 +71,27 @@ class DraftIndex:
             for end in range(max(begin, size - 1) + 1, len(tokens)):
                 self.seen[tuple(tokens[end - size: end])] = (tokens, end)
 
-    def guess(self, tokens: list[int]) -> int:
-        """The first token `draft` would give after `tokens`, or -1 when the suffix never occurred before."""
+    def _occurrence(self, tokens: list[int]) -> tuple[list[int], int] | None:
+        """The sequence and position after the longest suffix of `tokens` where it last occurred, if it did."""
         for size in self.sizes:
             if len(tokens) >= size and (found := self.seen.get(tuple(tokens[-size:]))) is not None:
-                source, end = found
-                return source[end] if end < len(source) else -1
-        return -1
+                return found
+        return None
+
+    def guess(self, tokens: list[int]) -> int:
+        """The first token `draft` would give after `tokens`, or -1 when the suffix never occurred before."""
+        if (found := self._occurrence(tokens)) is None:
+            return -1
+        source, end = found
+        return source[end] if end < len(source) else -1
 
     def draft(self, tokens: list[int], limit: int) -> list[int]:
         """Up to `limit` tokens that followed the longest suffix of `tokens` where it last occurred (in another
         sequence or earlier in `tokens`); empty when it never did."""
-        if limit <= 0:
+        if limit <= 0 or (found := self._occurrence(tokens)) is None:
             return []
-        for size in self.sizes:
-            if len(tokens) >= size and (found := self.seen.get(tuple(tokens[-size:]))) is not None:
-                source, end = found
-                return list(source[end: end + limit])
-        return []
-
+        source, end = found
+        return list(source[end: end + limit])
 
 def check_draft_tokens(max_draft_tokens: int) -> None:
     if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 0:
