@@ -93,6 +93,7 @@ class DraftIndex:
         source, end = found
         return list(source[end: end + limit])
 
+
 def check_draft_tokens(max_draft_tokens: int) -> None:
     if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 0:
         raise ValueError(f"max_draft_tokens must be an integer >= 0 (0: no speculative decoding), got "
