@@ -200,11 +200,11 @@ def main() -> None:
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
     parser.add_argument("--engines", default="waves,cached",
                         help="in-process engines: 'waves' (TransformersEngine), 'cached' (CachedTransformersEngine), "
-                             "'cached-nodraft' (the cached engine with max_draft_tokens=0), 'cached-separate' (the "
-                             "cached engine prefilling in forwards of their own: one_forward_per_step=False); run in "
-                             "the order given")
+                             "'cached-nodraft' (the cached engine with max_draft_tokens=0); run in the order given")
     parser.add_argument("--out", default="outputs/bench_rollout")
     args = parser.parse_args()
+    if unknown := set(args.engines.split(",")) - {"waves", "cached", "cached-nodraft"}:
+        parser.error(f"--engines: unknown {sorted(unknown)} (choose from waves, cached, cached-nodraft)")
     model_dir = args.model or str(smollm2_path())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = prompt_ids(tokenizer, args)
@@ -223,13 +223,8 @@ def main() -> None:
             # the same engine without n-gram speculative decoding
             "cached-nodraft": ("transformers-cached-nodraft",
                                lambda: CachedTransformersEngine(model, tokenizer, max_draft_tokens=0)),
-            # the joining requests prefilled in forwards of their own
-            "cached-separate": ("transformers-cached-separate",
-                                lambda: CachedTransformersEngine(model, tokenizer, one_forward_per_step=False)),
         }
         for choice in args.engines.split(","):
-            if choice not in engines:
-                parser.error(f"--engines: unknown engine {choice!r} (choose from {sorted(engines)})")
             name, make = engines[choice]
             paired(runs, name, make(), tokenizer, prompts, args, policies)
         del model
@@ -253,11 +248,6 @@ def main() -> None:
                       runs[f"transformers-cached-nodraft/{policy}"]["wall_s"], 3)
         for policy in policies if f"transformers-cached/{policy}" in runs and
         f"transformers-cached-nodraft/{policy}" in runs}
-    report["one_forward_vs_separate"] = {  # rollout seconds, cached engine: prefill in the decode forward / apart
-        policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] /
-                      runs[f"transformers-cached-separate/{policy}"]["wall_s"], 3)
-        for policy in policies if f"transformers-cached/{policy}" in runs and
-        f"transformers-cached-separate/{policy}" in runs}
     report["cached_vs_waves"] = {  # the in-process engines side by side: rollout seconds, cached / waves
         policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] / runs[f"transformers/{policy}"]["wall_s"], 3)
         for policy in policies if f"transformers-cached/{policy}" in runs and f"transformers/{policy}" in runs}
@@ -279,9 +269,6 @@ def print_table(report: dict) -> None:
         print(f"- {backend}, ARPO / GRPO: {ratios}")
     if report.get("drafts_vs_nodraft"):
         print(f"- rollout seconds, cached engine with / without n-gram drafts: {report['drafts_vs_nodraft']}")
-    if report.get("one_forward_vs_separate"):
-        print(f"- rollout seconds, prefill in the decode forward / in forwards of its own: "
-              f"{report['one_forward_vs_separate']}")
     if report.get("cached_vs_waves"):
         print(f"- rollout seconds, cached engine / waves engine: {report['cached_vs_waves']}")
     if "lora_sync" in report:

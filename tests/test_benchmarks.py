@@ -301,15 +301,3 @@ def test_packed_head_times_both_ways_on_the_same_steps(tiny_model_dir, capsys):
         assert step["plain_ms"] > 0 and step["packed_ms"] > 0 and step["pack_seconds"] >= 0
         assert step["max_logit_difference"] < 1e-4
     assert "| 3 |" in capsys.readouterr().out
-
-
-def test_engine_joins_smoke(tool_model_dir, capsys):
-    """Both ways generate the very same greedy tokens, and report where their time went."""
-    report = load("engine_joins").main(["--model", str(tool_model_dir), "--paths", "4", "--segments", "3",
-                                        "--segment-tokens", "6", "--max-delay", "0.02", "--repeats", "1"])
-    assert report["same_tokens"]
-    one, separate = report["runs"]["one_forward"][0], report["runs"]["separate"][0]
-    assert one["prefill_forwards"] >= 1 and separate["prefill_forwards"] >= 1
-    assert one["busy_s"] > 0 and set(one) == set(separate)
-    assert set(report["one_forward_vs_separate"]) == {"wall_s", "busy_s"}
-    assert "| one_forward |" in capsys.readouterr().out

@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 from arpo_trl.engines import SamplingSettings, TransformersEngine
 from arpo_trl.generation import CachedTransformersEngine, PrefixCache
 from arpo_trl.generation.prefix_cache import CachedPrefix, common_prefix_length
-from arpo_trl.generation.ragged import ATTENTION as RAGGED_ATTENTION
 from arpo_trl.generation.sampling import sample_tokens
 from arpo_trl.generation.support import cache_budget
 from arpo_trl.rollout import BranchingSampler
@@ -37,14 +36,12 @@ def _as_tuples(result):
     return [(t.id, t.kind, t.parent, t.fork_position, t.completion_ids, t.mask) for t in result.trajectories]
 
 
-@pytest.mark.parametrize("one_forward_per_step", [True, False])
-def test_greedy_segments_equal_the_waves_engine(tool_model64, tokenizer, poisoned_buffers, one_forward_per_step):
+def test_greedy_segments_equal_the_waves_engine(tool_model64, tokenizer, poisoned_buffers):
     prefixes = [_prompt(tokenizer, "What is 12+30?"), _prompt(tokenizer, "hi")[:5], [5, 6, 7],
                 _prompt(tokenizer, "What is 12+30?")]
     budgets, stop = [40, 9, 13, 3], ["</python>"]
     waves = TransformersEngine(tool_model64, tokenizer, sampling=GREEDY).generate(prefixes, budgets, stop)
-    cached = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY,
-                                      one_forward_per_step=one_forward_per_step).generate(prefixes, budgets, stop)
+    cached = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY).generate(prefixes, budgets, stop)
     assert any(s.finish_reason == "stop" for s in waves)
     for a, b in zip(waves, cached):
         assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
@@ -56,8 +53,7 @@ def test_greedy_segments_equal_the_waves_engine(tool_model64, tokenizer, poisone
 def test_a_flex_attention_model_generates_with_sdpa_and_is_handed_back_flex(tool_model_dir, tool_model64, tokenizer,
                                                                             engine_class):
     """FlexAttention compiles per input shape and a decode step's shapes change every step, so both engines decode
-    through SDPA (the same segments as the SDPA model's; the cached engine's ragged steps call SDPA per row group) and
-    hand the model back with FlexAttention set for training."""
+    through SDPA (the same segments as the SDPA model's) and hand the model back with FlexAttention set for training."""
     flex = AutoModelForCausalLM.from_pretrained(tool_model_dir, attn_implementation="flex_attention").eval().double()
     seen = []
     flex.model.layers[0].self_attn.register_forward_pre_hook(
@@ -66,14 +62,12 @@ def test_a_flex_attention_model_generates_with_sdpa_and_is_handed_back_flex(tool
     got = engine_class(flex, tokenizer, sampling=GREEDY).generate(prefixes, budgets, stop)
     want = engine_class(tool_model64, tokenizer, sampling=GREEDY).generate(prefixes, budgets, stop)
     assert [(s.token_ids, s.finish_reason) for s in got] == [(s.token_ids, s.finish_reason) for s in want]
-    assert seen and set(seen) == ({"sdpa"} if engine_class is TransformersEngine else {RAGGED_ATTENTION})
+    assert seen and set(seen) == {"sdpa"}
     assert flex.config._attn_implementation == "flex_attention"
 
 
-@pytest.mark.parametrize("one_forward_per_step", [True, False])
 @pytest.mark.parametrize("scheduler", ["waves", "events"])
-def test_greedy_trees_equal_the_waves_engine(tool_model64, tokenizer, scheduler, poisoned_buffers,
-                                             one_forward_per_step):
+def test_greedy_trees_equal_the_waves_engine(tool_model64, tokenizer, scheduler, poisoned_buffers):
     """Same seeded sampler, greedy model: the new engine under either scheduler grows the waves engine's trees."""
     def grow(engine, scheduler):
         sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=4,
@@ -82,8 +76,7 @@ def test_greedy_trees_equal_the_waves_engine(tool_model64, tokenizer, scheduler,
 
     expected = grow(TransformersEngine(tool_model64, tokenizer, sampling=GREEDY), "waves")
     assert any(t.kind == "branch" for t in expected.trajectories)  # the comparison covers forks
-    engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY,
-                                      one_forward_per_step=one_forward_per_step)
+    engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY)
     result = grow(engine, scheduler)
     if scheduler == "waves":
         assert _as_tuples(result) == _as_tuples(expected)
@@ -185,18 +178,13 @@ def test_continuation_and_fork_prefill_only_new_tokens(tool_model64, tokenizer):
     assert len(engine.prefix_cache) == 0 and engine.prefix_cache.tokens == 0
 
 
-@pytest.mark.parametrize("one_forward_per_step", [True, False])
-def test_counters_time_each_phase_and_count_decode_forwards(tool_model64, tokenizer, one_forward_per_step):
+def test_counters_time_each_phase_and_count_decode_forwards(tool_model64, tokenizer):
     """One row, no drafts: every generated token but the first (from the prefill's logits) and the last (never fed)
-    costs one decode forward; the prefill is a forward of its own, or the first step's; the step's phases are timed."""
-    engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=0,
-                                      one_forward_per_step=one_forward_per_step)
-    prompt = _prompt(tokenizer, "What is 12+30?")
-    segment = asyncio.run(engine.agenerate(prompt, 6, []))
+    costs one decode forward; the step's phases are timed."""
+    engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=0)
+    segment = asyncio.run(engine.agenerate(_prompt(tokenizer, "What is 12+30?"), 6, []))
     asyncio.run(engine.aclose())
-    assert engine.counters.decode_tokens == len(segment.token_ids) - 1
-    assert engine.counters.decode_steps == engine.counters.decode_tokens + one_forward_per_step
-    assert engine.counters.prefill_forwards == 1 and engine.counters.prefill_tokens == len(prompt)
+    assert engine.counters.decode_steps == engine.counters.decode_tokens == len(segment.token_ids) - 1
     phases = {"admit", "sample", "decode"} if engine.counters.decode_steps else {"admit", "sample"}
     assert set(engine.counters.seconds) == phases
     assert all(seconds > 0 for seconds in engine.counters.seconds.values())

@@ -6,8 +6,7 @@ its keys and values in place into preallocated buffers (`KVBatch`, rows left-pad
 concatenating the cache anew. A request's prefix is looked up in a `PrefixCache`: only the tokens after the longest
 cached prefix are prefilled, so a continuation after a tool result prefills the result's tokens, and a fork starts from
 its parent's state (shared, never written: a prefill copies its rows out of its forward). The requests that join in one
-step are prefilled in that step's decode forward, laid out ragged (`ragged.py`; or in forwards of their own, grouped,
-`prefill.py`; `admission.py` chooses what to prefill). Entropy and logprobs come from the logits at hand,
+step are prefilled together, a forward per group (`prefill.py`). Entropy and logprobs come from the logits at hand,
 exactly as `TransformersEngine` records them. The cache lives for one rollout (`aclose` frees it and lets the weights
 go), so every rollout samples the current weights, LoRA adapters included.
 """
@@ -32,12 +31,9 @@ from arpo_trl.engines import (
     tail_has_stop,
 )
 from arpo_trl.entropy import sampling_warpers, token_entropy
-from arpo_trl.generation.admission import Admission, empty_kv
 from arpo_trl.generation.kv_batch import KVBatch
-from arpo_trl.generation.prefill import PrefillJob
-from arpo_trl.generation.prefix_cache import CachedPrefix, PrefixCache
-from arpo_trl.generation.ragged import layout as ragged_layout
-from arpo_trl.generation.ragged import ragged_forward
+from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, prefill
+from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, common_prefix_length, crop
 from arpo_trl.generation.sampling import sample_tokens
 from arpo_trl.generation.speculation import (
     MAX_DRAFT_TOKENS,
@@ -65,19 +61,17 @@ class _Request:
     alpha: float = PRIOR_ACCEPTANCE  # the row's draft acceptance rate (`SpeculativeDecoding`), the rollout's at join
 
 
-class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngine):
+class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
     """`TransformersEngine`'s sampling settings and segment rules, generated event-driven with a KV cache.
 
     `max_cached_tokens` bounds the positions the prefix cache keeps between requests of one rollout (None: unbounded;
     the running rows' own KV is not counted). `max_draft_tokens`: drafts per row and step of n-gram speculative decoding
-    (`speculation.py`; exact in distribution; 0 turns it off; off with a repetition penalty). `one_forward_per_step`:
-    the joining requests' prefill rides in the running rows' decode forward (`ragged.py`; False: forwards of their own,
-    `prefill.py`). `counters` accumulate over the engine's life (positions, forwards, and each phase's seconds).
+    (`speculation.py`; exact in distribution; 0 turns it off; off with a repetition penalty). `counters` accumulate over
+    the engine's life (positions, forwards, and each phase's seconds).
     """
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
-                 max_cached_tokens: int | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
-                 one_forward_per_step: bool = True, **kwargs):
+                 max_cached_tokens: int | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS, **kwargs):
         sampling = sampling or SamplingSettings()
         super().__init__(model, tokenizer, sampling=sampling, **kwargs)
         if unsupported := set(sampling.generation_kwargs or {}) - SUPPORTED_KEYS:
@@ -89,12 +83,10 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
         check_draft_tokens(max_draft_tokens)
         self.drafts, self.acceptance = DraftIndex(), Acceptance(max_draft_tokens)
         self.speculating = max_draft_tokens > 0 and self.repetition_penalty in (None, 1.0)
-        self.one_forward_per_step = one_forward_per_step
         self.drafts_late_paths = self.speculating  # a path started late decodes its siblings' text in a few steps
         self._warpers = LogitsProcessorList(sampling_warpers(*self.warper_settings))
         self._pending: list[_Request] = []
         self._rows: list[_Request] = []
-        self._computing: list[_Request] = []  # the requests a ragged step prefills, until they join
         self._batch: KVBatch | None = None  # the running rows' KV, in the order of `_rows`
         self._positions: torch.Tensor | None = None  # [rows] next position
         self._logits: torch.Tensor | None = None  # [rows, vocab] next-token logits
@@ -174,10 +166,10 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
             self._fail_all(error)
 
     def _fail_all(self, error: BaseException) -> None:
-        for request in self._pending + self._rows + self._computing:
+        for request in self._pending + self._rows:
             if not request.future.done():
                 request.future.set_exception(error)
-        self._pending, self._rows, self._computing = [], [], []
+        self._pending, self._rows = [], []
         self._batch = self._positions = self._logits = self._excluded = self._tokens = None
 
     def _model(self):
@@ -189,42 +181,92 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
 
     @torch.no_grad()
     def _step(self, model) -> None:
-        pending, self._pending = self._pending, []
-        joining = [request for request in pending if not request.future.done()]  # not cancelled
-        if self.one_forward_per_step:
-            self._step_one_forward(model, joining)
-        else:
-            self._step_prefill_apart(model, joining)
-
-    def _step_one_forward(self, model, joining: list[_Request]) -> None:
-        jobs, timed = [], self.counters.timed
-        if joining:
-            with timed("admit"):  # prefix-cache lookups; the cached rows join now, the others' prefill is planned
-                ready, jobs, self._pending = self._plan(joining)
-                if ready:
-                    self._join(ready)
-        if self._rows:
-            with timed("sample"):  # a token per row; the rows that finished are released
-                self._release(self._sample())
-        if self._rows or jobs:
-            with timed("decode"):  # one forward: the running rows' tokens and the jobs' prefill; drafts verified
-                self._computing = [request for request, _ in jobs]
-                self._ragged_step(model, jobs)
-                self._computing = []
-            self.counters.decode_steps += 1
-
-    def _step_prefill_apart(self, model, joining: list[_Request]) -> None:
-        timed = self.counters.timed
-        if joining:
+        pending, self._pending, timed = self._pending, [], self.counters.timed
+        if joining := [request for request in pending if not request.future.done()]:  # not cancelled
             with timed("admit"):  # prefix-cache lookups, prefill forwards, rows written into the batch
                 self._join(self._admit(model, joining))
-        if self._rows:
-            with timed("sample"):
-                self._release(self._sample())
+        if not self._rows:
+            return
+        with timed("sample"):  # a token per row; the rows that finished are released
+            self._release(self._sample())
         if self._rows:
             with timed("decode"):  # the forward, and the verification of drafts
                 self._decode_step(model)
             self.counters.decode_steps += 1
+
+    def _admit(self, model, requests: list[_Request]) -> list[tuple[_Request, KV, torch.Tensor]]:
+        """Prefill what the cache does not hold, all joining requests together; returns their rows, in order.
+
+        In rounds: a request that would share a longer prefix with another one prefilled in this step than with the
+        cache waits for the next round (if the positions saved pay for its forward); one whose prefix equals an
+        earlier one's takes its result (a fork's copies, a prompt's samples)."""
+        admitted: dict[int, tuple[KV, torch.Tensor]] = {}
+        waiting, twins = list(range(len(requests))), []
+        while waiting:
+            jobs: dict[int, PrefillJob] = {}
+            first, later, saved = {}, [], 0
+            for index in waiting:
+                request = requests[index]
+                entry, shared = self.prefix_cache.lookup(request.prefix)
+                request.cached = shared
+                if shared == len(request.prefix) and (logits := entry.logits_after(shared)) is not None:
+                    admitted[index] = crop(entry.kv, shared), logits  # nothing to prefill
+                    self._count(shared)
+                elif (twin := first.setdefault(tuple(request.prefix), index)) != index:
+                    twins.append((index, twin))
+                    request.cached = len(request.prefix)  # its twin indexes the prefix
+                elif (gain := max((common_prefix_length(job.tokens, request.prefix) for job in jobs.values()),
+                                  default=0) - shared) > 0:
+                    later.append((index, entry, shared))
+                    saved += gain
+                else:
+                    jobs[index] = self._job(request, entry, shared)
+            if saved < FORWARD_COST_TOKENS:  # another round would cost more than it saves
+                jobs.update((index, self._job(requests[index], entry, shared)) for index, entry, shared in later)
+                later = []
+            self._prefill(model, jobs, requests, admitted)
+            for index, twin in [pair for pair in twins if pair[1] in admitted]:
+                admitted[index] = admitted[twin]
+                self._count(len(requests[index].prefix))
+            twins = [pair for pair in twins if pair[1] not in admitted]  # their twins wait for the next round
+            waiting = [index for index, _, _ in later]
+        return [(request, *admitted[index]) for index, request in enumerate(requests)]
+
+    @staticmethod
+    def _job(request: _Request, entry: CachedPrefix | None, shared: int) -> PrefillJob:
+        shared = min(shared, len(request.prefix) - 1)  # at least one token is run, for the next-token logits
+        return PrefillJob(request.prefix, crop(entry.kv, shared) if entry and shared else None, shared)
+
+    def _prefill(self, model, jobs: dict[int, PrefillJob], requests: list[_Request],
+                 admitted: dict[int, tuple[KV, torch.Tensor]]) -> None:
+        results, positions = prefill(model, list(jobs.values()))
+        for (index, job), (kv, logits) in zip(jobs.items(), results):
+            self.prefix_cache.store(CachedPrefix(tuple(job.tokens), kv, logits))
+            admitted[index] = kv, logits
+            self._count(job.start)
+        self.counters.prefill_tokens += sum(positions)  # padding included
+        self.counters.prefill_forwards += len(positions)
+
+    def _count(self, reused: int) -> None:
+        self.counters.reused_tokens += reused
+        self.counters.requests += 1
+
+    def _join(self, joining: list[tuple[_Request, KV, torch.Tensor]]) -> None:
+        """Add the admitted rows to the batch (written into its preallocated buffers)."""
+        if self._batch is None:
+            self._batch = KVBatch()
+        self._batch.add([kv for _, kv, _ in joining])
+        positions = torch.tensor([kv[0][0].shape[2] for _, kv, _ in joining], device=joining[0][2].device)
+        logits = torch.cat([logits for _, _, logits in joining])
+        excluded = torch.full_like(positions, -1)
+        self._positions = positions if self._positions is None else torch.cat([self._positions, positions])
+        self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
+        self._excluded = excluded if self._excluded is None else torch.cat([self._excluded, excluded])
+        self._rows += [request for request, _, _ in joining]
+        if self.speculating:
+            for request, _, _ in joining:
+                self.drafts.add(request.text, request.cached - 1)
+                request.alpha = self.acceptance.rate
 
     def _sample(self) -> list[int]:
         """One token per running row; returns the rows that finished."""
@@ -301,8 +343,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
             self._positions = self._logits = self._excluded = self._tokens = None
             return
         self._rows, index = [self._rows[row] for row in order], torch.tensor(order, device=self._positions.device)
-        self._positions = self._positions[index]
-        self._tokens = None if self._tokens is None else self._tokens[index]
+        self._positions, self._tokens = self._positions[index], self._tokens[index]
         self._logits, self._excluded = self._logits[index], self._excluded[index]
 
     def _decode_step(self, model) -> None:
@@ -326,46 +367,4 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
             self._positions = self._positions + 1
             self._logits = logits[:, -1]
         else:
-            self._release(self._verify(logits, drafts, start))
-
-    def _ragged_step(self, model, jobs: list[tuple[_Request, PrefillJob]]) -> None:
-        """One forward for the running rows' sampled tokens (and drafts) and the jobs' new tokens (`ragged.py`). The
-        jobs join the batch's last rows, their new tokens ending at the step's last column; then drafts are verified,
-        and the jobs join with their logits."""
-        running, jobs = len(self._rows), sorted(jobs, key=lambda item: item[1].new)
-        drafts = self._drafts() if running else []
-        width = 1 + max(map(len, drafts), default=0)
-        if self._batch is None:
-            self._batch = KVBatch()
-        if jobs:
-            self._batch.add([job.cached or empty_kv(model) for _, job in jobs], [width - job.new for _, job in jobs],
-                            step=width)
-        self._batch.open_columns(width)
-        start, device = self._batch.width, self._batch.mask.device
-        ids, positions = [], []
-        if running:
-            padded = [[token] + draft + [0] * (width - 1 - len(draft))  # padding: its columns are holes
-                      for token, draft in zip(self._tokens.tolist(), drafts)]
-            ids += [token for row in padded for token in row]
-            positions += (self._positions[:, None] + torch.arange(width, device=device)).flatten().tolist()
-        for _, job in jobs:
-            ids += job.tokens[job.start:]
-            positions += range(job.start, len(job.tokens))
-        layout = ragged_layout(self._batch, running, width, [job.new for _, job in jobs])
-        ends = torch.tensor([job.new for _, job in jobs], dtype=torch.long).cumsum(0) - 1 + running * width
-        logits = ragged_forward(model, self._batch, layout, torch.tensor(ids, device=device),
-                                torch.tensor(positions, device=device),
-                                torch.cat([torch.arange(running * width), ends]).to(device))
-        self._batch.close_columns(width)
-        self.counters.decode_tokens += running * width
-        finished = []
-        if running:
-            decoded = logits[: running * width].view(running, width, -1)
-            if width == 1:
-                self._positions, self._logits = self._positions + 1, decoded[:, -1]
-            else:
-                finished = self._verify(decoded, drafts, start)
-        self._tokens = None
-        if jobs:
-            self._join_prefilled(jobs, logits[running * width:])
-        self._release(finished)
+            self._verify(logits, drafts, start)

@@ -16,8 +16,6 @@ of the buffers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -50,28 +48,22 @@ class KVBatch:
     def column_capacity(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
 
-    def add(self, rows: list[KV], ahead: Sequence[int] | None = None, step: int = 0) -> None:
-        """Append rows (each one row's KV, [1, heads, positions, head_dim] per layer) at the end of the batch. Row i's
-        positions end at column `width + ahead[i]` (default 0: right before the next step's); `step`: the columns the
-        next step writes, kept within the buffers (a ragged step's joining rows have new tokens before and after
-        `width`, see `ragged.py`)."""
-        ahead = list(ahead) if ahead is not None else [0] * len(rows)
-        reach = max(kv[0][0].shape[2] - shift for kv, shift in zip(rows, ahead))  # columns needed before `width`
-        if not self.keys or self.rows + len(rows) > self.row_capacity or reach > self.width \
-                or self.width + step > self.column_capacity:
-            self._regrow(self.rows + len(rows), reach + LEFT_SLACK if reach > self.width else reach, rows[0],
-                         spare=max(step, 1))
-        for kv, shift in zip(rows, ahead):
-            row, end = self.rows, self.width + shift
-            start = end - kv[0][0].shape[2]
+    def add(self, rows: list[KV]) -> None:
+        """Append rows (each one row's KV, [1, heads, positions, head_dim] per layer) at the end of the batch."""
+        longest = max(kv[0][0].shape[2] for kv in rows)
+        if not self.keys or self.rows + len(rows) > self.row_capacity or longest > self.width:
+            self._regrow(self.rows + len(rows), longest + LEFT_SLACK if longest > self.width else longest, rows[0])
+        for kv in rows:
+            length, row = kv[0][0].shape[2], self.rows
+            start = self.width - length
             if start < self.first:  # the view widens to the left: the running rows' new columns are padding
                 self._zero(slice(0, row), start, self.first)
             self._zero(slice(row, row + 1), self.first, start)
             for layer, (k, v) in enumerate(kv):
-                self.keys[layer][row, :, start: end] = k[0]
-                self.values[layer][row, :, start: end] = v[0]
+                self.keys[layer][row, :, start: self.width] = k[0]
+                self.values[layer][row, :, start: self.width] = v[0]
             self.mask[row] = 0
-            self.mask[row, start: self.width] = 1  # its positions, and its new tokens before `width`
+            self.mask[row, start: self.width] = 1
             self.starts.append(start)
             self.first = min(self.first, start)
             self.rows += 1

@@ -174,10 +174,10 @@ class SpeculativeDecoding:
         length = self.acceptance.draft_length([len(draft) for draft in found], alphas)
         return [draft[:length] for draft in found]
 
-    def _verify(self, logits: torch.Tensor, drafts: list[list[int]], start: int) -> list[int]:
+    def _verify(self, logits: torch.Tensor, drafts: list[list[int]], start: int) -> None:
         """Keep each row's drafts while p accepts them (probability p(d); greedy: d is the argmax), append them as
         sampled tokens, and leave the next position's logits (and the rejected draft, which its sample avoids).
-        The columns of rejected drafts become holes. Returns the rows that finished (for `_release`)."""
+        The columns of rejected drafts become holes."""
         rows, width = logits.shape[:2]
         tempered, entropies, sampled = self._distributions(logits[:, :-1].flatten(0, 1))
         entropies = entropies.view(rows, width - 1).tolist()
@@ -206,4 +206,4 @@ class SpeculativeDecoding:
         advanced = torch.tensor(kept, device=logits.device)
         self._positions = self._positions + 1 + advanced
         self._logits = logits[torch.arange(rows, device=logits.device), advanced]
-        return finished
+        self._release(finished)
