@@ -42,6 +42,14 @@ QUESTIONS = [f"What is {a} * {b} + {c}?" for a, b, c in [(17, 23, 5), (48, 12, 9
                                                            (13, 77, 8), (250, 4, 19), (36, 29, 70), (81, 5, 44)]]
 
 
+# --engines: the run's name, the engine class, and its keyword arguments
+IN_PROCESS_ENGINES = {
+    "waves": ("transformers", TransformersEngine, {}),
+    "cached": ("transformers-cached", CachedTransformersEngine, {}),
+    "cached-nodraft": ("transformers-cached-nodraft", CachedTransformersEngine, {"max_draft_tokens": 0}),  # no drafts
+}
+
+
 def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") -> BranchingSampler:
     """`policy`: a branch policy, optionally with ':speculative' or ':deferred' (an uncertain fork's copies start
     beside the probe, or once it keeps them; the sampler's default otherwise), ':certain-fills' (fill-ups start
@@ -203,8 +211,8 @@ def main() -> None:
                              "'cached-nodraft' (the cached engine with max_draft_tokens=0); run in the order given")
     parser.add_argument("--out", default="outputs/bench_rollout")
     args = parser.parse_args()
-    if unknown := set(args.engines.split(",")) - {"waves", "cached", "cached-nodraft"}:
-        parser.error(f"--engines: unknown {sorted(unknown)} (choose from waves, cached, cached-nodraft)")
+    if unknown := set(args.engines.split(",")) - set(IN_PROCESS_ENGINES):
+        parser.error(f"--engines: unknown {sorted(unknown)} (choose from {', '.join(IN_PROCESS_ENGINES)})")
     model_dir = args.model or str(smollm2_path())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = prompt_ids(tokenizer, args)
@@ -217,16 +225,9 @@ def main() -> None:
     if not args.skip_transformers:
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        engines = {  # run in the order given
-            "waves": ("transformers", lambda: TransformersEngine(model, tokenizer)),
-            "cached": ("transformers-cached", lambda: CachedTransformersEngine(model, tokenizer)),
-            # the same engine without n-gram speculative decoding
-            "cached-nodraft": ("transformers-cached-nodraft",
-                               lambda: CachedTransformersEngine(model, tokenizer, max_draft_tokens=0)),
-        }
-        for choice in args.engines.split(","):
-            name, make = engines[choice]
-            paired(runs, name, make(), tokenizer, prompts, args, policies)
+        for choice in args.engines.split(","):  # in the order given
+            name, engine_class, kwargs = IN_PROCESS_ENGINES[choice]
+            paired(runs, name, engine_class(model, tokenizer, **kwargs), tokenizer, prompts, args, policies)
         del model
     if not args.skip_vllm:
         vllm_runs(report, runs, model_dir, tokenizer, prompts, args, policies)
