@@ -312,7 +312,7 @@ def test_two_level_sampling_draws_the_distribution_and_never_a_masked_token():
 
 
 def test_prefix_cache_lookup_store_and_budget():
-    kv = [(torch.zeros(1, 1, 5, 2), torch.zeros(1, 1, 5, 2))]
+    kv = torch.zeros(2, 1, 1, 1, 5, 2)
     cache = PrefixCache(max_tokens=8)
     cache.store(CachedPrefix((1, 2, 3), kv))
     cache.store(CachedPrefix((1, 2, 3, 4, 5), kv))  # supersedes (1, 2, 3)

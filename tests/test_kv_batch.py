@@ -4,34 +4,33 @@ must compute through it exactly what it computes through a concatenating `Dynami
 
 import random
 
+import pytest
 import torch
 from transformers import DynamicCache
 
 from arpo_trl.generation.kv_batch import KVBatch
+from arpo_trl.generation.prefix_cache import KV, layer_pairs, stack_layers
 
 LAYERS, HEADS, DIM = 2, 3, 4
 
 
-def row_kv(length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(torch.randn(1, HEADS, length, DIM), torch.randn(1, HEADS, length, DIM)) for _ in range(LAYERS)]
+def row_kv(length: int) -> KV:
+    return torch.randn(2, LAYERS, 1, HEADS, length, DIM)
 
 
-def decode(batch: KVBatch, expected: list[list[tuple[torch.Tensor, torch.Tensor]]], count: int = 1,
-           kept: list[int] | None = None) -> None:
+def decode(batch: KVBatch, expected: list[KV], count: int = 1, kept: list[int] | None = None) -> None:
     """One step through the model's interface: every layer writes `count` new columns for all rows (a sampled token
     and its drafts); row i keeps the first `kept[i]` of them, the rest become holes (rejected drafts)."""
     mask = batch.open_columns(count)
     start = batch.width  # after open_columns, which may regrow the buffers
     assert mask.shape == (batch.rows, batch.width - batch.first + count)
     kept = kept or [count] * batch.rows
+    new = torch.randn(2, LAYERS, batch.rows, HEADS, count, DIM)
     for layer in range(LAYERS):
-        k, v = torch.randn(batch.rows, HEADS, count, DIM), torch.randn(batch.rows, HEADS, count, DIM)
-        keys, values = batch.cache.layers[layer].update(k, v)
-        assert keys.shape[2] == mask.shape[1]
-        for row in range(batch.rows):
-            old_k, old_v = expected[row][layer]
-            expected[row][layer] = (torch.cat([old_k, k[row: row + 1, :, : kept[row]]], 2),
-                                    torch.cat([old_v, v[row: row + 1, :, : kept[row]]], 2))
+        keys, values = batch.cache.layers[layer].update(new[0, layer], new[1, layer])
+        assert keys.shape[2] == values.shape[2] == mask.shape[1]
+    for row in range(batch.rows):
+        expected[row] = torch.cat([expected[row], new[:, :, row: row + 1, :, : kept[row]]], -2)
     batch.close_columns(count)
     for row, keep in enumerate(kept):
         batch.hole(row, start + keep, start + count)
@@ -45,7 +44,7 @@ def test_rows_read_back_exactly_through_joins_leaves_and_regrowth(poisoned_buffe
         if step % 7 == 0 or not batch.rows:  # rows join, some longer than every running one
             joining = [row_kv(rng.randint(1, 40 + step)) for _ in range(rng.randint(1, 4))]
             batch.add(joining)
-            expected += [list(kv) for kv in joining]
+            expected += joining
         if step % 5 == 4 and batch.rows > 1:
             leaving = rng.sample(range(batch.rows), rng.randint(1, batch.rows - 1))
             order = batch.remove(leaving)
@@ -56,12 +55,10 @@ def test_rows_read_back_exactly_through_joins_leaves_and_regrowth(poisoned_buffe
         for layer in batch.cache.layers:  # what the model reads: padding and holes included, all finite
             assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
         for row in range(batch.rows):
-            kv, mask = batch.row(row), batch.mask[row, batch.first: batch.width]
-            length = expected[row][0][0].shape[2]
+            mask, length = batch.mask[row, batch.first: batch.width], expected[row].shape[-2]
             assert mask.sum() == length and mask[: batch.starts[row] - batch.first].sum() == 0
-            for (k, v), (want_k, want_v) in zip(kv, expected[row]):
-                assert torch.equal(k, want_k) and torch.equal(v, want_v)
-    longest = max(expected[row][0][0].shape[2] for row in range(batch.rows))
+            assert torch.equal(batch.row(row), expected[row])
+    longest = max(expected[row].shape[-2] for row in range(batch.rows))
     assert batch.column_capacity < 2 * longest + 200  # holes squeezed out, not grown without bound
 
 
@@ -76,7 +73,7 @@ def test_a_decode_step_through_it_equals_one_through_a_dynamic_cache(tiny_model_
         for ids in prompts:
             cache = DynamicCache()
             model(input_ids=ids, cache=cache, use_cache=True)
-            rows.append([(layer.keys, layer.values) for layer in cache.layers])
+            rows.append(stack_layers([(layer.keys, layer.values) for layer in cache.layers]))
         batch = KVBatch()
         batch.add(rows[:2])
         batch.remove([0])  # the slot is reused: stale finite values there must stay masked out
@@ -91,7 +88,7 @@ def test_a_decode_step_through_it_equals_one_through_a_dynamic_cache(tiny_model_
         width = max(len(p[0]) for p in prompts)
         padded = [[(torch.cat([k.new_zeros(1, k.shape[1], width - k.shape[2], k.shape[3]), k], 2),
                     torch.cat([v.new_zeros(1, v.shape[1], width - v.shape[2], v.shape[3]), v], 2))
-                   for k, v in rows[i]] for i in order]
+                   for k, v in layer_pairs(rows[i])] for i in order]
         reference = DynamicCache(ddp_cache_data=[(torch.cat([p[layer][0] for p in padded]),
                                                   torch.cat([p[layer][1] for p in padded]))
                                                  for layer in range(len(padded[0]))])
@@ -100,3 +97,11 @@ def test_a_decode_step_through_it_equals_one_through_a_dynamic_cache(tiny_model_
         theirs = model(input_ids=tokens, attention_mask=dense_mask, position_ids=positions, cache=reference,
                        use_cache=True).logits
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_layers_of_different_shapes_are_refused_with_the_way_out():
+    same = (torch.zeros(1, HEADS, 5, DIM), torch.zeros(1, HEADS, 5, DIM))
+    other = (torch.zeros(1, HEADS + 1, 5, DIM), torch.zeros(1, HEADS + 1, 5, DIM))
+    assert stack_layers([same, same]).shape == (2, 2, 1, HEADS, 5, DIM)
+    with pytest.raises(ValueError, match="layers differ in shape.*use_transformers_continuous_batching=False"):
+        stack_layers([same, other])

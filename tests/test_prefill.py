@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from arpo_trl.engines import SamplingSettings
 from arpo_trl.generation import CachedTransformersEngine
 from arpo_trl.generation.prefill import PrefillJob, group_by_length, prefill
+from arpo_trl.generation.prefix_cache import stack_layers
 
 
 def _cost(groups, lengths, forward_cost):
@@ -59,7 +60,7 @@ def _alone(model, tokens):
     """KV and next-token logits of one row, computed by one forward over all its tokens."""
     cache = DynamicCache()
     out = model(input_ids=torch.tensor([tokens]), cache=cache, use_cache=True)
-    return [(layer.keys, layer.values) for layer in cache.layers], out.logits[:, -1].float()
+    return stack_layers([(layer.keys, layer.values) for layer in cache.layers]), out.logits[:, -1].float()
 
 
 @torch.no_grad()
@@ -79,10 +80,8 @@ def test_every_row_gets_what_a_forward_of_it_alone_computes(model64):
     for (kv, logits), (want_kv, want_logits), (start, new) in zip(results, expected, shapes):
         assert logits.shape == want_logits.shape and logits.dtype == torch.float32
         torch.testing.assert_close(logits, want_logits, atol=1e-6, rtol=0)
-        for (keys, values), (want_keys, want_values) in zip(kv, want_kv):
-            assert keys.shape == want_keys.shape == (1, want_keys.shape[1], start + new, want_keys.shape[3])
-            torch.testing.assert_close(keys, want_keys, atol=1e-10, rtol=0)
-            torch.testing.assert_close(values, want_values, atol=1e-10, rtol=0)
+        assert kv.shape == want_kv.shape and kv.shape[2:5:2] == (1, start + new)
+        torch.testing.assert_close(kv, want_kv, atol=1e-10, rtol=0)
     assert len(positions) == len(group_by_length([new for _, new in shapes]))
 
 

@@ -33,7 +33,7 @@ from arpo_trl.engines import (
 from arpo_trl.entropy import sampling_warpers, token_entropy
 from arpo_trl.generation.kv_batch import KVBatch
 from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, prefill
-from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, common_prefix_length, crop
+from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, common_prefix_length, crop, kv_length
 from arpo_trl.generation.sampling import sample_tokens
 from arpo_trl.generation.speculation import (
     MAX_DRAFT_TOKENS,
@@ -256,7 +256,7 @@ class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
         if self._batch is None:
             self._batch = KVBatch()
         self._batch.add([kv for _, kv, _ in joining])
-        positions = torch.tensor([kv[0][0].shape[2] for _, kv, _ in joining], device=joining[0][2].device)
+        positions = torch.tensor([kv_length(kv) for _, kv, _ in joining], device=joining[0][2].device)
         logits = torch.cat([logits for _, _, logits in joining])
         excluded = torch.full_like(positions, -1)
         self._positions = positions if self._positions is None else torch.cat([self._positions, positions])

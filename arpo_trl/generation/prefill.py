@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from arpo_trl.generation.prefix_cache import KV
+from arpo_trl.generation.prefix_cache import KV, layer_pairs, stack_layers
 
 FORWARD_COST_TOKENS = 64  # a forward's fixed cost, in prefilled positions (measured ~90 on a 2-core CPU; see above)
 MAX_FORWARD_POSITIONS = 8192  # rows × width of one grouped forward: bounds its activations (a longer request alone)
@@ -88,40 +88,28 @@ def _forward(model, jobs: list[PrefillJob]) -> list[tuple[KV, torch.Tensor]]:
         ids[row, job.new:] = job.tokens[-1]  # any real token: these queries are thrown away
         positions[row] = torch.arange(job.start, job.start + width)
         mask[row, past - job.start: past + job.new] = 1
-    cache = DynamicCache(ddp_cache_data=_padded_past(jobs, past)) if past else DynamicCache()
+    cache = DynamicCache(ddp_cache_data=layer_pairs(_padded_past(jobs, past))) if past else DynamicCache()
     last = sorted({job.new - 1 for job in jobs})  # the rows' last real positions: logits only there
     out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
                 cache=cache, use_cache=True, logits_to_keep=torch.tensor(last, device=device))
     column = {position: index for index, position in enumerate(last)}
-    return [([(_row(layer.keys, row, past - job.start, past + job.new),
-               _row(layer.values, row, past - job.start, past + job.new)) for layer in cache.layers],
+    layers = [(layer.keys, layer.values) for layer in cache.layers]
+    return [(stack_layers([(keys[row: row + 1, :, past - job.start: past + job.new],
+                            values[row: row + 1, :, past - job.start: past + job.new]) for keys, values in layers]),
              out.logits[row: row + 1, column[job.new - 1]].float())
             for row, job in enumerate(jobs)]
 
 
-def _row(keys: torch.Tensor, row: int, begin: int, end: int) -> torch.Tensor:
-    """One row's positions, copied unless they are the whole tensor (the batch's buffers are not kept alive)."""
-    if keys.shape[0] == 1 and begin == 0 and end == keys.shape[2]:
-        return keys
-    return keys[row: row + 1, :, begin: end].clone()
-
-
 def _padded_past(jobs: list[PrefillJob], past: int) -> KV:
     """The rows' cached KV, right-aligned at column `past` (zeros in front: masked, but finite, so that their zero
-    attention weights give exact zeros). One row with the whole past: its cached KV as is (views of a prefix-cache
+    attention weights give exact zeros). One row with the whole past: its cached KV as is (a view of a prefix-cache
     entry, which the model's cache update does not write: it concatenates into new tensors)."""
     if len(jobs) == 1 and jobs[0].start == past:
-        return list(jobs[0].cached)
-    reference = next(job.cached for job in jobs if job.cached)
-    padded = []
-    for layer, (keys, values) in enumerate(reference):
-        shape = (len(jobs), keys.shape[1], past, keys.shape[3])
-        layer_keys, layer_values = keys.new_empty(shape), values.new_empty(shape)
-        for row, job in enumerate(jobs):
-            pad = past - job.start
-            layer_keys[row, :, :pad], layer_values[row, :, :pad] = 0.0, 0.0
-            if job.start:
-                layer_keys[row, :, pad:] = job.cached[layer][0][0]
-                layer_values[row, :, pad:] = job.cached[layer][1][0]
-        padded.append((layer_keys, layer_values))
+        return jobs[0].cached
+    reference = next(job.cached for job in jobs if job.cached is not None)
+    padded = reference.new_empty((*reference.shape[:2], len(jobs), reference.shape[3], past, reference.shape[5]))
+    for row, job in enumerate(jobs):
+        padded[:, :, row, :, : past - job.start] = 0.0
+        if job.start:
+            padded[:, :, row, :, past - job.start:] = job.cached[:, :, 0]
     return padded

@@ -9,7 +9,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values of shape [1, heads, tokens, head_dim]
+KV = torch.Tensor
+"""One row's keys and values over all layers, [2 (keys, values), layers, 1, heads, tokens, head_dim]: copying a row
+(into the running batch, out of it, out of a prefill) is one tensor operation, not two per layer."""
+
+
+def kv_length(kv: KV) -> int:
+    return kv.shape[-2]
+
+
+def layer_pairs(kv: KV) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, views of its keys and values ([rows, heads, tokens, head_dim]), as transformers' caches take them."""
+    return [(kv[0, layer], kv[1, layer]) for layer in range(kv.shape[1])]
+
+
+def stack_layers(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> KV:
+    """Per-layer keys and values ([rows, heads, tokens, head_dim] each) copied into one `KV`."""
+    shapes = {tuple(tensor.shape) for pair in pairs for tensor in pair}
+    if len(shapes) != 1:
+        raise ValueError(f"CachedTransformersEngine keeps all layers' keys and values in one tensor, but this model's "
+                         f"layers differ in shape ({sorted(shapes)}): use the waves engine "
+                         f"(use_transformers_continuous_batching=False).")
+    return torch.stack([tensor for pair in zip(*pairs) for tensor in pair]).unflatten(0, (2, len(pairs)))
 
 
 @dataclass
@@ -53,9 +74,9 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def crop(kv: KV, length: int) -> KV:
-    """The first `length` positions (views: the stored entry is never written to; the model's cache update
+    """The first `length` positions (a view: the stored entry is never written to; the model's cache update
     concatenates into new tensors)."""
-    return [(k[:, :, :length], v[:, :, :length]) for k, v in kv]
+    return kv[..., :length, :]
 
 
 class PrefixCache:
