@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from arpo_trl.generation import CachedTransformersEngine
 from arpo_trl.generation import cached_engine as cached_engine_module
 from arpo_trl.generation.prefill import PrefillJob, prefill
+from arpo_trl.generation.prefix_cache import crop, stack_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from rollout_throughput import make_sampler, prompt_ids  # noqa: E402  (the same prompts and sampler)
@@ -64,11 +65,10 @@ def replay(model, calls: list[list[tuple[int, int]]], seed: int) -> dict:
     tokens = torch.randint(0, model.config.vocab_size, (longest,), generator=generator).tolist()
     cache = DynamicCache()
     model(input_ids=torch.tensor([tokens]), cache=cache, use_cache=True, logits_to_keep=1)
-    full = [(layer.keys, layer.values) for layer in cache.layers]
+    full = stack_layers([(layer.keys, layer.values) for layer in cache.layers])
 
     def jobs(call):
-        return [PrefillJob(tokens[: start + new], [(k[:, :, :start], v[:, :, :start]) for k, v in full] if start
-                           else None, start) for start, new in call]
+        return [PrefillJob(tokens[: start + new], crop(full, start) if start else None, start) for start, new in call]
 
     seconds = {"one_by_one": 0.0, "batched": 0.0}
     forwards = {"one_by_one": 0, "batched": 0}
