@@ -45,7 +45,6 @@ class GenerationCounters:
     drafted_tokens: int = 0  # n-gram drafts fed to decode steps (`generation/speculation.py`)
     accepted_tokens: int = 0  # drafts kept as generated tokens
     decode_steps: int = 0  # decode forwards (the cached engine: one per step, all running rows together)
-    sprint_rows: int = 0  # rows that joined the cached engine's sprint lane (`generation/lanes.py`)
     seconds: dict[str, float] = field(default_factory=dict)  # the cached engine's wall time per phase of its steps
 
     @contextlib.contextmanager

@@ -47,7 +47,6 @@ IN_PROCESS_ENGINES = {
     "waves": ("transformers", TransformersEngine, {}),
     "cached": ("transformers-cached", CachedTransformersEngine, {}),
     "cached-nodraft": ("transformers-cached-nodraft", CachedTransformersEngine, {"max_draft_tokens": 0}),  # no drafts
-    "cached-one-lane": ("transformers-cached-one-lane", CachedTransformersEngine, {"sprint_lane": False}),
 }
 
 
@@ -75,8 +74,7 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
     client = getattr(engine, "client", None)
     before = client.metrics() if client else {}
     counters = getattr(engine, "counters", None)
-    names = ("prefill_tokens", "decode_tokens", "prefill_forwards", "drafted_tokens", "accepted_tokens", "decode_steps",
-             "sprint_rows")
+    names = ("prefill_tokens", "decode_tokens", "prefill_forwards", "drafted_tokens", "accepted_tokens", "decode_steps")
     before_counts = {name: getattr(counters, name) for name in names} if counters else {}
     before_seconds = dict(counters.seconds) if counters else {}
     torch.manual_seed(seed)
@@ -105,7 +103,6 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
         run["decoded_positions_per_group"] = per_group["decode_tokens"]  # speculative paths and drafts included
         run["drafted_tokens_per_group"] = per_group["drafted_tokens"]  # n-gram drafts fed (cached engine)
         run["accepted_tokens_per_group"] = per_group["accepted_tokens"]
-        run["sprint_rows_per_group"] = per_group["sprint_rows"]  # rows that joined the sprint lane (cached engine)
         run["decode_steps"] = counters.decode_steps - before_counts["decode_steps"]  # the cached engine's forwards
         for phase, seconds in counters.seconds.items():  # the cached engine's steps: admit, sample, decode
             run[f"{phase}_s"] = round(seconds - before_seconds.get(phase, 0.0), 2)
@@ -211,8 +208,7 @@ def main() -> None:
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
     parser.add_argument("--engines", default="waves,cached",
                         help="in-process engines: 'waves' (TransformersEngine), 'cached' (CachedTransformersEngine), "
-                             "'cached-nodraft' (the cached engine with max_draft_tokens=0), 'cached-one-lane' (the "
-                             "cached engine without its sprint lane); run in the order given")
+                             "'cached-nodraft' (the cached engine with max_draft_tokens=0); run in the order given")
     parser.add_argument("--out", default="outputs/bench_rollout")
     args = parser.parse_args()
     if unknown := set(args.engines.split(",")) - set(IN_PROCESS_ENGINES):
@@ -253,11 +249,6 @@ def main() -> None:
                       runs[f"transformers-cached-nodraft/{policy}"]["wall_s"], 3)
         for policy in policies if f"transformers-cached/{policy}" in runs and
         f"transformers-cached-nodraft/{policy}" in runs}
-    report["sprint_vs_one_lane"] = {  # rollout seconds, cached engine with / without its sprint lane
-        policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] /
-                      runs[f"transformers-cached-one-lane/{policy}"]["wall_s"], 3)
-        for policy in policies if f"transformers-cached/{policy}" in runs and
-        f"transformers-cached-one-lane/{policy}" in runs}
     report["cached_vs_waves"] = {  # the in-process engines side by side: rollout seconds, cached / waves
         policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] / runs[f"transformers/{policy}"]["wall_s"], 3)
         for policy in policies if f"transformers-cached/{policy}" in runs and f"transformers/{policy}" in runs}
@@ -279,8 +270,6 @@ def print_table(report: dict) -> None:
         print(f"- {backend}, ARPO / GRPO: {ratios}")
     if report.get("drafts_vs_nodraft"):
         print(f"- rollout seconds, cached engine with / without n-gram drafts: {report['drafts_vs_nodraft']}")
-    if report.get("sprint_vs_one_lane"):
-        print(f"- rollout seconds, cached engine with / without its sprint lane: {report['sprint_vs_one_lane']}")
     if report.get("cached_vs_waves"):
         print(f"- rollout seconds, cached engine / waves engine: {report['cached_vs_waves']}")
     if "lora_sync" in report:

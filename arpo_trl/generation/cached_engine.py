@@ -6,9 +6,7 @@ its keys and values in place into preallocated buffers (`KVBatch`, rows left-pad
 concatenating the cache anew. A request's prefix is looked up in a `PrefixCache`: only the tokens after the longest
 cached prefix are prefilled, so a continuation after a tool result prefills the result's tokens, and a fork starts from
 its parent's state (shared, never written: a prefill copies its rows out of its forward). The requests that join in one
-step are prefilled together, a forward per group (`prefill.py`). Rows that join late with a likely n-gram draft (a
-fill-up, a fork's copy, a continuation whose siblings wrote on) run in a sprint lane of their own, drafting at their
-own width in the same forward as the main lane (`lanes.py`). Entropy and logprobs come from the logits at hand,
+step are prefilled together, a forward per group (`prefill.py`). Entropy and logprobs come from the logits at hand,
 exactly as `TransformersEngine` records them. The cache lives for one rollout (`aclose` frees it and lets the weights
 go), so every rollout samples the current weights, LoRA adapters included.
 """
@@ -34,9 +32,8 @@ from arpo_trl.engines import (
 )
 from arpo_trl.entropy import sampling_warpers, token_entropy
 from arpo_trl.generation.kv_batch import KVBatch
-from arpo_trl.generation.lanes import TwoLanes
 from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, prefill
-from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, common_prefix_length, crop
+from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, common_prefix_length, crop, kv_length
 from arpo_trl.generation.sampling import sample_tokens
 from arpo_trl.generation.speculation import (
     MAX_DRAFT_TOKENS,
@@ -64,20 +61,17 @@ class _Request:
     alpha: float = PRIOR_ACCEPTANCE  # the row's draft acceptance rate (`SpeculativeDecoding`), the rollout's at join
 
 
-class CachedTransformersEngine(TwoLanes, SpeculativeDecoding, TransformersEngine):
+class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
     """`TransformersEngine`'s sampling settings and segment rules, generated event-driven with a KV cache.
 
     `max_cached_tokens` bounds the positions the prefix cache keeps between requests of one rollout (None: unbounded;
     the running rows' own KV is not counted). `max_draft_tokens`: drafts per row and step of n-gram speculative decoding
-    (`speculation.py`; exact in distribution; 0 turns it off; off with a repetition penalty). `sprint_lane`: rows that
-    join late with a likely draft run in a lane of their own, drafting at their own width in the same forward
-    (`lanes.py`; False: one lane, as a comparison). `counters` accumulate over the engine's life (positions, forwards,
-    and each phase's seconds).
+    (`speculation.py`; exact in distribution; 0 turns it off; off with a repetition penalty). `counters` accumulate over
+    the engine's life (positions, forwards, and each phase's seconds).
     """
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
-                 max_cached_tokens: int | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
-                 sprint_lane: bool = True, **kwargs):
+                 max_cached_tokens: int | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS, **kwargs):
         sampling = sampling or SamplingSettings()
         super().__init__(model, tokenizer, sampling=sampling, **kwargs)
         if unsupported := set(sampling.generation_kwargs or {}) - SUPPORTED_KEYS:
@@ -90,12 +84,10 @@ class CachedTransformersEngine(TwoLanes, SpeculativeDecoding, TransformersEngine
         self.drafts, self.acceptance = DraftIndex(), Acceptance(max_draft_tokens)
         self.speculating = max_draft_tokens > 0 and self.repetition_penalty in (None, 1.0)
         self.drafts_late_paths = self.speculating  # a path started late decodes its siblings' text in a few steps
-        self.sprint_lane = sprint_lane and self.speculating
         self._warpers = LogitsProcessorList(sampling_warpers(*self.warper_settings))
         self._pending: list[_Request] = []
         self._rows: list[_Request] = []
-        self._batch: KVBatch | None = None  # the main lane's KV: the first `_batch.rows` of `_rows`, in order
-        self._sprint: KVBatch | None = None  # the sprint lane's KV: the rest of `_rows` (`lanes.py`)
+        self._batch: KVBatch | None = None  # the running rows' KV, in the order of `_rows`
         self._positions: torch.Tensor | None = None  # [rows] next position
         self._logits: torch.Tensor | None = None  # [rows, vocab] next-token logits
         self._tokens: torch.Tensor | None = None  # [rows] the tokens just sampled, fed by the next decode
@@ -178,7 +170,7 @@ class CachedTransformersEngine(TwoLanes, SpeculativeDecoding, TransformersEngine
             if not request.future.done():
                 request.future.set_exception(error)
         self._pending, self._rows = [], []
-        self._batch = self._sprint = self._positions = self._logits = self._excluded = self._tokens = None
+        self._batch = self._positions = self._logits = self._excluded = self._tokens = None
 
     def _model(self):
         if self._model_in_use is None:
@@ -259,6 +251,23 @@ class CachedTransformersEngine(TwoLanes, SpeculativeDecoding, TransformersEngine
         self.counters.reused_tokens += reused
         self.counters.requests += 1
 
+    def _join(self, joining: list[tuple[_Request, KV, torch.Tensor]]) -> None:
+        """Add the admitted rows to the batch (written into its preallocated buffers)."""
+        if self._batch is None:
+            self._batch = KVBatch()
+        self._batch.add([kv for _, kv, _ in joining])
+        positions = torch.tensor([kv_length(kv) for _, kv, _ in joining], device=joining[0][2].device)
+        logits = torch.cat([logits for _, _, logits in joining])
+        excluded = torch.full_like(positions, -1)
+        self._positions = positions if self._positions is None else torch.cat([self._positions, positions])
+        self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
+        self._excluded = excluded if self._excluded is None else torch.cat([self._excluded, excluded])
+        self._rows += [request for request, _, _ in joining]
+        if self.speculating:
+            for request, _, _ in joining:
+                self.drafts.add(request.text, request.cached - 1)
+                request.alpha = self.acceptance.rate
+
     def _sample(self) -> list[int]:
         """One token per running row; returns the rows that finished."""
         scores = self._penalized(self._logits)
@@ -318,14 +327,44 @@ class CachedTransformersEngine(TwoLanes, SpeculativeDecoding, TransformersEngine
             self._decode, request.ids, request.stop, request.stop_window)
 
     def _release(self, finished: list[int]) -> None:
-        """Answer the finished rows, keep their KV in the prefix cache, and take them out of their lane."""
+        """Answer the finished rows, keep their KV in the prefix cache, and take them out of the batch."""
         if not finished:
             return
         for row in finished:
             request = self._rows[row]
             if request.future.done():
                 continue
-            self.prefix_cache.store(CachedPrefix(tuple(request.prefix + request.ids[:-1]), self._row_kv(row)))
+            self.prefix_cache.store(CachedPrefix(tuple(request.prefix + request.ids[:-1]), self._batch.row(row)))
             request.future.set_result(self._segment(request.ids, request.logprobs, request.entropies, request.budget,
                                                     request.stop))
-        self._remove_rows(finished)
+        order = self._batch.remove(finished)
+        if not order:  # the batch is empty: its buffers go
+            self._rows, self._batch = [], None
+            self._positions = self._logits = self._excluded = self._tokens = None
+            return
+        self._rows, index = [self._rows[row] for row in order], torch.tensor(order, device=self._positions.device)
+        self._positions, self._tokens = self._positions[index], self._tokens[index]
+        self._logits, self._excluded = self._logits[index], self._excluded[index]
+
+    def _decode_step(self, model) -> None:
+        """Run the sampled tokens of all rows, and their drafts if any pay, in one forward; each layer writes its new
+        columns in place. Drafts are then verified (`_verify`)."""
+        drafts = self._drafts()
+        width = 1 + max(map(len, drafts))
+        tokens = self._tokens[:, None]
+        if width > 1:
+            padded = [draft + [0] * (width - 1 - len(draft)) for draft in drafts]  # padding: its columns are holes
+            tokens = torch.cat([tokens, torch.tensor(padded, device=tokens.device)], dim=1)
+        mask = self._batch.open_columns(width)
+        start = self._batch.width  # after open_columns, which may regrow the buffers
+        positions = self._positions[:, None] + torch.arange(width, device=self._positions.device)
+        out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self._batch.cache,
+                    use_cache=True)
+        self._batch.close_columns(width)
+        self.counters.decode_tokens += len(self._rows) * width
+        logits = out.logits.float()
+        if width == 1:
+            self._positions = self._positions + 1
+            self._logits = logits[:, -1]
+        else:
+            self._verify(logits, drafts, start)

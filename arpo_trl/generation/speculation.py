@@ -23,9 +23,6 @@ and keeps the drafts the target distribution accepts:
   whether or not drafts are verified, for free: before a row samples, the probability that the distribution gives
   the token its draft would have started with is the chance that draft token would have been accepted
   (`SpeculativeDecoding._observe_acceptance`). Rows start from the rollout's rate, and verified drafts count too.
-* Draft widths are chosen per lane (`lanes.py`): a row that joins with a likely draft (`sprints`) runs in the sprint
-  lane, whose width its own rows' α decide, in the same forward as the main lane's rows, which decode side by side
-  and mostly draft nothing in a rollout's bulk.
 """
 
 from __future__ import annotations
@@ -40,7 +37,6 @@ from arpo_trl.generation.sampling import accept_drafts
 NGRAM_SIZES = (4, 3, 2)  # the longest suffix that occurred before wins
 MAX_DRAFT_TOKENS = 8
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 16  # α before any draft was observed, worth this many drafted tokens
-SPRINT_DRAFT, SPRINT_CHANCE = 4, 0.5  # a joining row with this much draft, this likely, runs in the sprint lane
 ROW_MEMORY = 0.5  # a row's α keeps this share of its previous value at each observation (recent steps weigh most)
 # A decode step's cost in units of one row of a plain step (~5.3 ms): fixed part (~96 ms), the jump a step with drafts
 # pays (fixed and per row), each draft position, and each position beyond WIDE_POSITIONS in all (module docstring).
@@ -144,8 +140,8 @@ class Acceptance:
 
 class SpeculativeDecoding:
     """The cached engine's side of speculative decoding: each row's α learned as it samples, the drafts a step feeds,
-    and their verification, per lane (`lanes.py`). Mixed into `CachedTransformersEngine`, whose row state (`_rows`,
-    `_positions`, `_logits`, `_excluded`) and token bookkeeping (`_append`, `_is_done`) it uses."""
+    and their verification. Mixed into `CachedTransformersEngine`, whose batch state (`_rows`, `_batch`,
+    `_positions`, `_logits`, `_excluded`) and token bookkeeping (`_append`, `_is_done`, `_release`) it uses."""
 
     def _observe_acceptance(self, tempered: torch.Tensor, sampled: torch.Tensor | None) -> None:
         """Before the rows sample from `sampled` (None: greedy, from `tempered`'s argmax): for each row with a draft,
@@ -168,41 +164,34 @@ class SpeculativeDecoding:
         for chance in chances:
             request.alpha = ROW_MEMORY * request.alpha + (1 - ROW_MEMORY) * chance
 
-    def _drafts(self, offset: int, count: int) -> list[list[int]]:
-        """Per row of the lane `_rows[offset: offset + count]`, the draft tokens this step feeds after its sampled
-        one: as many as pay at the rows' own α."""
-        requests = self._rows[offset: offset + count]
-        alphas = [request.alpha for request in requests]
-        if not self.speculating or not self.acceptance.may_pay(len(requests), max(alphas)):
-            return [[] for _ in requests]
+    def _drafts(self) -> list[list[int]]:
+        """Per row, the draft tokens this step feeds after its sampled one: as many as pay at the rows' own α."""
+        alphas = [request.alpha for request in self._rows]
+        if not self.speculating or not self.acceptance.may_pay(len(self._rows), max(alphas)):
+            return [[] for _ in self._rows]
         found = [self.drafts.draft(request.text, min(self.acceptance.max_draft, request.budget - len(request.ids)))
-                 for request in requests]
+                 for request in self._rows]
         length = self.acceptance.draft_length([len(draft) for draft in found], alphas)
         return [draft[:length] for draft in found]
 
-    def _verify(self, logits: torch.Tensor, drafts: list[list[int]], start: int, batch,
-                offset: int) -> tuple[list[int], torch.Tensor, list[int]]:
-        """For one lane (`batch`, rows from `offset` on): keep each row's drafts while p accepts them (probability
-        p(d); greedy: d is the argmax), append them as sampled tokens, and note the rejected draft, which the next
-        sample avoids. The columns of rejected drafts become holes. Returns per row the drafts kept, the logits of
-        its next position, and the lane's finished rows (indices in `_rows`)."""
+    def _verify(self, logits: torch.Tensor, drafts: list[list[int]], start: int) -> None:
+        """Keep each row's drafts while p accepts them (probability p(d); greedy: d is the argmax), append them as
+        sampled tokens, and leave the next position's logits (and the rejected draft, which its sample avoids).
+        The columns of rejected drafts become holes."""
         rows, width = logits.shape[:2]
-        if width == 1:
-            return [0] * rows, logits[:, -1], []
         tempered, entropies, sampled = self._distributions(logits[:, :-1].flatten(0, 1))
         entropies = entropies.view(rows, width - 1).tolist()
         accepted, chosen = accept_drafts(tempered.view(rows, width - 1, -1),
                                          None if sampled is None else sampled.view(rows, width - 1, -1), drafts)
         finished, kept = [], []
-        for row in range(rows):
-            request, count, done = self._rows[offset + row], 0, False
-            tried = min(len(drafts[row]), accepted[row] + 1)
+        for row, request in enumerate(self._rows):
+            count, done, tried = 0, False, min(len(drafts[row]), accepted[row] + 1)
             while count < accepted[row] and not done:
                 self._append(request, drafts[row][count], chosen[row][count], entropies[row][count])
                 count += 1
                 done = self._is_done(request)
             if done:
-                finished.append(offset + row)
+                finished.append(row)
             self.acceptance.record(tried, accepted[row])
             if sampled is not None:  # greedy rows keep the argmax observations
                 self._learn_alpha(request, [math.exp(logprob) for logprob in chosen[row][:tried]])
@@ -210,19 +199,11 @@ class SpeculativeDecoding:
             self.counters.accepted_tokens += count
             end = start + count + (not done)  # a finished row's last token is not in its cache
             if end < start + width:
-                batch.hole(row, end, start + width)
+                self._batch.hole(row, end, start + width)
             kept.append(count)
             if not done and count < len(drafts[row]):
-                self._excluded[offset + row] = drafts[row][count]
-        return kept, logits[torch.arange(rows, device=logits.device), torch.tensor(kept, device=logits.device)], \
-            finished
-
-
-def sprints(drafts: DraftIndex, text: list[int], sampled: torch.Tensor | None) -> bool:
-    """Whether a row joining with `text` runs in the sprint lane (`lanes.py`): the rollout holds at least
-    `SPRINT_DRAFT` tokens of draft for it, and its first distribution (`sampled`, log-probabilities; None: greedy, where
-    a draft is judged when verified) gives the draft's first token at least `SPRINT_CHANCE`."""
-    draft = drafts.draft(text, SPRINT_DRAFT)
-    if len(draft) < SPRINT_DRAFT:
-        return False
-    return sampled is None or float(sampled[draft[0]].exp()) >= SPRINT_CHANCE
+                self._excluded[row] = drafts[row][count]
+        advanced = torch.tensor(kept, device=logits.device)
+        self._positions = self._positions + 1 + advanced
+        self._logits = logits[torch.arange(rows, device=logits.device), advanced]
+        self._release(finished)
