@@ -334,6 +334,19 @@ def test_prefix_cache_lookup_store_and_budget():
         PrefixCache(max_tokens=0)
 
 
+def test_lookup_finds_the_logits_a_sibling_kept():
+    """Two siblings went on from one context (a fork's copies); only the first stored absorbed the context's logits.
+    A request for the context itself then finds them, whichever sibling's entry comes first, so nothing is prefilled."""
+    kv, logits = torch.zeros(2, 1, 1, 1, 4, 2), torch.ones(1, 4)
+    cache = PrefixCache()
+    cache.store(CachedPrefix((1, 2), kv, logits))
+    cache.store(CachedPrefix((1, 2, 3, 4), kv))  # keeps the logits after (1, 2)
+    cache.store(CachedPrefix((1, 2, 5, 6), kv))  # shares (1, 2), without them
+    assert cache.lookup([1, 2, 3])[0].tokens == (1, 2, 3, 4)  # now the most recently used: (1, 2, 5, 6) comes first
+    entry, shared = cache.lookup([1, 2])
+    assert shared == 2 and entry.logits_after(2) is logits
+
+
 def test_unsupported_generation_kwargs_are_refused(tokenizer, tool_model64):
     with pytest.raises(ValueError, match="generation_kwargs"):
         CachedTransformersEngine(tool_model64, tokenizer,

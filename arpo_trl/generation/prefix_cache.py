@@ -103,12 +103,15 @@ class PrefixCache:
         self._tokens = 0
 
     def lookup(self, prefix: Sequence[int]) -> tuple[CachedPrefix | None, int]:
-        """The entry sharing the longest prefix with `prefix`, and that length (0 and None if none)."""
+        """The entry sharing the longest prefix with `prefix`, and that length (0 and None if none); of entries that
+        share as much, one that holds the next-token logits there (siblings that went on from one tool result each
+        hold its tokens, but only the first to go on kept its logits)."""
         prefix = tuple(prefix)
         best, best_length = None, 0
         for entry in self._entries.values():
             length = common_prefix_length(entry.tokens, prefix)
-            if length > best_length:
+            if length > best_length or (length == best_length and length and best.logits_after(length) is None
+                                        and entry.logits_after(length) is not None):
                 best, best_length = entry, length
         if best is not None:
             self._entries.move_to_end(best.tokens)
