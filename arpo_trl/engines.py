@@ -45,6 +45,7 @@ class GenerationCounters:
     drafted_tokens: int = 0  # n-gram drafts fed to decode steps (`generation/speculation.py`)
     accepted_tokens: int = 0  # drafts kept as generated tokens
     decode_steps: int = 0  # decode forwards (the cached engine: one per step, all running rows together)
+    adopted_rows: int = 0  # requests that went on in a held row, nothing prefilled (the cached engine: a probe's)
     seconds: dict[str, float] = field(default_factory=dict)  # the cached engine's wall time per phase of its steps
 
     @contextlib.contextmanager

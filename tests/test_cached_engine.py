@@ -347,6 +347,41 @@ def test_lookup_finds_the_logits_a_sibling_kept():
     assert shared == 2 and entry.logits_after(2) is logits
 
 
+@pytest.mark.parametrize("max_draft_tokens", [0, 8])
+def test_a_row_stopped_at_its_budget_is_held_for_its_continuation(tool_model64, tokenizer, max_draft_tokens):
+    """An ARPO probe: a request stopped at its budget, whose path goes on with the same text. Continued at once, the
+    continuation takes the probe's row over; continued steps later, it finds the row's KV and next-token logits in the
+    prefix cache. Either way nothing is prefilled for it, and it writes what one long request writes."""
+    prompt, other = _prompt(tokenizer, "What is 12+30?"), _prompt(tokenizer, "What is 7*6?")
+    reference = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY).generate([prompt], [12], [])[0]
+    assert reference.finish_reason == "length" and len(reference.token_ids) == 12
+
+    async def probe_then_continue(engine: CachedTransformersEngine, delay: int):
+        async def path():
+            probe = await engine.agenerate(prompt, 4, [])
+            prefilled = engine.counters.prefill_forwards
+            for _ in range(delay):  # the engine steps meanwhile, for the row running beside
+                await asyncio.sleep(0)
+            rest = await engine.agenerate(prompt + probe.token_ids, 8, [])
+            return probe, rest, engine.counters.prefill_forwards - prefilled
+
+        outcome, beside = await asyncio.gather(path(), engine.agenerate(other, 24, []))
+        await engine.aclose()
+        assert beside.finish_reason == "length"  # it ran through both of the path's requests
+        return outcome
+
+    for delay, adopted in [(0, 1), (4, 0)]:
+        engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=max_draft_tokens)
+        probe, rest, prefilled = asyncio.run(probe_then_continue(engine, delay))
+        assert probe.finish_reason == "length" and prefilled == 0
+        assert engine.counters.adopted_rows == adopted
+        assert probe.token_ids + rest.token_ids == reference.token_ids
+        for name in ("logprobs", "entropies"):
+            torch.testing.assert_close(torch.tensor(getattr(probe, name) + getattr(rest, name)),
+                                       torch.tensor(getattr(reference, name)), atol=1e-6, rtol=0)
+        assert len(engine.prefix_cache) == 0
+
+
 def test_unsupported_generation_kwargs_are_refused(tokenizer, tool_model64):
     with pytest.raises(ValueError, match="generation_kwargs"):
         CachedTransformersEngine(tool_model64, tokenizer,

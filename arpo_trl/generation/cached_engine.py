@@ -6,7 +6,8 @@ its keys and values in place into preallocated buffers (`KVBatch`, rows left-pad
 concatenating the cache anew. A request's prefix is looked up in a `PrefixCache`: only the tokens after the longest
 cached prefix are prefilled, so a continuation after a tool result prefills the result's tokens, and a fork starts from
 its parent's state (shared, never written: a prefill copies its rows out of its forward). The requests that join in one
-step are prefilled together, a forward per group (`prefill.py`). Entropy and logprobs come from the logits at hand,
+step are prefilled together, a forward per group (`admission.py`, `prefill.py`); a request stopped at its budget (an
+ARPO probe) keeps its row for one step, and its continuation goes on in it. Entropy and logprobs come from the logits at hand,
 exactly as `TransformersEngine` records them. The cache lives for one rollout (`aclose` frees it and lets the weights
 go), so every rollout samples the current weights, LoRA adapters included.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
@@ -31,13 +31,12 @@ from arpo_trl.engines import (
     tail_has_stop,
 )
 from arpo_trl.entropy import sampling_warpers, token_entropy
+from arpo_trl.generation.admission import Admission, Request
 from arpo_trl.generation.kv_batch import KVBatch
-from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, prefill
-from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, common_prefix_length, crop, kv_length
+from arpo_trl.generation.prefix_cache import CachedPrefix, PrefixCache
 from arpo_trl.generation.sampling import sample_tokens
 from arpo_trl.generation.speculation import (
     MAX_DRAFT_TOKENS,
-    PRIOR_ACCEPTANCE,
     Acceptance,
     DraftIndex,
     SpeculativeDecoding,
@@ -46,22 +45,7 @@ from arpo_trl.generation.speculation import (
 from arpo_trl.generation.support import SUPPORTED_KEYS, check_full_attention
 
 
-@dataclass
-class _Request:
-    prefix: list[int]
-    budget: int
-    stop: list[str]
-    future: asyncio.Future
-    stop_window: int = 0  # tokens of decoded tail that can hold a stop string
-    ids: list[int] = field(default_factory=list)
-    text: list[int] = field(default_factory=list)  # prefix + ids, indexed for drafts
-    cached: int = 0  # leading prefix tokens the prefix cache held at admission (their n-grams are indexed already)
-    logprobs: list[float] = field(default_factory=list)
-    entropies: list[float] = field(default_factory=list)
-    alpha: float = PRIOR_ACCEPTANCE  # the row's draft acceptance rate (`SpeculativeDecoding`), the rollout's at join
-
-
-class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
+class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngine):
     """`TransformersEngine`'s sampling settings and segment rules, generated event-driven with a KV cache.
 
     `max_cached_tokens` bounds the positions the prefix cache keeps between requests of one rollout (None: unbounded;
@@ -85,8 +69,8 @@ class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
         self.speculating = max_draft_tokens > 0 and self.repetition_penalty in (None, 1.0)
         self.drafts_late_paths = self.speculating  # a path started late decodes its siblings' text in a few steps
         self._warpers = LogitsProcessorList(sampling_warpers(*self.warper_settings))
-        self._pending: list[_Request] = []
-        self._rows: list[_Request] = []
+        self._pending: list[Request] = []
+        self._rows: list[Request] = []
         self._batch: KVBatch | None = None  # the running rows' KV, in the order of `_rows`
         self._positions: torch.Tensor | None = None  # [rows] next position
         self._logits: torch.Tensor | None = None  # [rows, vocab] next-token logits
@@ -130,7 +114,7 @@ class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
         _check_budgets([prefix], [max_new_tokens])
         if not prefix:
             raise ValueError("agenerate: the prefix must hold at least one token.")
-        request = _Request(list(prefix), max_new_tokens, list(stop), asyncio.get_running_loop().create_future(),
+        request = Request(list(prefix), max_new_tokens, list(stop), asyncio.get_running_loop().create_future(),
                            stop_window(self.tokenizer, stop), text=list(prefix))
         self._pending.append(request)
         if self._driver is None or self._driver.done():
@@ -145,6 +129,8 @@ class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._driver
         self._driver = None
+        if keep_cache and self._batch is not None:  # a wave's held rows: the next wave's continuations find them
+            self._release([row for row, request in enumerate(self._rows) if request.held], fed=True)
         self._fail_all(RuntimeError("CachedTransformersEngine closed with requests in flight"))
         if not keep_cache:
             self.prefix_cache.clear()
@@ -182,7 +168,11 @@ class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
     @torch.no_grad()
     def _step(self, model) -> None:
         pending, self._pending, timed = self._pending, [], self.counters.timed
-        if joining := [request for request in pending if not request.future.done()]:  # not cancelled
+        joining = [request for request in pending if not request.future.done()]  # not cancelled
+        if any(request.held for request in self._rows):
+            with timed("admit"):
+                joining = self._adopt(joining)
+        if joining:
             with timed("admit"):  # prefix-cache lookups, prefill forwards, rows written into the batch
                 self._join(self._admit(model, joining))
         if not self._rows:
@@ -193,80 +183,6 @@ class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
             with timed("decode"):  # the forward, and the verification of drafts
                 self._decode_step(model)
             self.counters.decode_steps += 1
-
-    def _admit(self, model, requests: list[_Request]) -> list[tuple[_Request, KV, torch.Tensor]]:
-        """Prefill what the cache does not hold, all joining requests together; returns their rows, in order.
-
-        In rounds: a request that would share a longer prefix with another one prefilled in this step than with the
-        cache waits for the next round (if the positions saved pay for its forward); one whose prefix equals an
-        earlier one's takes its result (a fork's copies, a prompt's samples)."""
-        admitted: dict[int, tuple[KV, torch.Tensor]] = {}
-        waiting, twins = list(range(len(requests))), []
-        while waiting:
-            jobs: dict[int, PrefillJob] = {}
-            first, later, saved = {}, [], 0
-            for index in waiting:
-                request = requests[index]
-                entry, shared = self.prefix_cache.lookup(request.prefix)
-                request.cached = shared
-                if shared == len(request.prefix) and (logits := entry.logits_after(shared)) is not None:
-                    admitted[index] = crop(entry.kv, shared), logits  # nothing to prefill
-                    self._count(shared)
-                elif (twin := first.setdefault(tuple(request.prefix), index)) != index:
-                    twins.append((index, twin))
-                    request.cached = len(request.prefix)  # its twin indexes the prefix
-                elif (gain := max((common_prefix_length(job.tokens, request.prefix) for job in jobs.values()),
-                                  default=0) - shared) > 0:
-                    later.append((index, entry, shared))
-                    saved += gain
-                else:
-                    jobs[index] = self._job(request, entry, shared)
-            if saved < FORWARD_COST_TOKENS:  # another round would cost more than it saves
-                jobs.update((index, self._job(requests[index], entry, shared)) for index, entry, shared in later)
-                later = []
-            self._prefill(model, jobs, requests, admitted)
-            for index, twin in [pair for pair in twins if pair[1] in admitted]:
-                admitted[index] = admitted[twin]
-                self._count(len(requests[index].prefix))
-            twins = [pair for pair in twins if pair[1] not in admitted]  # their twins wait for the next round
-            waiting = [index for index, _, _ in later]
-        return [(request, *admitted[index]) for index, request in enumerate(requests)]
-
-    @staticmethod
-    def _job(request: _Request, entry: CachedPrefix | None, shared: int) -> PrefillJob:
-        shared = min(shared, len(request.prefix) - 1)  # at least one token is run, for the next-token logits
-        return PrefillJob(request.prefix, crop(entry.kv, shared) if entry and shared else None, shared)
-
-    def _prefill(self, model, jobs: dict[int, PrefillJob], requests: list[_Request],
-                 admitted: dict[int, tuple[KV, torch.Tensor]]) -> None:
-        results, positions = prefill(model, list(jobs.values()))
-        for (index, job), (kv, logits) in zip(jobs.items(), results):
-            self.prefix_cache.store(CachedPrefix(tuple(job.tokens), kv, logits))
-            admitted[index] = kv, logits
-            self._count(job.start)
-        self.counters.prefill_tokens += sum(positions)  # padding included
-        self.counters.prefill_forwards += len(positions)
-
-    def _count(self, reused: int) -> None:
-        self.counters.reused_tokens += reused
-        self.counters.requests += 1
-
-    def _join(self, joining: list[tuple[_Request, KV, torch.Tensor]]) -> None:
-        """Add the admitted rows to the batch (written into its preallocated buffers)."""
-        if self._batch is None:
-            self._batch = KVBatch()
-        self._batch.add([kv for _, kv, _ in joining])
-        positions = torch.tensor([kv_length(kv) for _, kv, _ in joining], device=joining[0][2].device)
-        logits = torch.cat([logits for _, _, logits in joining])
-        excluded = torch.full_like(positions, -1)
-        self._positions = positions if self._positions is None else torch.cat([self._positions, positions])
-        self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
-        self._excluded = excluded if self._excluded is None else torch.cat([self._excluded, excluded])
-        self._rows += [request for request, _, _ in joining]
-        if self.speculating:
-            for request, _, _ in joining:
-                self.drafts.add(request.text, request.cached - 1)
-                request.alpha = self.acceptance.rate
 
     def _sample(self) -> list[int]:
         """One token per running row; returns the rows that finished."""
@@ -308,7 +224,7 @@ class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
         residual[rows, self._excluded[rows]] = float("-inf")
         return residual
 
-    def _append(self, request: _Request, token: int, logprob: float, entropy: float) -> None:
+    def _append(self, request: Request, token: int, logprob: float, entropy: float) -> None:
         request.ids.append(token), request.logprobs.append(logprob), request.entropies.append(entropy)
         request.text.append(token)
         if self.speculating:
@@ -322,22 +238,41 @@ class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
         return torch.cat([processor(torch.tensor([r.prefix + r.ids], device=logits.device), logits[i: i + 1])
                           for i, r in enumerate(self._rows)])
 
-    def _is_done(self, request: _Request) -> bool:
+    def _is_done(self, request: Request) -> bool:
         return len(request.ids) >= request.budget or request.ids[-1] in self.eos_token_ids or tail_has_stop(
             self._decode, request.ids, request.stop, request.stop_window)
 
-    def _release(self, finished: list[int]) -> None:
-        """Answer the finished rows, keep their KV in the prefix cache, and take them out of the batch."""
+    def _release(self, finished: list[int], fed: bool = False) -> None:
+        """Answer the finished rows, keep their KV in the prefix cache, and take them out of the batch. `fed`: the
+        rows' last tokens are in their KV (after a decode step), whose next-token logits are kept with it.
+
+        A row that stopped at its budget alone, as an ARPO probe does after k tokens, is answered but held for one
+        step (`_adopt`): its path goes on at once with the same text, and the continuation then needs no prefill of
+        the probe's last token, nor the copies of its row out of the batch and back."""
         if not finished:
             return
+        gone = []
         for row in finished:
             request = self._rows[row]
-            if request.future.done():
+            if not request.held and not request.future.done():
+                segment = self._segment(request.ids, request.logprobs, request.entropies, request.budget, request.stop)
+                request.future.set_result(segment)
+                if segment.finish_reason == "length" and len(segment.token_ids) == len(request.ids):
+                    request.held = True  # fed by this step's decode if not yet; `_adopt` decides at the next
+                    continue
+            elif not request.held:  # cancelled
+                gone.append(row)
                 continue
-            self.prefix_cache.store(CachedPrefix(tuple(request.prefix + request.ids[:-1]), self._batch.row(row)))
-            request.future.set_result(self._segment(request.ids, request.logprobs, request.entropies, request.budget,
-                                                    request.stop))
-        order = self._batch.remove(finished)
+            self._store(row, fed)
+            gone.append(row)
+        if not fed and all(request.held for row, request in enumerate(self._rows) if row not in gone):
+            held = [row for row in range(len(self._rows)) if row not in gone]  # a forward only to feed them costs
+            for row in held:  # what their continuations' prefill would: released as before
+                self._store(row, fed=False)
+            gone += held
+        if not gone:
+            return
+        order = self._batch.remove(gone)
         if not order:  # the batch is empty: its buffers go
             self._rows, self._batch = [], None
             self._positions = self._logits = self._excluded = self._tokens = None
@@ -345,6 +280,13 @@ class CachedTransformersEngine(SpeculativeDecoding, TransformersEngine):
         self._rows, index = [self._rows[row] for row in order], torch.tensor(order, device=self._positions.device)
         self._positions, self._tokens = self._positions[index], self._tokens[index]
         self._logits, self._excluded = self._logits[index], self._excluded[index]
+
+    def _store(self, row: int, fed: bool) -> None:
+        """Keep a row's KV in the prefix cache; `fed`: its last token is in it, with the next-token logits."""
+        request = self._rows[row]
+        tokens = request.prefix + (request.ids if fed else request.ids[:-1])
+        logits = self._logits[row: row + 1].clone() if fed else None
+        self.prefix_cache.store(CachedPrefix(tuple(tokens), self._batch.row(row), logits))
 
     def _decode_step(self, model) -> None:
         """Run the sampled tokens of all rows, and their drafts if any pay, in one forward; each layer writes its new

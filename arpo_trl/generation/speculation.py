@@ -197,7 +197,7 @@ class SpeculativeDecoding:
                 self._learn_alpha(request, [math.exp(logprob) for logprob in chosen[row][:tried]])
             self.counters.drafted_tokens += len(drafts[row])
             self.counters.accepted_tokens += count
-            end = start + count + (not done)  # a finished row's last token is not in its cache
+            end = start + count + 1  # the last token's column is kept, a finished row's too (released `fed`)
             if end < start + width:
                 self._batch.hole(row, end, start + width)
             kept.append(count)
@@ -206,4 +206,4 @@ class SpeculativeDecoding:
         advanced = torch.tensor(kept, device=logits.device)
         self._positions = self._positions + 1 + advanced
         self._logits = logits[torch.arange(rows, device=logits.device), advanced]
-        self._release(finished)
+        self._release(finished, fed=True)
