@@ -5,8 +5,8 @@ A prompt's missing slots are *certain* to need fill-ups once forking cannot fill
 at every tool result it may still reach; those start (or are confirmed) at once. Besides, as many *speculative*
 fill-ups run as forking is expected not to fill, from the rates seen so far; a fork takes a speculative fill-up's slot
 back (the youngest is dropped), and they are confirmed oldest first once certain. On an engine that drafts a late
-path from its siblings' text they start at the prompt's first fork decision (`after_first_decision`), when the
-estimate knows more and their first segment costs a few steps. Forks never wait for fill-ups and
+path from its siblings' text they start at the prompt's first fork decision or the end of its first path
+(`after_first_decision`), when the estimate knows more and their first segment costs a few steps. Forks never wait for fill-ups and
 confirmation never looks at a fill-up's content, so the trees are those of the certain rule, only sooner
 (docs/differences.md).
 """
@@ -155,7 +155,7 @@ class FillUps:
                 rollout.start(g, group[0].prompt_ids, "fill", creator)
             rollout.stats.fill_ups += certain
         self.make_room(rollout, g)
-        if not self.speculative or (self.after_first_decision and not any(path.fork_decisions for path in group)):
+        if not self.speculative or (self.after_first_decision and not self._heard_from(group)):
             return
         missing = m - committed_count(group)
         expected = self.expected_slots(rollout, g)
@@ -163,6 +163,12 @@ class FillUps:
         for _ in range(wanted - len(speculative_fills(group))):
             rollout.start(g, group[0].prompt_ids, "fill", creator).committed = False
             rollout.stats.speculative_fill_ups += 1
+
+    @staticmethod
+    def _heard_from(group: list[Trajectory]) -> bool:
+        """Whether a path of the prompt made a fork decision or ended: a line that ends without a tool call decides
+        nothing, and a prompt whose paths never call a tool must not wait for its last line to end."""
+        return any(path.fork_decisions or (path.committed and not path.active) for path in group)
 
     def make_room(self, rollout: Rollout, g: int) -> None:
         """Forks took slots held by speculative fill-ups: drop the youngest."""

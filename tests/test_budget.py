@@ -108,7 +108,7 @@ def test_speculative_fill_ups_cover_what_forking_is_not_expected_to_fill():
 
 def test_speculative_fill_ups_can_wait_for_the_prompts_first_fork_decision():
     """On an engine that drafts late paths from their siblings' text, speculation starts at the prompt's first fork
-    decision; certain fill-ups never wait."""
+    decision or when its first path ends; certain fill-ups never wait."""
     fills, r = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5, after_first_decision=True), \
         rollout(m=8, n=2)
     creator = r.groups[0][0]
@@ -117,6 +117,13 @@ def test_speculative_fill_ups_can_wait_for_the_prompts_first_fork_decision():
     creator.fork_decisions = 1  # its first tool result, decided without a fork
     fills.update(r, 0, creator)
     assert kinds(r)[2:] and set(kinds(r)[2:]) == {("fill", False)} and r.stats.fill_ups == 0
+    fills, r = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5, after_first_decision=True), \
+        rollout(m=8, n=2)
+    fills.update(r, 0, None)
+    first = r.groups[0][0]
+    first.finish_reason = "eos"  # a line that ended without a tool call: no decision will come from it
+    fills.update(r, 0, first)
+    assert ("fill", False) in kinds(r) and r.stats.speculative_fill_ups > 0
     certain, lone = FillUps(max_tool_calls=0, branch_factor=2, branch_threshold=0.5, after_first_decision=True), \
         rollout(3, 1)
     certain.update(lone, 0, None)
