@@ -7,9 +7,9 @@ concatenating the cache anew. A request's prefix is looked up in a `PrefixCache`
 cached prefix are prefilled, so a continuation after a tool result prefills the result's tokens, and a fork starts from
 its parent's state (shared, never written: a prefill copies its rows out of its forward). The requests that join in one
 step are prefilled together, a forward per group (`admission.py`, `prefill.py`); a request stopped at its budget (an
-ARPO probe) keeps its row for one step, and its continuation goes on in it. Entropy and logprobs come from the logits at hand,
-exactly as `TransformersEngine` records them. The cache lives for one rollout (`aclose` frees it and lets the weights
-go), so every rollout samples the current weights, LoRA adapters included.
+ARPO probe) keeps its row for one step, and its continuation goes on in it. Entropy and logprobs come from the logits
+at hand, exactly as `TransformersEngine` records them. The cache lives for one rollout (`aclose` frees it and lets the
+weights go), so every rollout samples the current weights, LoRA adapters included.
 """
 
 from __future__ import annotations
