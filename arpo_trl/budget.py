@@ -6,7 +6,8 @@ at every tool result it may still reach; those start (or are confirmed) at once.
 fill-ups run as forking is expected not to fill, from the rates seen so far; a fork takes a speculative fill-up's slot
 back (the youngest is dropped), and they are confirmed oldest first once certain. On an engine that drafts a late
 path from its siblings' text they start at the prompt's first fork decision or the end of its first path
-(`after_first_decision`), when the estimate knows more and their first segment costs a few steps. Forks never wait for fill-ups and
+(`after_first_decision`), when the estimate knows more and their first segment costs a few steps; before that, only
+those the rates make near-certain start (all of them for a model that calls no tool). Forks never wait for fill-ups and
 confirmation never looks at a fill-up's content, so the trees are those of the certain rule, only sooner
 (docs/differences.md).
 """
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from arpo_trl.paths import Rollout, Trajectory, committed_count, speculative_fills
 
 PRIOR_WEIGHT = 8  # segments (fork decisions) the previous rollouts' rates weigh in this rollout's estimates
+SURELY = 0.99  # before a prompt is heard from, the fill-ups it needs with this probability start (`surely_needed`)
 
 
 class ForkShares:
@@ -155,14 +157,36 @@ class FillUps:
                 rollout.start(g, group[0].prompt_ids, "fill", creator)
             rollout.stats.fill_ups += certain
         self.make_room(rollout, g)
-        if not self.speculative or (self.after_first_decision and not self._heard_from(group)):
+        if not self.speculative:
             return
         missing = m - committed_count(group)
-        expected = self.expected_slots(rollout, g)
-        wanted = min(missing, math.ceil(missing - expected))
+        if self.after_first_decision and not self._heard_from(group):  # only what the rates make near-certain
+            wanted = min(missing, self.surely_needed(rollout, g))
+        else:
+            wanted = min(missing, math.ceil(missing - self.expected_slots(rollout, g)))
         for _ in range(wanted - len(speculative_fills(group))):
             rollout.start(g, group[0].prompt_ids, "fill", creator).committed = False
             rollout.stats.speculative_fill_ups += 1
+
+    def surely_needed(self, rollout: Rollout, g: int) -> int:
+        """The fill-ups prompt `g` needs with probability at least `SURELY` by the rates: a line that forks at none of
+        its tool results leaves its whole remaining share to fill-ups (a lower bound: a line that forks may still
+        leave some). With rates learned from a model that calls no tool, that is every missing slot."""
+        left = [1.0]  # P(the lines that never fork leave k slots)
+        for line in {path.line for path in rollout.groups[g] if path.committed and self.forking(rollout, path)}:
+            paths = [p for p in rollout.groups[g] if p.line == line and p.committed and self.forking(rollout, p)]
+            never, share = math.prod(self.never_forks(rollout, path) for path in paths), \
+                self.shares.remaining(rollout, g, line)
+            spread = [0.0] * (len(left) + share)
+            for k, chance in enumerate(left):
+                spread[k] += chance * (1 - never)
+                spread[k + share] += chance * never
+            left = spread
+        tail = 0.0
+        for k in range(len(left) - 1, 0, -1):
+            if (tail := tail + left[k]) >= SURELY:
+                return k
+        return 0
 
     @staticmethod
     def _heard_from(group: list[Trajectory]) -> bool:

@@ -124,6 +124,11 @@ def test_speculative_fill_ups_can_wait_for_the_prompts_first_fork_decision():
     first.finish_reason = "eos"  # a line that ended without a tool call: no decision will come from it
     fills.update(r, 0, first)
     assert ("fill", False) in kinds(r) and r.stats.speculative_fill_ups > 0
+    fills, r = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5, after_first_decision=True), \
+        rollout(m=8, n=2)
+    fills.call_rate = 0.0  # learned from a rollout in which no path called a tool: no line is expected to fork
+    fills.update(r, 0, None)
+    assert kinds(r) == [("global", True)] * 2 + [("fill", False)] * 6  # all missing paths start with the globals
     certain, lone = FillUps(max_tool_calls=0, branch_factor=2, branch_threshold=0.5, after_first_decision=True), \
         rollout(3, 1)
     certain.update(lone, 0, None)
