@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from arpo_trl.generation import CachedTransformersEngine
-from arpo_trl.generation import cached_engine as cached_engine_module
+from arpo_trl.generation import admission as admission_module
 from arpo_trl.generation.prefill import PrefillJob, prefill
 from arpo_trl.generation.prefix_cache import crop, stack_layers
 
@@ -46,14 +46,14 @@ def record_joins(engine, sampler, prompts, seed: int) -> tuple[list[list[tuple[i
             seconds[0] += time.perf_counter() - start
             calls.append([(job.start, job.new) for job in jobs])
 
-    cached_engine_module.prefill = recording
+    admission_module.prefill = recording
     try:
         torch.manual_seed(seed)
         start = time.perf_counter()
         sampler.sample(prompts)
         wall = time.perf_counter() - start
     finally:
-        cached_engine_module.prefill = prefill
+        admission_module.prefill = prefill
     return calls, wall, seconds[0]
 
 
@@ -80,7 +80,7 @@ def replay(model, calls: list[list[tuple[int, int]]], seed: int) -> dict:
             done = run()
             seconds[name] += time.perf_counter() - start
             forwards[name] += sum(len(positions) for _, positions in done)
-    return {"seconds": {k: round(v, 2) for k, v in seconds.items()}, "forwards": forwards,
+    return {"seconds": {k: round(v, 4) for k, v in seconds.items()}, "forwards": forwards,
             "ratio": round(seconds["batched"] / seconds["one_by_one"], 3)}
 
 
