@@ -115,7 +115,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
         if not prefix:
             raise ValueError("agenerate: the prefix must hold at least one token.")
         request = Request(list(prefix), max_new_tokens, list(stop), asyncio.get_running_loop().create_future(),
-                           stop_window(self.tokenizer, stop), text=list(prefix))
+                          stop_window(self.tokenizer, stop), text=list(prefix))
         self._pending.append(request)
         if self._driver is None or self._driver.done():
             self._driver = asyncio.create_task(self._drive())
