@@ -117,22 +117,26 @@ class FillUps:
     def forking(self, rollout: Rollout, path: Trajectory) -> bool:
         return path.active and path.kind != "fill" and rollout.policy != "none" and self.branch_factor > 1
 
+    def live_lines(self, rollout: Rollout, g: int) -> dict[int | None, list[Trajectory]]:
+        """Prompt `g`'s committed paths that may still fork, by line."""
+        lines: dict[int | None, list[Trajectory]] = {}
+        for path in rollout.groups[g]:
+            if path.committed and self.forking(rollout, path):
+                lines.setdefault(path.line, []).append(path)
+        return lines
+
     def forkable(self, rollout: Rollout, g: int, per_path: Callable[[Rollout, Trajectory], float]) -> float:
         """What forking can still add to prompt `g`: per line, `per_path` summed over its live paths, capped by the
         line's remaining share."""
-        by_line: dict[int | None, float] = {}
-        for path in rollout.groups[g]:
-            if path.committed and self.forking(rollout, path):
-                by_line[path.line] = by_line.get(path.line, 0) + per_path(rollout, path)
-        return sum(min(total, self.shares.remaining(rollout, g, line)) for line, total in by_line.items())
+        return sum(min(sum(per_path(rollout, path) for path in paths), self.shares.remaining(rollout, g, line))
+                   for line, paths in self.live_lines(rollout, g).items())
 
     def expected_slots(self, rollout: Rollout, g: int) -> float:
         """Branch slots forking is expected to take in prompt `g`: per line, its paths' `expected` sum, capped by the
         remaining share times the chance that the line forks at all (a line that ends without forking leaves its
         whole share to fill-ups, which the mean alone would hide)."""
         total = 0.0
-        for line in {path.line for path in rollout.groups[g] if path.committed and self.forking(rollout, path)}:
-            paths = [p for p in rollout.groups[g] if p.line == line and p.committed and self.forking(rollout, p)]
+        for line, paths in self.live_lines(rollout, g).items():
             forks = 1 - math.prod(self.never_forks(rollout, path) for path in paths)
             total += min(sum(self.expected(rollout, path) for path in paths),
                          self.shares.remaining(rollout, g, line) * forks)
@@ -173,8 +177,7 @@ class FillUps:
         its tool results leaves its whole remaining share to fill-ups (a lower bound: a line that forks may still
         leave some). With rates learned from a model that calls no tool, that is every missing slot."""
         left = [1.0]  # P(the lines that never fork leave k slots)
-        for line in {path.line for path in rollout.groups[g] if path.committed and self.forking(rollout, path)}:
-            paths = [p for p in rollout.groups[g] if p.line == line and p.committed and self.forking(rollout, p)]
+        for line, paths in self.live_lines(rollout, g).items():
             never, share = math.prod(self.never_forks(rollout, path) for path in paths), \
                 self.shares.remaining(rollout, g, line)
             spread = [0.0] * (len(left) + share)

@@ -254,15 +254,15 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
         gone = []
         for row in finished:
             request = self._rows[row]
-            if not request.held and not request.future.done():
+            if not request.held and request.future.done():  # cancelled
+                gone.append(row)
+                continue
+            if not request.held:
                 segment = self._segment(request.ids, request.logprobs, request.entropies, request.budget, request.stop)
                 request.future.set_result(segment)
                 if segment.finish_reason == "length" and len(segment.token_ids) == len(request.ids):
                     request.held = True  # fed by this step's decode if not yet; `_adopt` decides at the next
                     continue
-            elif not request.held:  # cancelled
-                gone.append(row)
-                continue
             self._store(row, fed)
             gone.append(row)
         if not fed and all(request.held for row, request in enumerate(self._rows) if row not in gone):
