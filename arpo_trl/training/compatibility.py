@@ -10,6 +10,10 @@ from peft import PeftModel
 TREE_MASK_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 # flash-attention varlen and paged kernels take no 4D mask; FlexAttention takes the tree as a block mask
 TREE_MASK_ATTENTION = ("sdpa", "eager", "flex_attention")
+# RoPE variants that pick their frequencies from the largest position id of each forward (transformers'
+# `dynamic_rope_update`): packed position ids are token depths, so a pack and TRL's padded rows would see different
+# frequencies, and so could the old-logprob and the policy pass of the same rows. The other types are static.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def base_model(model):
@@ -19,8 +23,29 @@ def base_model(model):
     return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
+def rope_types(config) -> set[str]:
+    """Every `rope_type` of a text config: one set of RoPE parameters, or one per layer type."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(parameters, dict):
+        return set()
+    sets = [parameters] if "rope_type" in parameters or "type" in parameters else list(parameters.values())
+    return {str(p.get("rope_type", p.get("type", "default"))) for p in sets if isinstance(p, dict)}
+
+
+def prompt_learning(model) -> bool:
+    """A PEFT prompt/prefix/p-tuning adapter: PEFT prepends virtual tokens (or past key values) and their 2D mask to
+    every forward and drops `position_ids`, which a tree mask cannot take."""
+    while hasattr(model, "module"):
+        model = model.module
+    config = getattr(model, "active_peft_config", None) if isinstance(model, PeftModel) else None
+    return bool(getattr(config, "is_prompt_learning", False))
+
+
 def packing_blocker(model, use_liger_kernel: bool = False) -> str | None:
     """Why `model` cannot run on a tree mask (a sentence for the fallback warning), or None when it can."""
+    if prompt_learning(model):
+        return ("a PEFT prompt-learning adapter (prompt, prefix or p-tuning) prepends virtual tokens with a 2D mask "
+                "and drops position_ids")
     config = base_model(model).config.get_text_config()
     model_type = getattr(config, "model_type", None)
     if model_type not in TREE_MASK_ARCHITECTURES:
@@ -33,6 +58,9 @@ def packing_blocker(model, use_liger_kernel: bool = False) -> str | None:
     windowed = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None) is not None
     if windowed or any(kind != "full_attention" for kind in layer_types):
         return "sliding-window attention is not expressed by a tree mask"
+    if dynamic := sorted(rope_types(config) & set(LENGTH_DEPENDENT_ROPE)):
+        return (f"rope_type {dynamic[0]!r} chooses its frequencies from the longest position in each forward, which "
+                "packed depths and padded rows set differently")
     if use_liger_kernel:
         return "Liger kernels are not checked against tree masks"
     return None
