@@ -15,7 +15,13 @@ import time
 import torch
 
 from arpo_trl.training.compatibility import base_model, packing_blocker
-from arpo_trl.training.grouping import ROW_INDEX, regroup
+from arpo_trl.training.grouping import (
+    ROW_INDEX,
+    optimizer_step_window,
+    regroup,
+    regroup_blocker,
+    without_row_index,
+)
 from arpo_trl.training.packing import PackedBatch, pack_rows
 
 logger = logging.getLogger(__name__)
@@ -69,6 +75,7 @@ class TreePackedTraining:
     _rollout_seconds = 0.0  # time in generation and scoring so far, those passes excluded
     _training_seconds = 0.0  # training time of the optimizer step under way
     _warned_rows = False
+    _warned_regroup = False
 
     def _packing_fallback(self, model) -> str | None:
         if self._packing_checked is None:
@@ -160,11 +167,30 @@ class TreePackedTraining:
         before = self._trl.buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
         fresh = self._trl.buffered_inputs
-        if self.model.training and self.args.tree_packing and fresh is not before and fresh:
+        if fresh is not before and fresh and ROW_INDEX in fresh[0]:
             position = next(i for i, batch in enumerate(fresh) if batch is inputs)
-            self._trl.buffered_inputs = regroup(fresh, self._trl.group_size(True))
+            self._trl.buffered_inputs = self._regrouped(fresh)
             inputs = self._trl.buffered_inputs[position]
         return inputs
+
+    def _regrouped(self, batches: list[dict]) -> list[dict]:
+        """TRL's micro-batches with each group's rows together within every optimizer step's micro-batches, where
+        that leaves each step's rows and loss weights as they are (`grouping.py`); else TRL's split as it is."""
+        args = self.args
+        window = optimizer_step_window(args.steps_per_generation, args.gradient_accumulation_steps)
+        reason = self._packing_fallback(self.model) or regroup_blocker(args)
+        if reason is None and window is None:
+            reason = (f"steps_per_generation={args.steps_per_generation} and gradient_accumulation_steps="
+                      f"{args.gradient_accumulation_steps} cut TRL's micro-batches unevenly into optimizer steps")
+        if reason is not None:
+            if not self._warned_regroup:
+                self._warned_regroup = True
+                logger.info("ARPO: tree_packing packs TRL's micro-batches as shuffled, without regrouping prompt "
+                            "groups (fewer shared prefixes per pack): %s.", reason)
+            return without_row_index(batches)
+        group_size = self._trl.group_size(True)
+        return [batch for start in range(0, len(batches), window)
+                for batch in regroup(batches[start:start + window], group_size)]
 
     def training_step(self, model, inputs, num_items_in_batch):  # transformers: one micro-batch's forward+backward
         """`arpo/training_seconds`: per optimizer step, the time of its micro-batches' training steps less the
