@@ -214,3 +214,29 @@ def test_regrouping_happens_only_where_it_changes_no_gradient(setting, expected,
     else:
         assert unchanged
         assert any(expected in record.getMessage() for record in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize("trees,max_length,packs", [
+    ([[(None, 0, 150)] * 4], None, False),  # 4 long rows sharing only the prompt: one 600-slot pack, L² attention
+    ([[(None, 0, 150), (None, 0, 5), (None, 0, 6), (None, 0, 5)]], 40, True),  # a row past the cap: 2 packs of 155
+])
+def test_a_chunk_whose_packs_cost_more_than_trls_rows_is_forwarded_as_rows(trees, max_length, packs, model_dirs,
+                                                                           tokenizer, addition_dataset, tmp_path,
+                                                                           caplog):
+    """Packs attend over all their slot pairs (SDPA's dense mask): rows that share little, packed together, cost
+    more than TRL's padded rows, and are forwarded as those. A row longer than the cap pads every pack to its length,
+    but TRL pads every row to it too: packing stays cheaper there."""
+    trainer = make_trainer(model_dirs["llama"], tokenizer, addition_dataset, tmp_path,
+                           tree_packing_max_length=max_length)
+    batch = micro_batch(trees, len(tokenizer), tokenizer.pad_token_id, prompt_lengths=[6])
+    rows = batch["prompt_ids"].size(0) * (batch["prompt_ids"].size(1) + batch["completion_ids"].size(1))
+    loss, _ = loss_and_grads(trainer, batch, packed=False, old_logps=False)
+    with caplog.at_level("INFO", logger="arpo_trl.training.packed_logps"):
+        packed_loss, _ = loss_and_grads(trainer, batch, packed=True, old_logps=False)
+    forwarded = trainer._metrics["train"]["arpo/tokens_forwarded_per_group"][-1] * len(trees)
+    if packs:
+        assert forwarded < rows
+        assert torch.allclose(packed_loss, loss, rtol=1e-5)
+    else:
+        assert forwarded == rows and "would cost more" in caplog.text
+        assert torch.equal(packed_loss, loss)

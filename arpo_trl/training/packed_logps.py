@@ -15,6 +15,7 @@ import time
 import torch
 
 from arpo_trl.training.compatibility import base_model, packing_blocker
+from arpo_trl.training.forward_cost import ForwardCost
 from arpo_trl.training.grouping import (
     ROW_INDEX,
     optimizer_step_window,
@@ -76,6 +77,7 @@ class TreePackedTraining:
     _training_seconds = 0.0  # training time of the optimizer step under way
     _warned_rows = False
     _warned_regroup = False
+    _warned_cost = False
 
     def _packing_fallback(self, model) -> str | None:
         if self._packing_checked is None:
@@ -106,23 +108,41 @@ class TreePackedTraining:
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
             forwarded = input_ids.numel()
         else:
-            out, forwarded = self._packed_logps(model, *rows, logits_to_keep, batch_size or input_ids.size(0),
-                                                compute_entropy)
+            out, forwarded = self._packed_logps(model, input_ids, attention_mask, *rows, logits_to_keep,
+                                                batch_size or input_ids.size(0), compute_entropy)
         self._record_forward(input_ids.size(0), forwarded, compute_entropy, time.perf_counter() - started)
         return out
 
-    def _packed_logps(self, model, rows: list[list[int]], prompt_lengths: list[int], width: int, batch_size: int,
-                      compute_entropy: bool):
+    def _packed_logps(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[list[int]],
+                      prompt_lengths: list[int], width: int, batch_size: int, compute_entropy: bool):
+        """TRL's chunks of `batch_size` rows (so the memory peak stays where TRL puts it), each packed, or forwarded
+        as TRL's rows where its packs would cost more (`forward_cost.py`)."""
         logps, entropies, forwarded = [], [], 0
-        multiple = pack_length_multiple(self._packing_config(model)._attn_implementation, self.accelerator.device)
-        for start in range(0, len(rows), batch_size):  # TRL's chunks, so the memory peak stays where TRL puts it
-            packed = pack_rows(rows[start:start + batch_size], prompt_lengths[start:start + batch_size], width,
-                               self.args.tree_packing_max_length, multiple)
-            chunk_logps, chunk_entropies = self._forward_packed(model, packed, compute_entropy)
+        config = self._packing_config(model)
+        multiple = pack_length_multiple(config._attn_implementation, self.accelerator.device)
+        cost = ForwardCost.of(base_model(model), config, config._attn_implementation)
+        for start in range(0, len(rows), batch_size):
+            chunk = slice(start, start + batch_size)
+            packed = pack_rows(rows[chunk], prompt_lengths[chunk], width, self.args.tree_packing_max_length, multiple)
+            if cost.packed(packed) < cost.unpacked(len(rows[chunk]), input_ids.size(1)):
+                chunk_logps, chunk_entropies = self._forward_packed(model, packed, compute_entropy)
+                forwarded += packed.input_ids.numel()
+            else:
+                self._note_unpacked_chunk(packed, input_ids[chunk])
+                chunk_logps, chunk_entropies, _ = super()._get_per_token_logps_and_entropies(
+                    model, input_ids[chunk], attention_mask[chunk], width, compute_entropy=compute_entropy)
+                forwarded += input_ids[chunk].numel()
             logps.append(chunk_logps)
             entropies.append(chunk_entropies)
-            forwarded += packed.input_ids.numel()
         return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None), forwarded
+
+    def _note_unpacked_chunk(self, packed: PackedBatch, input_ids: torch.Tensor) -> None:
+        if not self._warned_cost:
+            self._warned_cost = True
+            logger.info("ARPO: tree_packing forwards a chunk as TRL's rows: its %d packs of %d slots would cost more "
+                        "than %d rows of %d tokens (attention over a pack's every slot pair; a row longer than "
+                        "tree_packing_max_length sets every pack's length).", *packed.input_ids.shape,
+                        *input_ids.shape)
 
     def _forward_packed(self, model, packed: PackedBatch, compute_entropy: bool):
         device = self.accelerator.device
