@@ -11,11 +11,18 @@ Rows the loss leaves out (TRL's `mask_truncated_completions` drops truncated com
 soft trains a shared token in each kept copy with that copy's advantage; hard trains it once, in a kept row, with the
 mean advantage of the kept rows sharing it (so d_kept copies at that mean are soft's sum again), and not at all when
 no row sharing it is kept, as in soft.
+
+Hard mode is defined for losses that sum tokens (TRL's dapo, bnpo, dr_grpo, cispo, luspo at token level) and for those
+that divide each row by its own trained-token count (grpo, sapo), which `row_normalised_hard_advantages` keeps to the
+whole trajectory's count. `check_attribution` (called by `ARPOConfig`) refuses in one line each setting that weighs,
+corrects or drops a row by a statistic over its trained tokens, which no per-token advantage can restore: a branch's
+row trains only its own suffix, so the branch would be judged by that suffix instead of its trajectory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -80,3 +87,59 @@ def trained_mask(owners: torch.Tensor, ids: Sequence[int], kept: Sequence[bool] 
         positions = sharing.any(0).nonzero().flatten()
         mask[sharing.int().argmax(0)[positions], positions] = True
     return mask.long()
+
+
+ROW_NORMALISED_LOSSES = ("grpo", "sapo")  # TRL 1.16: a row's token sum divided by that row's own trained tokens
+
+
+def row_normalised_hard_advantages(advantages: torch.Tensor, owners: torch.Tensor, groups: Sequence[int],
+                                   whole: torch.Tensor, trained: torch.Tensor, kept: Sequence[bool] | None = None,
+                                   scored: Sequence[bool] | None = None) -> torch.Tensor:
+    """(B, T) advantages for a loss that divides each row by its own trained tokens (`ROW_NORMALISED_LOSSES`).
+
+    There a token of trajectory i weighs A_i / L_i, L_i its trajectory's trained tokens (`whole`, (B,)), so a shared
+    token gets the mean of A_i / L_i over the rows sharing it that count, trained once. Hard attribution leaves row i
+    only its `trained` tokens ((B,)), by which the loss divides instead of L_i: the advantages are multiplied by them
+    (the loss is linear in a positive per-row scale of the advantages, whose signs it alone reads)."""
+    whole = whole.to(advantages.device, advantages.dtype).clamp(min=1)
+    per_token = hard_advantages(advantages / whole, owners, groups, kept, scored)
+    return per_token * trained.to(per_token.device, per_token.dtype)[:, None]
+
+
+ATTRIBUTIONS = ("soft", "hard")
+VLLM_SEQUENCE_MODES = ("sequence_mask", "sequence_truncate")
+
+# (the fields that make the setting, refused when the predicate holds; what it does with a row's trained tokens, to be
+# followed by "its trained tokens"; the way out besides advantage_attribution='soft')
+HARD_REFUSALS: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str, str], ...] = (
+    (("importance_sampling_level",), lambda c: c.importance_sampling_level == "sequence",
+     "averages a row's log-ratio over", "use importance_sampling_level='token'"),
+    (("loss_type",), lambda c: c.loss_type == "vespo",
+     "weights a row by its sequence ratio over",
+     "use loss_type 'dapo', 'bnpo', 'dr_grpo', 'cispo', 'luspo', 'grpo' or 'sapo'"),
+    (("off_policy_mask_threshold",), lambda c: c.off_policy_mask_threshold is not None,
+     "drops a row by its mean KL over", "set off_policy_mask_threshold=None"),
+    (("use_vllm", "vllm_importance_sampling_mode"),
+     lambda c: c.use_vllm and c.vllm_importance_sampling_correction
+     and c.vllm_importance_sampling_mode in VLLM_SEQUENCE_MODES,
+     "corrects a row by its sampler ratio over",
+     "use vllm_importance_sampling_mode 'token_mask' or 'token_truncate'"),
+    (("loss_type", "beta"), lambda c: c.loss_type in ROW_NORMALISED_LOSSES and c.beta != 0.0,
+     "divides a row's KL term by the number of",
+     "set beta=0.0 (the policy term is rescaled to the trajectory, the KL term cannot be) or use loss_type 'dapo', "
+     "'bnpo' or 'dr_grpo'"),
+)
+
+
+def check_attribution(config: Any) -> None:
+    """A ValueError in one line for an unknown attribution, or a TRL setting hard attribution cannot honour."""
+    if config.advantage_attribution not in ATTRIBUTIONS:
+        raise ValueError(f"advantage_attribution must be one of {ATTRIBUTIONS}, got {config.advantage_attribution!r}.")
+    if config.advantage_attribution != "hard":
+        return
+    for names, refused, what, way_out in HARD_REFUSALS:
+        if refused(config):
+            setting = ", ".join(f"{name}={getattr(config, name)!r}" for name in names)
+            raise ValueError(f"advantage_attribution='hard' trains each shared token in one row only, so a branch's "
+                             f"row trains just its own suffix; {setting} {what} its trained tokens, i.e. that suffix "
+                             f"instead of the whole trajectory: {way_out}, or advantage_attribution='soft'.")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from arpo_trl.advantages import ATTRIBUTIONS, check_attribution
 from arpo_trl.dropin.grpo_fields import check_grpo_fields
 from arpo_trl.engines import check_generation_kwargs
 from arpo_trl.entropy import check_entropy_args, resolve_estimator
@@ -20,8 +21,6 @@ from arpo_trl.preflight import adopt_checkpointing_default
 from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS, check_branching_args, default_initial_rollouts
 from arpo_trl.server.weight_sync import SYNC_MODES, check_sync_mode
 from arpo_trl.tool_calls import TOOL_CALL_FORMATS, check_call_format
-
-ATTRIBUTIONS = ("soft", "hard")
 
 
 @dataclass
@@ -142,7 +141,8 @@ class ARPOConfig(GRPOConfig):
         metadata={
             "help": "'soft' (paper default): plain GRPO over the M trajectories, shared prefixes trained in "
             "every copy. 'hard': a token shared by d trajectories gets the mean advantage of those d and is "
-            "trained once.",
+            "trained once (token-sum loss types, or grpo/sapo with beta=0; no sequence-level ratio or mask: "
+            "docs/reference.md#advantages).",
             "choices": list(ATTRIBUTIONS),
         },
     )
@@ -331,10 +331,7 @@ class ARPOConfig(GRPOConfig):
 
     def _validate_arpo_fields(self) -> None:
         m = self.num_generations
-        if self.advantage_attribution not in ATTRIBUTIONS:
-            raise ValueError(
-                f"advantage_attribution must be one of {ATTRIBUTIONS}, got {self.advantage_attribution!r}."
-            )
+        check_attribution(self)
         if self.initial_rollouts is None:
             self.initial_rollouts = default_initial_rollouts(m, self.branch_policy)
         check_branching_args(m, self.initial_rollouts, self.branch_factor, self.branch_threshold,

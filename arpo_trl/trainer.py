@@ -6,7 +6,8 @@ Only these hooks change (plus, with `use_vllm=True`, the weight-sync object TRL 
     which TRL turns into `tool_mask` and removes from the loss;
   * `_generate` applies hard attribution's "each shared token once" to TRL's tool mask (after TRL logged the
     completion lengths from the true one), and `_generate_and_score_completions` replaces the (B,) advantages by
-    (B,T) ones for hard attribution, which TRL's `_compute_loss` accepts;
+    (B,T) ones for hard attribution, which TRL's `_compute_loss` accepts (with grpo/sapo, scaled so that a row's
+    division by its own trained tokens weighs them by its whole trajectory's, as soft attribution does);
   * with AEPO's update options, `EntropyBalancedUpdate` (arpo_trl/entropy_balanced_update.py) adjusts the
     advantages and log-probabilities TRL's `_compute_loss` reads, keeping TRL's loss code.
 Every use of TRL's undocumented state goes through `TRLState` (arpo_trl/trl_state.py; tests/test_trl_touch_points.py
@@ -29,7 +30,13 @@ import torch
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
-from arpo_trl.advantages import hard_advantages, token_owners, trained_mask
+from arpo_trl.advantages import (
+    ROW_NORMALISED_LOSSES,
+    hard_advantages,
+    row_normalised_hard_advantages,
+    token_owners,
+    trained_mask,
+)
 from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import LockstepEngine, run_on_main_process
 from arpo_trl.dropin.environments import EnvironmentRollouts, setup_environments
@@ -96,6 +103,7 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
 
     _prefilled = 0  # the engine's prefill counter when the last rollout was logged
     _engine_seconds: dict[str, float] | None = None  # the engine's seconds per step phase, likewise
+    _trajectory_mask: list[list[int]] | None = None  # hard attribution: the tool mask before ownership is applied
 
     def __init__(
         self,
@@ -248,6 +256,7 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
         completion_ids, tool_mask, _ = self._trl.generated_rollout(generated)
         kept = [not (self.args.mask_truncated_completions and self._trl.truncated(ids)) for ids in completion_ids]
         if self.args.advantage_attribution == "hard":  # each shared token trained once
+            self._trajectory_mask = tool_mask  # each trajectory's own trained tokens, for grpo/sapo's normalisation
             owners = self._owners(tree, max(map(len, tool_mask)))
             keep = trained_mask(owners, [f["node"] for f in tree], kept).tolist()
             tool_mask = [[bit * k for bit, k in zip(row, keep[i])] for i, row in enumerate(tool_mask)]
@@ -284,18 +293,32 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
         # Hard attribution needs the group advantages TRL computes, then spreads them per token.
         output = super()._generate_and_score_completions(inputs)
         fields, self._tree_rows = self._tree_rows, None
-        rows, width = self._trl.completion_shape(output)
+        rows, _ = self._trl.completion_shape(output)
         if self.args.log_trees and getattr(self, "_last_rollout", None) is not None:
             self._log_trees(self._last_rollout, rows)
             self._last_rollout = None
-        if self.args.advantage_attribution == "hard" and fields is not None:
-            index, processes = self.accelerator.process_index, self.accelerator.num_processes
-            scored = [not flag for flag in self._trl.unscored(rows * processes)[index * rows : (index + 1) * rows]]
-            advantages = hard_advantages(self._trl.advantages(output), self._owners(fields, width),
-                                         [f["group"] for f in fields], kept=self._trl.rows_in_loss(output),
-                                         scored=scored)
-            self._trl.set_token_advantages(output, advantages)
+        trajectory_mask, self._trajectory_mask = self._trajectory_mask, None
+        # Evaluation never forks, so every token has one owner and hard attribution changes nothing there; TRL's logs,
+        # which the unscored rows are read from, keep generation_batch_size rows, fewer than an eval batch may hold.
+        if self.args.advantage_attribution == "hard" and fields is not None and self.model.training:
+            self._trl.set_token_advantages(output, self._hard_advantages(output, fields, trajectory_mask))
         return output
+
+    def _hard_advantages(self, output: dict, fields: list[dict], trajectory_mask: list[list[int]]) -> torch.Tensor:
+        """(B, T) per-token advantages of hard attribution, from the (B,) group advantages TRL just computed."""
+        rows, width = self._trl.completion_shape(output)
+        index, processes = self.accelerator.process_index, self.accelerator.num_processes
+        scored = [not flag for flag in self._trl.unscored(rows * processes)[index * rows : (index + 1) * rows]]
+        tree = (self._owners(fields, width), [f["group"] for f in fields])
+        advantages, kept = self._trl.advantages(output), self._trl.rows_in_loss(output)
+        if self.args.loss_type not in ROW_NORMALISED_LOSSES:
+            return hard_advantages(advantages, *tree, kept=kept, scored=scored)
+        padded = torch.zeros(rows, width, dtype=torch.long)
+        for row, bits in zip(padded, trajectory_mask):
+            row[:len(bits)] = torch.as_tensor(bits)
+        whole = self._trl.loss_mask(output, padded).sum(-1)  # what soft attribution divides each row by
+        trained = self._trl.loss_mask(output).sum(-1)  # what the loss divides each row by
+        return row_normalised_hard_advantages(advantages, *tree, whole, trained, kept, scored)
 
     def _log_trees(self, result: RolloutResult, local_rows: int) -> None:
         """Append this step's trees, with the rewards and advantages TRL just computed, to trees.jsonl."""

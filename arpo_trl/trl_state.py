@@ -129,6 +129,15 @@ class TRLState:
         return output["completion_mask"].bool().any(1)
 
     @staticmethod
+    def loss_mask(output: dict, tool_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) the tokens the loss trains: `mask` in TRL's `_compute_loss`, whose mask.sum(-1) grpo and sapo divide
+        each row by; with `tool_mask`, that mask in place of the output's own."""
+        # TRL 1.16: _compute_loss's mask is output["completion_mask"] * output["tool_mask"] (when present)
+        completion_mask = output["completion_mask"]
+        tool_mask = output.get("tool_mask") if tool_mask is None else tool_mask.to(completion_mask.device)
+        return completion_mask if tool_mask is None else completion_mask * tool_mask
+
+    @staticmethod
     def completion_shape(output: dict) -> tuple[int, int]:
         # TRL 1.16: _generate_and_score_completions' output["completion_ids"] is this rank's (B, T) padded tensor
         rows, width = output["completion_ids"].shape
@@ -164,6 +173,9 @@ class TRLState:
         # TRL 1.16: GRPOTrainer._logs["rewards"][name] is a deque of per-sample rewards (NaN: unscored), every rank's in
         # rank order, for each name of reward_func_names, whose order is reward_weights' (a tensor)
         per_func = [list(trainer._logs["rewards"][name])[-last:] for name in trainer.reward_func_names]
+        if any(len(rows) < last for rows in per_func):  # the deques keep generation_batch_size rows
+            raise RuntimeError(f"TRL's reward logs hold {min(map(len, per_func))} rows, fewer than the {last} "
+                               "asked for (they keep generation_batch_size rows).")
         return list(zip(*per_func))
 
     @property
