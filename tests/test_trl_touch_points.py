@@ -83,6 +83,17 @@ def test_vllm_backend_is_built_from_args_use_vllm():
           "__init__ no longer builds it")
 
 
+def test_loss_mask_and_row_normalisation_are_trls():
+    """`TRLState.loss_mask` rebuilds `_compute_loss`'s mask, and hard attribution's grpo/sapo scaling undoes exactly
+    those losses' per-row division (source read: the lines it relies on)."""
+    source = inspect.getsource(GRPOTrainer._compute_loss)
+    check('mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]' in source,
+          "GRPOTrainer._compute_loss", "its loss mask is no longer completion_mask * tool_mask")
+    check('if self.loss_type in ["grpo", "sapo"]:\n            loss = ((per_token_loss * mask).sum(-1) / '
+          'mask.sum(-1).clamp(min=1.0)).mean()' in source, "GRPOTrainer._compute_loss",
+          "grpo/sapo no longer divide each row by its own mask.sum(-1)")
+
+
 class SyncRecorder:
     """Stands in for the weight-sync object (`LoRAAdapterSync`...) TRL calls before each rollout."""
 
