@@ -3,6 +3,7 @@
     python benchmarks/packed_training.py                                  # M16N8 and M4N2, 3 seeds × 3 steps
     python benchmarks/packed_training.py --settings 4:2 --seeds 0 --steps 2   # a quick look
     python benchmarks/packed_training.py --device cuda --settings 16:8 --seeds 0 1   # on a GPU, bf16 autocast
+    python benchmarks/packed_training.py --micro-batches shuffled   # TRL's shuffled micro-batches, not regrouped
 
 Each run is a fresh process doing TRL's training phase on SmolLM2-135M's architecture (random weights: the cost of
 a forward does not depend on them) with the multi-call recipe's LoRA (r 16 on q/k/v/o) and loss (dapo, beta 0,
@@ -12,7 +13,13 @@ micro-batches are rollout trees built by construction with the shapes the multi-
 (benchmarks/arpo_vs_grpo.py, recipes/arpo_vs_grpo.yaml and recipes/quickstart.yaml): per prompt, `arpo` has N global
 paths and M-N branches forked after a tool result (at 30 % or 60 % of a path, so about 0.75 of GRPO's unique tokens),
 `grpo` M global paths sharing only the prompt; a path is 60-100 % of max_completion_length long. Every configuration
-sees the same trees for a (setting, seed, step).
+sees the same trees for a (setting, seed, step). `--micro-batches grouped` (the default) trains one micro-batch of
+whole groups, as `ARPOTrainer` regroups them where that changes no gradient (the default dapo loss); `shuffled`
+trains one of `--steps-per-generation` micro-batches of TRL's row-shuffled generation batch, which is what packing
+gets where regrouping would change the gradient (bnpo, an entropy bonus, `top_entropy_quantile`, ...).
+`predicted_cost_ratio` is the packed layout's FLOP estimate over the unpacked one's
+(`arpo_trl/training/forward_cost.py`; below 1 the trainer packs); `--force-packing` packs every chunk whatever that
+estimate says, to measure what the fallback avoids.
 
 Per step: tokens forwarded per group (padding included), training-phase seconds (wall clock, the GPU synchronised
 before the clock is read; and the process's CPU seconds, which other jobs on a shared machine disturb less), and the
@@ -43,7 +50,8 @@ from benchmarks.arpo_vs_grpo import _interval, _label, _setting  # noqa: E402
 
 SETTINGS = {(16, 8): {"prompts": 1, "max_completion_length": 160}, (4, 2): {"prompts": 2, "max_completion_length": 80}}
 PROMPT_TOKENS = 110  # the multi-call recipe's system prompt and question, chat template applied
-METRICS = ("tokens_forwarded_per_group", "training_seconds", "training_cpu_seconds", "peak_memory_mb")
+METRICS = ("tokens_forwarded_per_group", "training_seconds", "training_cpu_seconds", "peak_memory_mb",
+           "predicted_cost_ratio")
 PAIRS = (("arpo_packed", "arpo_unpacked"), ("grpo_packed", "grpo_unpacked"), ("arpo_packed", "grpo_unpacked"),
          ("arpo_packed", "grpo_packed"))
 
@@ -58,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: bf16 autocast on the GPU, seconds between synchronisations, peak GPU memory")
     parser.add_argument("--attention", choices=["sdpa", "eager", "flex_attention"], default="sdpa")
+    parser.add_argument("--micro-batches", choices=["grouped", "shuffled"], default="grouped",
+                        help="whole groups (regrouped) or one of TRL's shuffled micro-batches")
+    parser.add_argument("--steps-per-generation", type=int, default=4, help="with --micro-batches shuffled")
+    parser.add_argument("--force-packing", action="store_true", help="pack every chunk (no cost fallback)")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny Llama instead (checks the script only)")
     parser.add_argument("--bootstrap", type=int, default=2000)
     parser.add_argument("--out", default="runs/packed_training")
@@ -122,16 +134,41 @@ def make_trainer(spec: dict):
 
 def step_batch(spec: dict, step: int, trainer) -> dict:
     """The (setting, seed, step)'s micro-batch of `spec["method"]`'s trees, on the trainer's device: every
-    configuration sees the same trees."""
+    configuration sees the same trees. Shuffled: the first of TRL's `steps_per_generation` micro-batches of a
+    row-shuffled generation batch holding that many times the groups."""
     from packed_batches import micro_batch
 
     m, n = spec["setting"]
     shape = SETTINGS[(m, n)]
     rng = random.Random(f"{spec['seed']}/{step}/{m}")
-    trees = [tree_paths(rng, m, n, spec["method"], shape["max_completion_length"]) for _ in range(shape["prompts"])]
+    splits = spec["steps_per_generation"] if spec["micro_batches"] == "shuffled" else 1
+    groups = shape["prompts"] * splits
+    trees = [tree_paths(rng, m, n, spec["method"], shape["max_completion_length"]) for _ in range(groups)]
     batch = micro_batch(trees, trainer.model.config.vocab_size, 0, seed=rng.randrange(1 << 30),
-                        prompt_lengths=[PROMPT_TOKENS + 3 * i for i in range(len(trees))])
+                        prompt_lengths=[PROMPT_TOKENS + 3 * (i % shape["prompts"]) for i in range(groups)])
+    if splits > 1:
+        rows = random.Random(f"{spec['seed']}/{step}/shuffle").sample(range(groups * m), shape["prompts"] * m)
+        batch = {key: value[rows] if value.ndim else value for key, value in batch.items()}
     return {key: value.to(trainer.accelerator.device) for key, value in batch.items()}
+
+
+def predicted_cost_ratio(trainer, batch: dict) -> float:
+    """The packed layout's FLOP estimate over TRL's rows', as `TreePackedTraining` weighs them for this batch."""
+    import torch
+
+    from arpo_trl.training.compatibility import base_model
+    from arpo_trl.training.forward_cost import ForwardCost
+    from arpo_trl.training.packed_logps import real_rows
+    from arpo_trl.training.packing import pack_rows
+
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1).cpu()
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1).cpu()
+    rows, prompt_lengths = real_rows(ids, mask, batch["prompt_ids"].size(1))
+    width = batch["completion_ids"].size(1)
+    packed = pack_rows(rows, prompt_lengths, width, trainer.args.tree_packing_max_length)
+    config = trainer._packing_config(trainer.model)
+    cost = ForwardCost.of(base_model(trainer.model), config, config._attn_implementation)
+    return cost.packed(packed) / cost.unpacked(len(rows), ids.size(1))
 
 
 def worker(spec: dict) -> dict:
@@ -139,6 +176,10 @@ def worker(spec: dict) -> dict:
     import torch
 
     trainer, cuda = make_trainer(spec), spec["device"] == "cuda"
+    if spec["force_packing"]:
+        from arpo_trl.training.forward_cost import ForwardCost
+
+        ForwardCost.packed = lambda self, packed: 0.0
     baseline, steps = None, []
     for step in range(spec["steps"] + 1):  # step 0 warms up
         batch = step_batch(spec, step, trainer)
@@ -154,7 +195,8 @@ def worker(spec: dict) -> dict:
         tokens = trainer._metrics["train"]["arpo/tokens_forwarded_per_group"][-1]
         if step:
             steps.append({"tokens_forwarded_per_group": tokens, "training_seconds": seconds,
-                          "training_cpu_seconds": cpu_seconds})
+                          "training_cpu_seconds": cpu_seconds,
+                          "predicted_cost_ratio": predicted_cost_ratio(trainer, batch)})
     peak = _peak_memory(cuda) - baseline
     for record in steps:
         record["peak_memory_mb"] = peak
@@ -182,7 +224,8 @@ def _peak_memory(cuda: bool) -> float:
 def run_config(args, setting, seed: int, method: str, packed: bool) -> dict:
     spec = {"setting": list(setting), "seed": seed, "method": method, "packed": packed, "steps": args.steps,
             "max_length": args.max_length, "layers": args.layers, "tiny": args.tiny, "threads": 2, "out": args.out,
-            "device": args.device, "attention": args.attention}
+            "device": args.device, "attention": args.attention, "micro_batches": args.micro_batches,
+            "steps_per_generation": args.steps_per_generation, "force_packing": args.force_packing}
     done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
                           cwd=ROOT)
     if done.returncode != 0:
@@ -219,7 +262,9 @@ def markdown(report: dict) -> str:
     rows = [[setting, config, *(f"{values[k]:.4g}" for k in METRICS)]
             for setting, configs in report["summary"].items() for config, values in configs.items()]
     table = [[name, *(_interval(values.get(k)) for k in METRICS)] for name, values in report["comparisons"].items()]
-    device = f"{report['device']}, {report['attention']}"
+    device = f"{report['device']}, {report['attention']}, {report.get('micro_batches', 'grouped')} micro-batches"
+    if report.get("force_packing"):
+        device += ", packing forced"
     return "\n".join([f"Device: {device}. Load: {report['uptime']}", "", "Means over seeds and steps:", "",
                       markdown_table(["setting", "configuration", *METRICS], rows), "",
                       "Ratios, 95 % paired bootstrap intervals (seeds, then steps); * = the interval excludes 1:", "",
@@ -246,7 +291,9 @@ def main(argv=None) -> dict:
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     report = {"settings": [_label(s) for s in args.settings], "seeds": args.seeds, "steps": args.steps,
               "layers": args.layers, "tiny": args.tiny, "device": args.device,
-              "attention": args.attention, "uptime": uptime, "runs": runs, "summary": summarize(runs),
+              "attention": args.attention, "micro_batches": args.micro_batches,
+              "steps_per_generation": args.steps_per_generation, "force_packing": args.force_packing,
+              "uptime": uptime, "runs": runs, "summary": summarize(runs),
               "comparisons": comparisons}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
