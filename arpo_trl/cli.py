@@ -6,6 +6,7 @@
     arpo-trl eval --config recipes/eval_quickstart.yaml [--any_eval_field value ...]  # pass@k
     arpo-trl view RUN/trees.jsonl [--step N] [--group G] [--html OUT]   # rollout trees in the terminal
     arpo-trl plot RUN/trees.jsonl --out DIR                  # tree pictures + entropy around tool results
+    arpo-trl vllm-serve --config RECIPE                      # the vLLM server a training recipe needs
     arpo-trl vllm-serve --model PATH --lora-rank 16          # = python -m arpo_trl.server serve
 
 Each command is a module of `arpo_trl.commands` (train, sft, evaluate, trees) built on `arpo_trl.commands.builders`;
@@ -69,7 +70,7 @@ def _trees(command: str) -> Callable[[Sequence[str]], None]:
 
 
 def _vllm_serve(argv: Sequence[str]) -> None:
-    from arpo_trl.server.launcher import main as serve_main
+    from arpo_trl.server.serve_command import main as serve_main
 
     serve_main(["serve", *argv])
 

@@ -90,6 +90,8 @@ class FakeVLLM:
     def __init__(self, tokenizer, *, script: Callable[[str], str] = tool_user, max_requests: int = 500):
         self.tokenizer, self.script, self.max_requests = tokenizer, script, max_requests
         self.faults: deque = deque()
+        self.models: list = [{"id": "tiny", "parent": None}]  # `/v1/models`' `data` (vLLM adds root, max_model_len)
+        self.server_info: object = None  # `/server_info`'s JSON (vLLM's dev mode); None: 404
         self.log: list[str] = []  # "METHOD /path" of every request, in arrival order
         self.lock = threading.Lock()
         self.release = threading.Event()  # ends every Slow answer at once when the server stops
@@ -149,7 +151,9 @@ def _handler(fake: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             if self.path == "/health":
                 self._send(200, "", "text/plain")
             elif self.path == "/v1/models":
-                self._send(200, json.dumps({"object": "list", "data": [{"id": "tiny", "parent": None}]}))
+                self._send(200, json.dumps({"object": "list", "data": fake.models}))
+            elif self.path.startswith("/server_info") and fake.server_info is not None:
+                self._send(200, json.dumps(fake.server_info))
             else:
                 self._send(404, '{"detail": "Not Found"}')
 

@@ -19,14 +19,13 @@ LAYERS: dict[str, list[str]] = {
     "records": ["paths", "tags", "trees.records", "scoring", "_math_worker", "markdown", "assets", "models",
                 "preflight", "distributed", "corpora", "arithmetic_chains"],
     "engines/tools": ["entropy", "entropy.*", "engines", "generation", "generation.*", "tool_calls", "tools", "tools.*",
-                      "server", "server.client", "server.responses", "server.engine"],
+                      "server", "server.client", "server.responses", "server.engine", "server.server_check"],
     "sampler": ["budget", "scheduling", "entropy_balance", "rollout", "advantages", "rewards", "data", "eval_metrics",
                 "trees", "trees.analysis", "trees.render"],
     "trainer": ["config", "trainer", "dropin", "dropin.*", "training", "training.*", "entropy_balanced_update",
-                "trl_state", "tracking", "time_budget", "server.weight_sync", "server.trainer_mode", "server.launcher",
-                "server.__main__"],
-    "commands": ["commands", "commands.*"],
-    "top": ["__init__", "cli"],
+                "trl_state", "tracking", "time_budget", "server.weight_sync", "server.trainer_mode", "server.launcher"],
+    "commands": ["commands", "commands.*", "server.serve_config", "server.serve_command"],
+    "top": ["__init__", "cli", "server.__main__"],
 }
 # Where a regex or a search for the tag format's result text may stand: the tag format itself.
 TAG_FORMAT_MODULES = {"tags", "tools.base"}

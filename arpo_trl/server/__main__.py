@@ -1,5 +1,5 @@
 import sys
 
-from arpo_trl.server.launcher import main
+from arpo_trl.server.serve_command import main
 
 sys.exit(main())

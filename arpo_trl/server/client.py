@@ -231,14 +231,21 @@ class VLLMClient:
                                   f"{shown(models)}", base_url=self.base_url, endpoint="GET /v1/models")
         return name
 
-    def logprobs_mode(self) -> str | None:
-        """The server's `--logprobs-mode`, or None when it does not say (`/server_info` exists in dev mode only)."""
+    def server_info(self) -> dict | None:
+        """`/server_info` (vLLM's dev mode: `vllm_config`, `vllm_env`), or None where the server has none."""
         try:
-            info = self.request("GET", "/server_info?config_format=json", timeout=30, expect="json", retry=False)
+            info = self.request("GET", "/server_info?config_format=json", timeout=60, expect="json", retry=False)
         except VLLMServerError:
             return None
-        config = info.get("model_config", {}) if isinstance(info, dict) else {}
-        return config.get("logprobs_mode") if isinstance(config, dict) else None
+        return info if isinstance(info, dict) else None
+
+    def logprobs_mode(self, info: dict | None = None) -> str | None:
+        """The server's `--logprobs-mode` (from `info`, else `server_info()`), or None when it does not say."""
+        info = info if info is not None else self.server_info()
+        config = info.get("vllm_config") if isinstance(info, dict) else None
+        model = config.get("model_config") if isinstance(config, dict) else None
+        mode = model.get("logprobs_mode") if isinstance(model, dict) else None
+        return mode if isinstance(mode, str) else None
 
     def completion(self, payload: dict) -> Any:
         """The JSON body of a `/v1/completions` answer (its fields are checked by `responses.read_completion`)."""

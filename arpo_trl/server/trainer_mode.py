@@ -17,6 +17,7 @@ from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import run_on_main_process
 from arpo_trl.server.client import check_server_tokenizer
 from arpo_trl.server.engine import VLLMServerEngine
+from arpo_trl.server.server_check import RunNeeds, check_server_serves
 from arpo_trl.server.weight_sync import (
     LoRAAdapterSync,
     NoSync,
@@ -74,6 +75,8 @@ class ServerMode:
         if not self.accelerator.is_main_process:
             return None
         self.vllm_client.wait_until_ready()
+        info = self.vllm_client.server_info()
+        check_server_serves(self.vllm_client, self._run_needs(), info)
         args = self.args
         engine = VLLMServerEngine(
             self.vllm_client, self._trl.tokenizer, sampling=self._sampling(),
@@ -81,7 +84,7 @@ class ServerMode:
         )
         check_server_tokenizer(self.vllm_client, self._trl.tokenizer, engine.model_name)
         engine.check_server()
-        mode = self.vllm_client.logprobs_mode()
+        mode = self.vllm_client.logprobs_mode(info)
         if mode not in (None, "processed_logprobs"):
             logger.warning(
                 "The vLLM server at %s runs with --logprobs-mode %s: its logprobs are taken before temperature and "
@@ -89,6 +92,16 @@ class ServerMode:
                 "with --logprobs-mode processed_logprobs (our launcher does).", self.vllm_client.base_url, mode,
             )
         return engine
+
+    def _run_needs(self) -> RunNeeds:
+        """What this run asks of its server (`server_check`): the trained model, prompt + completion budget, and
+        the LoRA rank when adapters are synced."""
+        args, model = self.args, self.accelerator.unwrap_model(self.model)
+        rank = _lora_rank(model) if self.vllm_weight_sync_mode == "lora" else None
+        prompt_tokens, source = _prompt_budget(args, self._trl.tokenizer, self.train_dataset)
+        name = getattr(getattr(model, "config", None), "_name_or_path", None)
+        return RunNeeds(model=name or None, prompt_tokens=prompt_tokens, prompt_source=source,
+                        max_completion_length=args.max_completion_length, lora_rank=rank)
 
     def _file_weight_sync(self, mode: str):
         args = self.args
@@ -112,3 +125,31 @@ class ServerMode:
         start = sum(len(rank) for rank in per_rank[: self.accelerator.process_index])
         groups = result.groups[start : start + len(prompt_ids)]
         return result, [t for group in groups for t in group]
+
+
+MEASURED_PROMPTS = 50_000  # a larger dataset's prompts are not tokenized at startup (set max_prompt_length)
+
+
+def _lora_rank(model) -> int | None:
+    """The largest rank of the active adapter (`r`, or a larger one in `rank_pattern`)."""
+    if not is_peft_model(model):
+        return None
+    config = model.peft_config[model.active_adapter]
+    return max([config.r, *(getattr(config, "rank_pattern", None) or {}).values()])
+
+
+def _prompt_budget(args: ARPOConfig, tokenizer, dataset) -> tuple[int, str]:
+    """`max_prompt_length`, else the longest prompt of the training data as `arpo-trl train` measures it (chat
+    template applied), else 1 (a dataset too large or without a `prompt` column is not measured)."""
+    if args.max_prompt_length is not None:
+        return args.max_prompt_length, "max_prompt_length"
+    from arpo_trl.preflight import prompt_token_lengths
+
+    try:
+        size = len(dataset)
+        lengths = prompt_token_lengths(tokenizer, list(dataset["prompt"])) if 0 < size <= MEASURED_PROMPTS else []
+    except (TypeError, KeyError, ValueError):  # no `prompt` column, no chat template: TRL says so itself
+        lengths = []
+    if not lengths:
+        return 1, "a prompt (max_prompt_length unset, the data not measured)"
+    return max(lengths), "the longest prompt (max_prompt_length unset)"
