@@ -240,7 +240,7 @@ class TransformersEngine:
     ) -> list[Segment]:
         _check_budgets(prefixes, max_new_tokens)
         step = self.max_batch_size or len(prefixes) or 1
-        with model_for_generation(self.model, self.model_context) as model, torch.no_grad():
+        with model_for_generation(self.model, self.model_context) as model, eval_mode(model), torch.no_grad():
             segments = []
             for i in range(0, len(prefixes), step):
                 segments += self._generate_batch(model, prefixes[i : i + step], max_new_tokens[i : i + step], stop)
@@ -299,6 +299,25 @@ def check_recorder_ran(steps: int, new_tokens: int, model) -> None:
             "or prompt_lookup_num_tokens in generation_kwargs). Use the standard transformers `generate`, or a vLLM "
             "server (use_vllm=True)."
         )
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """The model in eval mode inside, and each module back in its own mode after. A rollout samples the policy, not
+    one dropout draw of it (LoRA's dropout would perturb the tokens, their logprobs and the entropies that decide
+    forks; a vLLM server has none). Restored with `train()`, which modules may override (PEFT's DoRA clears a cache)."""
+    modes = {module: module.training for module in model.modules()}
+    if not any(modes.values()):
+        yield model
+        return
+    model.train(False)
+    try:
+        yield model
+    finally:
+        model.train(modes[model])
+        for module, training in modes.items():
+            if module.training != training:  # a submodule the caller keeps in the other mode
+                module.training = training
 
 
 @contextlib.contextmanager

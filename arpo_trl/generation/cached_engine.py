@@ -9,7 +9,9 @@ its parent's state (shared, never written: a prefill copies its rows out of its 
 step are prefilled together, a forward per group (`admission.py`, `prefill.py`); a request stopped at its budget (an
 ARPO probe) keeps its row for one step, and its continuation goes on in it. Entropy and logprobs come from the logits
 at hand, exactly as `TransformersEngine` records them. The cache lives for one rollout (`aclose` frees it and lets the
-weights go), so every rollout samples the current weights, LoRA adapters included.
+weights go), so every rollout samples the current weights, LoRA adapters included; a request that joins after the
+weights changed (an optimizer step between two `agenerate` calls) finds it dropped (`weights.py`). The model samples in
+eval mode (no dropout), and is back in its own mode whenever no request runs.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from arpo_trl.engines import (
     Segment,
     TransformersEngine,
     _check_budgets,
+    eval_mode,
     model_for_generation,
     stop_window,
     tail_has_stop,
 )
 from arpo_trl.entropy import sampling_warpers, token_entropy
 from arpo_trl.generation.admission import Admission, Request
+from arpo_trl.generation.event_loop import run_coroutine
 from arpo_trl.generation.kv_batch import KVBatch
 from arpo_trl.generation.prefix_cache import CachedPrefix, PrefixCache
 from arpo_trl.generation.sampling import sample_tokens
@@ -43,6 +47,7 @@ from arpo_trl.generation.speculation import (
     check_draft_tokens,
 )
 from arpo_trl.generation.support import SUPPORTED_KEYS, check_full_attention
+from arpo_trl.generation.weights import WeightsVersion
 
 
 class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngine):
@@ -78,6 +83,8 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
         self._excluded: torch.Tensor | None = None  # [rows] a rejected draft the next sample avoids, or -1
         self._model_stack: contextlib.ExitStack | None = None
         self._model_in_use = None
+        self._mode: contextlib.ExitStack | None = None  # the held model in eval mode, while requests run
+        self._weights: WeightsVersion | None = None  # the weights the cached KV and logits were computed with
         self._driver: asyncio.Task | None = None
         self._scoped = False  # inside `rollout_scope`: the prefix cache outlives a wave
 
@@ -96,19 +103,18 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
             finally:
                 await self.aclose(keep_cache=self._scoped)
 
-        return asyncio.run(wave())
+        return run_coroutine(wave())  # in a thread where an event loop runs already (Jupyter)
 
     @contextlib.contextmanager
     def rollout_scope(self):
         """One rollout of waves (`WaveScheduler`): the prefix cache outlives each wave until the scope ends, so that
-        a continuation or a fork in a later wave prefills only its new tokens. The weights must not change inside."""
+        a continuation or a fork in a later wave prefills only its new tokens (dropped if the weights change)."""
         self._scoped = True
         try:
             yield self
         finally:
             self._scoped = False
-            self.prefix_cache.clear()
-            self.drafts.clear(), self.acceptance.reset()
+            self._forget_cache()
 
     async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
         _check_budgets([prefix], [max_new_tokens])
@@ -133,37 +139,77 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
             self._release([row for row, request in enumerate(self._rows) if request.held], fed=True)
         self._fail_all(RuntimeError("CachedTransformersEngine closed with requests in flight"))
         if not keep_cache:
-            self.prefix_cache.clear()
-            self.drafts.clear(), self.acceptance.reset()
-        if self._model_stack is not None:
-            self._model_stack.close()
-        self._model_stack = self._model_in_use = None
+            self._forget_cache()
+        self._release_model()
+
+    def _forget_cache(self) -> None:
+        self.prefix_cache.clear()
+        self.drafts.clear(), self.acceptance.reset()
+        self._weights = None
 
     # --- the driver: one batched step at a time, yielding to the event loop in between ----------------------
 
     async def _drive(self) -> None:
         try:
             while self._pending or self._rows:
-                self._step(self._model())
+                self._step(self._current_model())
+                if all(request.held for request in self._rows):  # the callers' code runs next: their mode
+                    self._restore_mode()
                 await asyncio.sleep(0)  # let paths react: tool results, new requests join before the next step
         except asyncio.CancelledError:
             raise
         except BaseException as error:
             self._fail_all(error)
+        finally:
+            self._restore_mode()
 
     def _fail_all(self, error: BaseException) -> None:
-        for request in self._pending + self._rows:
-            if not request.future.done():
-                request.future.set_exception(error)
-        self._pending, self._rows = [], []
-        self._batch = self._positions = self._logits = self._excluded = self._tokens = None
+        _fail(self._pending + self._rows, error)
+        self._pending = []
+        self._drop_rows()
+
+    def _drop_rows(self) -> None:
+        self._rows, self._batch = [], None
+        self._positions = self._logits = self._excluded = self._tokens = None
+
+    def _current_model(self):
+        """The held model in eval mode. When requests join after its weights changed, what was computed with the
+        old ones goes: the prefix cache, the drafts, the held rows, and the requests running (failed)."""
+        model = self._model()
+        if self._pending and self._weights.changed():
+            _fail(self._rows, RuntimeError(
+                "CachedTransformersEngine: the model's weights changed while this request was generating, so its "
+                "tokens would mix two policies. Change the weights between requests, or after aclose()."))
+            self._drop_rows()
+            self._forget_cache()
+            self._release_model()  # taken again: a model context gathers the new weights, the head is packed anew
+            model = self._model()
+        if self._mode is None:
+            self._mode = contextlib.ExitStack()
+            self._mode.enter_context(eval_mode(model))
+        return model
 
     def _model(self):
         if self._model_in_use is None:
             self._model_stack = contextlib.ExitStack()
             self._model_in_use = self._model_stack.enter_context(model_for_generation(self.model, self.model_context))
             check_full_attention(self._model_in_use)
+            if self._weights is not None and not self._weights.same_parameters(self._model_in_use):
+                self._forget_cache()  # computed with another model's parameters
+        if self._weights is None:
+            self._weights = WeightsVersion(self._model_in_use)
         return self._model_in_use
+
+    def _restore_mode(self) -> None:
+        if self._mode is not None:
+            self._mode.close()
+        self._mode = None
+
+    def _release_model(self) -> None:
+        self._restore_mode()
+        if self._model_stack is not None:
+            self._model_stack.close()
+        self._model_stack = self._model_in_use = None
 
     @torch.no_grad()
     def _step(self, model) -> None:
@@ -174,7 +220,11 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
                 joining = self._adopt(joining)
         if joining:
             with timed("admit"):  # prefix-cache lookups, prefill forwards, rows written into the batch
-                self._join(self._admit(model, joining))
+                try:
+                    self._join(self._admit(model, joining))
+                except BaseException:
+                    self._pending += joining  # answered with the error by the driver, not left waiting
+                    raise
         if not self._rows:
             return
         with timed("sample"):  # a token per row; the rows that finished are released
@@ -274,8 +324,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
             return
         order = self._batch.remove(gone)
         if not order:  # the batch is empty: its buffers go
-            self._rows, self._batch = [], None
-            self._positions = self._logits = self._excluded = self._tokens = None
+            self._drop_rows()
             return
         self._rows, index = [self._rows[row] for row in order], torch.tensor(order, device=self._positions.device)
         self._positions, self._tokens = self._positions[index], self._tokens[index]
@@ -310,3 +359,9 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
             self._logits = logits[:, -1]
         else:
             self._verify(logits, drafts, start)
+
+
+def _fail(requests: list[Request], error: BaseException) -> None:
+    for request in requests:
+        if not request.future.done():
+            request.future.set_exception(error)

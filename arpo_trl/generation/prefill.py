@@ -96,8 +96,8 @@ def _forward(model, jobs: list[PrefillJob]) -> list[tuple[KV, torch.Tensor]]:
     layers = [(layer.keys, layer.values) for layer in cache.layers]
     return [(stack_layers([(keys[row: row + 1, :, past - job.start: past + job.new],
                             values[row: row + 1, :, past - job.start: past + job.new]) for keys, values in layers]),
-             out.logits[row: row + 1, column[job.new - 1]].float())
-            for row, job in enumerate(jobs)]
+             out.logits[row: row + 1, column[job.new - 1]].to(torch.float32, copy=True))  # a view would keep
+            for row, job in enumerate(jobs)]  # all of the forward's logits alive while the prefix cache holds it
 
 
 def _padded_past(jobs: list[PrefillJob], past: int) -> KV:

@@ -21,16 +21,24 @@ def cache_budget(config: dict | str | None) -> int | None:
 SUPPORTED_KEYS = {"do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
 
 
-def other_layer_types(model) -> list[str]:
-    """Cache entries are built as plain full-attention layers; a sliding-window or recurrent layer would be wrong."""
-    config = model.config.get_text_config(decoder=True)
-    return sorted({kind for kind in getattr(config, "layer_types", None) or [] if kind != "full_attention"})
+def non_full_attention(config) -> list[str]:
+    """The kinds of attention other than full attention over the whole sequence that a model config asks for: its
+    `layer_types` beyond 'full_attention' (sliding windows, chunked, recurrent or linear layers), and
+    'sliding_attention' where it sets `sliding_window` alone (Mistral, Mixtral, Phi-3, Starcoder2), unless
+    `use_sliding_window` turns that off (Qwen2). Empty for a full-attention model."""
+    config = config.get_text_config(decoder=True)
+    kinds = {kind for kind in getattr(config, "layer_types", None) or [] if kind != "full_attention"}
+    if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None):
+        kinds.add("sliding_attention")
+    return sorted(kinds)
 
 
 def check_full_attention(model) -> None:
-    if other := other_layer_types(model):
-        raise ValueError(f"CachedTransformersEngine needs full-attention layers only; this model's layer_types hold "
-                         f"{other}: use the waves engine (use_transformers_continuous_batching=False).")
+    """Cache entries are built as plain full-attention layers; a windowed or recurrent layer would be wrong."""
+    if other := non_full_attention(model.config):
+        raise ValueError(f"CachedTransformersEngine needs full-attention layers only; this model has {other} "
+                         f"(layer_types / sliding_window): use the waves engine "
+                         f"(use_transformers_continuous_batching=False).")
 
 
 def cached_engine_blocker(model, generation_kwargs: dict | None, cache_implementation: str | None,
@@ -43,6 +51,6 @@ def cached_engine_blocker(model, generation_kwargs: dict | None, cache_implement
         return f"generation_kwargs {unsupported} are not among the ones it samples with ({sorted(SUPPORTED_KEYS)})"
     if cache_implementation:
         return f"cache_implementation={cache_implementation!r} configures model.generate's cache"
-    if other := other_layer_types(model):
-        return f"the model's layer_types hold {other}, not full attention only"
+    if other := non_full_attention(model.config):
+        return f"the model's attention is not full attention only ({other}: layer_types / sliding_window)"
     return None
