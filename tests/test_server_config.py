@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 from fake_vllm import FakeVLLM
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_server_contract import _paths, json_values
 from tiny import question
 
 from arpo_trl.preflight import UserInputError
@@ -248,6 +251,46 @@ def test_a_hostile_offer_is_refused_naming_the_field(tokenizer, models, info, fi
         with pytest.raises(VLLMServerError) as error:
             read_offer(client, client.server_info())
     assert error.value.field == field
+
+
+class _Answers:
+    """A client whose `/v1/models` answer is `body`."""
+
+    base_url = "http://stub:1"
+
+    def __init__(self, body):
+        self.body = body
+
+    def request(self, method, path, **kw):
+        return self.body
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_mutated_offer_is_refused_or_well_typed(data):
+    """Any one field of a valid `/v1/models` or `/server_info` answer replaced, deleted or renamed: a
+    `VLLMServerError` naming the field, or an offer whose every field has its type (never another exception)."""
+    answers = {"models": {"object": "list", "data": [_vllm_card("/m", 1024)]}, "info": _server_info(16)}
+    path, key = data.draw(st.sampled_from(list(_paths(answers))), label="field")
+    container = answers
+    for step in path:
+        container = container[step]
+    how = data.draw(st.sampled_from(["delete", "replace", "rename"]), label="mutation")
+    if how == "delete":
+        del container[key]
+    elif how == "rename" and isinstance(container, dict):
+        container[data.draw(st.text(max_size=8), label="key")] = container.pop(key)
+    else:
+        container[key] = data.draw(json_values, label="value")
+    try:
+        offer = read_offer(_Answers(answers.get("models")), answers.get("info"))
+    except VLLMServerError as error:
+        assert error.endpoint and "http://stub:1" in str(error)
+        return
+    assert offer.model is None or isinstance(offer.model, str) and offer.model.strip()
+    for count in (offer.max_model_len, offer.max_lora_rank):
+        assert count is None or type(count) is int and count > 0
+    assert offer.lora_enabled in (None, True, False) and offer.runtime_lora_loading in (None, True, False)
 
 
 def _fake_trainer(fake, model_dir, tokenizer, dataset, tmp_path, **kw):
