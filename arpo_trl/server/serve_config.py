@@ -16,7 +16,6 @@ docs/server_mode.md#one-gpu-a-server-configured-from-the-recipe.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -56,15 +55,14 @@ def plan_from_recipe(recipe: str, measure_prompts: bool = True) -> ServePlan:
     from arpo_trl.commands.builders import resolve_model
 
     model = resolve_model(model_args.model_name_or_path)
-    needs = RunNeeds(model=model, prompt_tokens=0, prompt_source="", max_completion_length=args.max_completion_length,
-                     lora_rank=_lora_rank(args, model_args))
+    lora_rank = _lora_rank(args, model_args)
     if args.max_prompt_length is not None:
         prompt_tokens, source = args.max_prompt_length, "max_prompt_length"
     elif measure_prompts:
         prompt_tokens, source = _longest_prompt(script_args, args, model)
     else:
         raise UserInputError("max_prompt_length: not set, and the prompts were not measured; set it in the recipe.")
-    needs = RunNeeds(needs.model, prompt_tokens, source, needs.max_completion_length, needs.lora_rank)
+    needs = RunNeeds(model, prompt_tokens, source, args.max_completion_length, lora_rank)
     _check_fits_model(model, needs)
     dtype, dtype_source = recipe_dtype(args, model_args)
     host, port = _address(args)
@@ -161,5 +159,3 @@ def serve_flags(plan: ServePlan, gpu: bool) -> list[str]:
     """`vllm serve` arguments beyond `VLLMServer`'s own (model, length, dtype, LoRA): the memory share on a GPU."""
     return ["--gpu-memory-utilization", f"{plan.gpu_memory_utilization:g}"] if gpu else []
 
-
-__all__: Sequence[str] = ("ServePlan", "plan_from_recipe", "recipe_dtype", "serve_flags")
