@@ -240,3 +240,21 @@ def test_a_chunk_whose_packs_cost_more_than_trls_rows_is_forwarded_as_rows(trees
     else:
         assert forwarded == rows and "would cost more" in caplog.text
         assert torch.equal(packed_loss, loss)
+
+
+@pytest.mark.parametrize("architecture,settings,refused", [
+    ("mistral", {"sliding_window": 64}, True),  # a window set alone
+    ("mistral", {"sliding_window": None}, False),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, True),
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 64}, False),  # Qwen2's default: the window is off
+])
+def test_packing_and_the_cached_engine_refuse_sliding_windows_alike(architecture, settings, refused):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from arpo_trl.generation.support import cached_engine_blocker
+
+    config = AutoConfig.for_model(architecture, vocab_size=64, hidden_size=64, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, **settings)
+    model = AutoModelForCausalLM.from_config(config)
+    assert (packing_blocker(model) is not None) == refused
+    assert (cached_engine_blocker(model, None, None, False) is not None) == refused

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from peft import PeftModel
 
+from arpo_trl.generation.support import non_full_attention
+
 # Decoder-only architectures whose attention reads positions only through RoPE (a row's constant position offset under
 # TRL's left padding cancels) and takes a prepared 4D mask as is (transformers >= 5). Packed against unpacked
 # exactness is tested for llama and qwen2/qwen3 (tests/test_tree_packing.py).
@@ -54,10 +56,8 @@ def packing_blocker(model, use_liger_kernel: bool = False) -> str | None:
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in TREE_MASK_ATTENTION:
         return (f"attn_implementation={implementation!r} takes no 4D tree mask (use one of {TREE_MASK_ATTENTION})")
-    layer_types = getattr(config, "layer_types", None) or ()
-    windowed = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None) is not None
-    if windowed or any(kind != "full_attention" for kind in layer_types):
-        return "sliding-window attention is not expressed by a tree mask"
+    if other := non_full_attention(config):
+        return f"{other} attention is not expressed by a tree mask (layer_types / sliding_window)"
     if dynamic := sorted(rope_types(config) & set(LENGTH_DEPENDENT_ROPE)):
         return (f"rope_type {dynamic[0]!r} chooses its frequencies from the longest position in each forward, which "
                 "packed depths and padded rows set differently")
