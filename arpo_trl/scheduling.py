@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Generator
-from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +28,7 @@ from arpo_trl.paths import Rollout, Trajectory
 from arpo_trl.tool_calls import CallFormat, ToolCall
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.runner import ToolRunner
+from arpo_trl.tools.training_thread import any_runs_here, run_loop_in_thread, runs_here
 
 
 @dataclass
@@ -88,8 +87,9 @@ def make_scheduler(name: str, engine) -> WaveScheduler | EventScheduler:
     raise ValueError(f"scheduler must be one of ('auto', 'events', 'waves'), got {name!r}.")
 
 
-def _bind(call: ToolCall) -> Callable[[], object]:
-    return lambda: call.tool(call.content)
+def _bind(call: ToolCall) -> tuple[Callable[[], object], bool]:
+    """The call, and whether it runs on the rollout's own thread (`ToolRunner.submit`'s `here`)."""
+    return (lambda: call.tool(call.content)), runs_here(call.tool)
 
 
 def _path_context(paths: list[Trajectory]) -> str:
@@ -192,9 +192,9 @@ class WaveScheduler:
         generate = [(path, r) for path, r in requests if isinstance(r, GenerateRequest)]
         calls = [(path, r) for path, r in requests if isinstance(r, CallRequest)]
         if calls:
-            futures = {path.id: self.runner.submit(_bind(r.call)) for path, r in calls if r.call.error is None}
+            futures = {path.id: self.runner.submit(*_bind(r.call)) for path, r in calls if r.call.error is None}
             start = time.perf_counter()
-            wait(futures.values())
+            self.runner.serve(list(futures.values()))  # runs here the calls of tools that are not thread-safe
             self.rollout.stats.tool_seconds += time.perf_counter() - start
             return [(path, futures[path.id].result() if path.id in futures else None) for path, _ in calls], generate
         return self._generate(generate), []
@@ -249,46 +249,28 @@ class EventScheduler:
     event_driven = True
 
     def run(self, sampler: BranchingSampler, rollout: Rollout) -> None:
+        runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
         try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self._run(sampler, rollout))
-        return self._run_in_thread(sampler, rollout)  # an event loop already runs here (e.g. Jupyter)
-
-    def _run_in_thread(self, sampler: BranchingSampler, rollout: Rollout) -> None:
-        loop, outcome = asyncio.new_event_loop(), {}
-        main = loop.create_task(self._run(sampler, rollout))
-
-        def target() -> None:
+            if any_runs_here(sampler.tools):  # the loop on a thread of its own; this one runs those tools' calls
+                return run_loop_in_thread(self._run(sampler, rollout, runner), runner)
             try:
-                outcome["value"] = loop.run_until_complete(main)
-            except BaseException as exc:
-                outcome["error"] = exc
-            finally:
-                loop.close()
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return asyncio.run(self._run(sampler, rollout, runner))
+            return run_loop_in_thread(self._run(sampler, rollout, runner))  # a loop runs here already (Jupyter)
+        finally:
+            runner.close()
 
-        thread = threading.Thread(target=target, name="arpo-rollout", daemon=True)
-        thread.start()
-        try:
-            thread.join()
-        except BaseException:  # Ctrl-C here: cancel the rollout and wait until it cleaned up
-            loop.call_soon_threadsafe(main.cancel)
-            thread.join()
-            raise
-        if "error" in outcome:
-            raise outcome["error"]
-
-    async def _run(self, sampler: BranchingSampler, rollout: Rollout) -> None:
-        await _EventRollout(sampler, rollout).run()
+    async def _run(self, sampler: BranchingSampler, rollout: Rollout, runner: ToolRunner) -> None:
+        await _EventRollout(sampler, rollout, runner).run()
 
 
 class _EventRollout:
     """One rollout under `EventScheduler`: a task per path, started as the sampler's decisions start paths and
     cancelled as they drop them; the rollout ends when every task has, or at the first failure."""
 
-    def __init__(self, sampler: BranchingSampler, rollout: Rollout):
-        self.sampler, self.rollout, self.stats = sampler, rollout, rollout.stats
-        self.runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
+    def __init__(self, sampler: BranchingSampler, rollout: Rollout, runner: ToolRunner):
+        self.sampler, self.rollout, self.stats, self.runner = sampler, rollout, rollout.stats, runner
         self.activity = _Activity(rollout.stats)
         self.clock: dict[int, int] = {}  # path id -> tokens on its chain so far
         self.started_at: dict[int, int] = {}  # path id -> tokens on its chain when it started
@@ -370,7 +352,7 @@ class _EventRollout:
                 answer = None
             else:
                 with self.activity.busy("calling"):
-                    answer = await asyncio.wrap_future(self.runner.submit(_bind(request.call)))
+                    answer = await asyncio.wrap_future(self.runner.submit(*_bind(request.call)))
 
     async def _close(self) -> None:
         self.runner.close()

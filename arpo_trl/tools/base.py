@@ -18,7 +18,14 @@ class Tool:
     """A tag tool. Subclass and override `__call__`, or pass `fn`::
 
         calculator = Tool("calc", lambda expr: str(eval(expr, {"__builtins__": {}})))
+
+    `thread_safe`: calls run on the tool runner's worker threads, several at once, each under `tool_timeout`. A tool
+    that must run on the training thread (it uses `signal`, thread-local state or a client that is not thread-safe)
+    sets it False: its calls then run there, one at a time, as `GRPOTrainer` runs sync functions (plain sync
+    functions passed as tools get False, `FunctionTool`).
     """
+
+    thread_safe: bool = True
 
     def __init__(self, tag: str, fn: Callable[[str], str] | None = None):
         if not tag or not tag.replace("_", "").replace("-", "").isalnum():

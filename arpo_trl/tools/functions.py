@@ -2,10 +2,12 @@
 hints and a Google-style docstring. The JSON schema comes from transformers' `get_json_schema` (TRL and the chat
 templates use the same helper), so a function renders in the prompt exactly as under `GRPOTrainer`.
 
-A `FunctionTool` is an ordinary `Tool` to the sampler: it runs on the tool runner under `tool_timeout` and
-`max_tool_workers`, its result is appended with loss mask 0, and the sampler may fork after it. A malformed call (an
-unknown or missing argument, arguments that are not a JSON object) is answered with an error message as the result
-and counted as a failed call, as TRL does; it never stops training.
+A `FunctionTool` is an ordinary `Tool` to the sampler: a sync function runs on the training thread, one call at a time,
+as `GRPOTrainer` calls it (`thread_safe=False`; `signal.alarm`, thread-local state and clients that are not thread-safe
+work as there); an async one on the tool runner's worker threads. Each call has `tool_timeout`; its result is
+appended with loss mask 0, and the sampler may fork after it. A malformed call (an unknown or missing argument,
+arguments that are not a JSON object) is answered with an error message as the result and counted as a failed call,
+as TRL does; it never stops training.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class FunctionTool(Tool):
                 from exc
         super().__init__(schema["function"]["name"])
         self.fn, self._schema = fn, schema
+        self.thread_safe = is_async_callable(fn)  # TRL: sync tools on the training thread, async ones on a loop thread
         self._signature = inspect.signature(fn)
         self._parameters = list(schema["function"]["parameters"].get("properties", {}))
 
@@ -80,6 +83,11 @@ class FunctionTool(Tool):
 
     def __repr__(self) -> str:
         return f"FunctionTool({self.tag!r})"
+
+
+def is_async_callable(fn: Callable[..., Any]) -> bool:
+    """A coroutine function, or an object whose `__call__` is one (TRL's `is_async_callable`)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 async def _await(awaitable):

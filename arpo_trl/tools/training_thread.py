@@ -1,0 +1,76 @@
+"""Tool calls on the training thread, as `GRPOTrainer` makes them, without giving up the event-driven rollout.
+
+`GRPOTrainer` calls a sync tool function on the thread that runs `train()` (the main thread, normally), so a function
+may use `signal.alarm`, thread-local state or a client that is bound to its thread. ARPO's event-driven rollout
+generates while tools run; when the tool set holds such functions (`Tool.thread_safe` False), the rollout's event loop
+(with the engine's generation) moves to a thread of its own and the training thread serves those calls from a queue
+until the rollout ends (`ToolRunner.serve`). Our own tools and async functions stay on the tool runner's workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from arpo_trl.tools.base import Tool
+from arpo_trl.tools.runner import ToolRunner
+
+
+def runs_here(tool: Tool | None) -> bool:
+    """Whether the tool's calls run on the thread that runs the rollout (the training thread)."""
+    return tool is not None and not getattr(tool, "thread_safe", True)
+
+
+def any_runs_here(tools: Sequence[Tool]) -> bool:
+    return any(runs_here(tool) for tool in tools)
+
+
+def run_loop_in_thread(coroutine: Coroutine[Any, Any, Any], runner: ToolRunner | None = None) -> Any:
+    """Run `coroutine` on a new event loop in a thread of its own while this thread waits, or, given `runner`, serves
+    its calls for this thread (`ToolRunner.serve`) until the coroutine ends. An exception here (Ctrl-C, or one a
+    call raised on this thread) cancels the coroutine and is raised once it has cleaned up; its own error is raised
+    here too."""
+    loop, finished = asyncio.new_event_loop(), Future()
+    main = loop.create_task(coroutine)
+    enter_device = _device_of_this_thread()
+
+    def target() -> None:
+        try:
+            enter_device()
+            finished.set_result(loop.run_until_complete(main))
+        except BaseException as exc:
+            finished.set_exception(exc)
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=target, name="arpo-rollout", daemon=True)
+    thread.start()
+    try:
+        if runner is not None:
+            runner.serve([finished])
+        thread.join()
+    except BaseException:
+        with contextlib.suppress(RuntimeError):  # the loop has closed already
+            loop.call_soon_threadsafe(main.cancel)
+        if runner is not None:
+            runner.cancel_pending()
+        thread.join()
+        raise
+    return finished.result()
+
+
+def _device_of_this_thread() -> Callable[[], None]:
+    """CUDA's current device is per thread: the rollout's thread takes this one's (a rank's own GPU), so that
+    tensors the engine makes without a device index land where the model is."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return lambda: None
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return lambda: None
+    device = torch.cuda.current_device()
+    return lambda: torch.cuda.set_device(device)

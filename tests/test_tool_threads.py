@@ -1,0 +1,138 @@
+"""Plain sync functions run as `GRPOTrainer` runs them: on the training thread, one call at a time. A tool that uses
+`signal.alarm` for its own timeout, one that keeps thread-local state and one that uses a client bound to its thread
+(sqlite3) all work in a real `ARPOTrainer` step with the tiny tool model, which writes `<python>…</python>` calls;
+the rollout still generates while those calls run (its loop on a thread of its own), and a call past `tool_timeout`
+still answers its path with a timeout."""
+
+import signal
+import sqlite3
+import threading
+import time
+
+import pytest
+
+from arpo_trl import ARPOConfig, ARPOTrainer
+from arpo_trl.tools.functions import FunctionTool
+from arpo_trl.tools.runner import ToolRunner
+
+THREADS: list[threading.Thread] = []
+
+
+def _alarm(signum, frame):
+    raise TimeoutError("python tool timed out")
+
+
+def signal_python(code: str) -> str:
+    """
+    Runs Python code under its own 5-second alarm, as TRL's agent example does.
+
+    Args:
+        code: The code.
+    """
+    THREADS.append(threading.current_thread())
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(5)
+    try:
+        return f"ran {len(code)} characters"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+SESSION = threading.local()
+
+
+def thread_local_python(code: str) -> str:
+    """
+    Runs Python code in the session opened for this thread.
+
+    Args:
+        code: The code.
+    """
+    THREADS.append(threading.current_thread())
+    return f"{SESSION.name}: {code}"
+
+
+def sqlite_python(code: str) -> str:
+    """
+    Stores the code in a sqlite database opened by the training script.
+
+    Args:
+        code: The code.
+    """
+    THREADS.append(threading.current_thread())
+    DATABASE.connection.execute("insert into calls values (?)", (code,))
+    return str(DATABASE.connection.execute("select count(*) from calls").fetchone()[0])
+
+
+class DATABASE:
+    connection: sqlite3.Connection | None = None
+
+
+def _args(tmp_path, **kw):
+    return ARPOConfig(**{
+        "output_dir": str(tmp_path), "per_device_train_batch_size": 4, "num_generations": 4,
+        "max_completion_length": 48, "max_steps": 1, "logging_steps": 1, "use_cpu": True, "bf16": False,
+        "report_to": "none", "save_strategy": "no", "log_trees": False, "tool_call_format": "tags", "seed": 0, **kw})
+
+
+def constant_reward(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize("tool,scheduler", [(signal_python, "auto"), (thread_local_python, "auto"),
+                                            (sqlite_python, "auto"), (signal_python, "waves")])
+def test_sync_functions_run_on_the_training_thread_in_a_real_step(tool, scheduler, tool_model_dir, tokenizer,
+                                                                   addition_dataset, tmp_path):
+    SESSION.name = "main session"  # set on this (the training) thread only
+    DATABASE.connection = sqlite3.connect(":memory:")  # check_same_thread: usable on this thread only
+    DATABASE.connection.execute("create table calls (code text)")
+    THREADS.clear()
+    tool.__name__ = "python"  # the tool model calls `<python>`
+    trainer = ARPOTrainer(model=str(tool_model_dir), reward_funcs=constant_reward,
+                          args=_args(tmp_path, rollout_scheduler=scheduler), train_dataset=addition_dataset,
+                          processing_class=tokenizer, tools=[tool])
+    assert trainer.sampler.scheduler.event_driven == (scheduler == "auto")
+    trainer.train()
+    logged = next(e for e in trainer.state.log_history if "arpo/tool_calls_per_group" in e)
+    assert logged["arpo/tool_calls_per_group"] > 0 and THREADS  # the model made calls, the function ran them
+    assert logged["arpo/tool_failures_per_group"] == 0  # as under GRPOTrainer: no call failed
+    assert set(THREADS) == {threading.main_thread()}
+
+
+def slow(seconds: str) -> str:
+    """
+    Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(float(seconds))
+    return "woke"
+
+
+def test_a_call_on_this_thread_keeps_its_deadline_and_the_others_wait_for_it():
+    runner = ToolRunner(max_workers=2, timeout=0.2)
+    tool = FunctionTool(slow)
+    assert not tool.thread_safe
+    late = runner.submit(lambda: tool("0.5"), here=True)
+    quick = runner.submit(lambda: tool("0"), here=True)
+    elsewhere = runner.submit(lambda: threading.current_thread(), here=False)
+    started = time.monotonic()
+    runner.serve([late, quick, elsewhere])
+    assert late.result().timed_out and late.result().value is None  # answered at its deadline, result dropped
+    assert quick.result().value == "woke" and time.monotonic() - started >= 0.5  # ran once the late call returned
+    assert elsewhere.result().value is not threading.main_thread()
+    runner.close()
+
+
+def test_ctrl_c_in_a_call_on_this_thread_stops_the_rollout():
+    def interrupted():
+        raise KeyboardInterrupt
+
+    runner = ToolRunner(max_workers=1, timeout=5)
+    future = runner.submit(interrupted, here=True)
+    with pytest.raises(KeyboardInterrupt):
+        runner.serve([future])
+    assert isinstance(future.result().error, KeyboardInterrupt)
+    runner.close()
