@@ -3,6 +3,7 @@ programs and the scheduler while it runs (`Rollout`)."""
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -86,6 +87,18 @@ class Trajectory:
 
 
 @dataclass
+class ToolTally:
+    """One tool's calls in a rollout that ran (a malformed call is the model's fault, not the tool's): what
+    `arpo_trl.tools.failures` reports when they all failed. Strings only: server mode broadcasts the stats."""
+
+    calls: int = 0
+    failures: int = 0
+    first_error: str = ""  # the first failed call's result, as the model read it
+    first_arguments: str = ""  # what that call ran on (the tag's content, or the JSON arguments)
+    traceback: str = ""  # where it raised, when it raised
+
+
+@dataclass
 class RolloutStats:
     forks: int = 0
     fork_deltas: list[float] = field(default_factory=list)
@@ -105,6 +118,21 @@ class RolloutStats:
     generation_seconds: float = 0.0  # while generation was in progress
     tool_seconds: float = 0.0  # waiting for tool calls alone (no generation in progress)
     overhead_seconds: float = 0.0  # in the sampler's own code: tag cutting, encoding, branching, scheduling
+    tools: dict[str, ToolTally] = field(default_factory=dict)  # per tool name, the calls that ran
+
+    def count_call(self, call: Any, outcome: Any, text: str, failed: bool) -> None:
+        """Count an answered call (a `ToolCall`, its `CallOutcome` or None if it never ran, the result text)."""
+        self.tool_calls += 1
+        self.tool_failures += failed
+        if outcome is None or call.tool is None:
+            return
+        tally = self.tools.setdefault(call.tool.tag, ToolTally())
+        tally.calls += 1
+        if failed and not tally.failures:
+            tally.first_error, tally.first_arguments = text, call.content
+            if outcome.error is not None:
+                tally.traceback = "".join(traceback.format_exception(outcome.error))
+        tally.failures += failed
 
 
 @dataclass

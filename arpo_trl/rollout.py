@@ -370,8 +370,7 @@ class BranchingSampler:
 
     def _append_result(self, rollout: Rollout, path: Trajectory, call: ToolCall, outcome: CallOutcome | None):
         text, failed = observation(call, outcome, self.tool_timeout)
-        rollout.stats.tool_calls += 1
-        rollout.stats.tool_failures += failed
+        rollout.stats.count_call(call, outcome, text, failed)
         room = self.max_completion_length - len(path.completion_ids)
         text = text[: (room + 16) * self._longest_token()]  # a huge output: encode no more than can fit
         start = len(path.completion_ids)

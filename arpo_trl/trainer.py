@@ -39,7 +39,7 @@ from arpo_trl.advantages import (
 )
 from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import LockstepEngine, run_on_main_process
-from arpo_trl.dropin.environments import EnvironmentRollouts, setup_environments
+from arpo_trl.dropin.environments import EnvironmentRollouts, placeholder_dataset, setup_environments
 from arpo_trl.dropin.rows import TreeRows
 from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine
 from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
@@ -53,6 +53,7 @@ from arpo_trl.tags import own_text_from_ids
 from arpo_trl.time_budget import TimeBudget
 from arpo_trl.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.tools.base import Tool
+from arpo_trl.tools.failures import DEFAULT_PATIENCE, PATIENCE_FIELD, ToolFailureWatch
 from arpo_trl.tools.functions import as_tools
 from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
 from arpo_trl.training import TreePackedTraining
@@ -127,6 +128,8 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
         if "rollout_func" in kwargs:
             raise ValueError("ARPOTrainer provides its own rollout_func; pass tools= and engine= instead.")
         reward_funcs, tools, environments = setup_environments(environment_factory, reward_funcs, as_tools(tools))
+        if train_dataset is None and environment_factory is not None:  # the environment owns the data (TRL 1.16)
+            train_dataset = placeholder_dataset(environment_factory, args)
         silence_checkpointing_aliases()
         use_vllm = args.use_vllm
         trl_sync = use_vllm and self._wants_trl_nccl_sync(args, model, peft_config)
@@ -141,6 +144,7 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
         self._trl, self._environments = TRLState(self), environments
         self._trl.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
+        self._tool_failures = ToolFailureWatch(self.arpo_tools, getattr(args, PATIENCE_FIELD, DEFAULT_PATIENCE))
         configure_math_scoring(timeout=args.reward_timeout, batch_timeout=args.reward_batch_timeout)
         if args.log_trees:
             self.add_callback(TreePictures())
@@ -181,9 +185,14 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
         return SamplingSettings.from_config(self.args, eos_token_ids=self._trl.eos_token_ids)
 
     def _transformers_engine(self) -> TransformersEngine | LockstepEngine:
+        from arpo_trl.generation.kv_budget import KVBudgetSetting
+
         args, lockstep = self.args, self._trl.is_sharded() and self.accelerator.num_processes > 1
         sampling = replace(self._sampling(), generation_kwargs=dict(args.generation_kwargs or {}))
-        engine_class, extra = TransformersEngine, {"synced_gpus": lockstep}
+        # the KV budget (generation/kv_budget.py) from TRL's knob; ranks in lockstep must split their waves alike
+        budget = KVBudgetSetting(unbounded=True) if lockstep else KVBudgetSetting.from_config(
+            args.transformers_continuous_batching_config)
+        engine_class, extra = TransformersEngine, {"synced_gpus": lockstep, "kv_budget": budget}
         blocker = cached_engine_blocker(self.model, args.generation_kwargs, args.cache_implementation, lockstep)
         if args.use_transformers_continuous_batching and blocker:
             raise NotImplementedError(f"use_transformers_continuous_batching=True: the cached engine cannot run here: "
@@ -192,7 +201,7 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
                                                          and blocker is None):  # TRL's knob; None: where it can
             engine_class, extra = CachedTransformersEngine, {
                 "max_cached_tokens": cache_budget(args.transformers_continuous_batching_config),
-                "max_draft_tokens": args.max_draft_tokens}
+                "max_draft_tokens": args.max_draft_tokens, "kv_budget": budget}
         elif args.cache_implementation:
             sampling.generation_kwargs.setdefault("cache_implementation", args.cache_implementation)
         engine = engine_class(
@@ -371,3 +380,5 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
             self._engine_seconds = dict(counters.seconds)
         for key, value in metrics.items():
             self._trl.log_metric(mode, key, value)
+        if mode == "train":  # a tool that fails every call is reported; one that keeps failing stops training
+            self._tool_failures.observe(stats.tools)

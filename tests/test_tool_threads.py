@@ -136,3 +136,59 @@ def test_ctrl_c_in_a_call_on_this_thread_stops_the_rollout():
         runner.serve([future])
     assert isinstance(future.result().error, KeyboardInterrupt)
     runner.close()
+
+
+def lookup(key: str) -> str:
+    """
+    Looks a key up in a service the run cannot reach.
+
+    Args:
+        key: The key.
+    """
+    raise ConnectionError("service unreachable")
+
+
+def _failing_run(hermes, addition_dataset, tmp_path, patience):
+    from test_function_tools import call, constant_reward, scripted
+    from test_tool_calls import ScriptedEngine
+    from tiny import tiny_model
+
+    args = _args(tmp_path, max_steps=3, max_completion_length=400, tool_call_format="chat_template")
+    args.max_failed_tool_steps = patience  # ARPOConfig's field (getattr with a default until it has one)
+    return ARPOTrainer(model=tiny_model(hermes), reward_funcs=constant_reward, args=args,
+                       train_dataset=addition_dataset, processing_class=hermes, tools=[lookup],
+                       engine=ScriptedEngine(hermes, scripted([call("lookup", {"key": "pi"})])))
+
+
+def test_a_tool_whose_calls_all_fail_is_reported_once_then_stops_the_run(hermes, addition_dataset, tmp_path, caplog):
+    from arpo_trl.tools.failures import ToolFailingError
+
+    trainer = _failing_run(hermes, addition_dataset, tmp_path, patience=2)
+    with caplog.at_level("WARNING", logger="arpo_trl.tools.failures"), \
+            pytest.raises(ToolFailingError, match="'lookup' failed in each of the last 2 training steps") as stopped:
+        trainer.train()
+    assert trainer.state.global_step == 1  # stopped in the second step's rollout
+    reports = [r.getMessage() for r in caplog.records if r.name == "arpo_trl.tools.failures"]
+    assert len(reports) == 1 and "every call of the tool 'lookup' failed in this step (4 of 4" in reports[0]
+    for text in (reports[0], str(stopped.value)):
+        assert "ConnectionError: service unreachable" in text
+        assert 'from test_tool_threads import lookup; lookup(**{"key": "pi"})' in text
+    assert "Traceback" in reports[0] and "raise ConnectionError" in reports[0]
+    assert "max_failed_tool_steps=0" in str(stopped.value)
+
+
+def test_a_streak_ends_when_a_call_succeeds_and_the_user_may_opt_out(caplog):
+    from arpo_trl.paths import ToolTally
+    from arpo_trl.tools.failures import ToolFailureWatch
+
+    failing, partly = ToolTally(calls=4, failures=4, first_error="Error: x"), ToolTally(calls=4, failures=3)
+    watch, never = ToolFailureWatch([FunctionTool(lookup)], patience=2), ToolFailureWatch([], patience=0)
+    with caplog.at_level("WARNING", logger="arpo_trl.tools.failures"):
+        for _ in range(3):
+            watch.observe({"lookup": failing})
+            watch.observe({"lookup": ToolTally()})  # no calls: changes nothing
+            watch.observe({"lookup": partly})  # ends the streak
+        for _ in range(5):
+            never.observe({"lookup": failing})
+    assert len(caplog.records) == 2  # once per run each
+    assert "training goes on" in caplog.records[1].getMessage()

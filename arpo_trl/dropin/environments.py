@@ -98,6 +98,25 @@ def environment_reward(kind: type, get_reward: Callable) -> Callable:
     return reward
 
 
+def placeholder_dataset(factory, args):
+    """TRL 1.16's `train_dataset=None` with an `environment_factory`: the environment owns the data and `reset()`
+    returns the whole prompt; `max_steps` sets the length. As `GRPOTrainer.__init__` does (same checks, same messages),
+    one generation round of empty user prompts, cycled across steps; here because ARPO keeps TRL's environment
+    machinery off, so `GRPOTrainer` never sees the factory."""
+    from datasets import Dataset
+
+    if isinstance(factory, Mapping):
+        raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+                         "`environment` column to route each example to its environment. Provide a dataset, or pass a "
+                         "single environment factory.")
+    if args.max_steps <= 0:
+        raise ValueError("When training without a `train_dataset` (the environment owns the data and returns the "
+                         "prompt from `reset()`), `max_steps` must be set to a positive value to define the training "
+                         "length. Set it via `ARPOConfig(max_steps=...)`.")
+    rows = args.generation_batch_size // args.num_generations
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
+
+
 def setup_environments(factory, reward_funcs, tools: Sequence[Tool]):
     """`(reward_funcs, tools, environments)` for `ARPOTrainer(environment_factory=factory, …)`: the environments'
     `get_reward` added to the reward functions (which may then be omitted, as under TRL) and their tools to `tools`."""

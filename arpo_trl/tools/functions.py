@@ -52,14 +52,15 @@ class FunctionTool(Tool):
         return json.dumps(dict(arguments))
 
     def __call__(self, content: str) -> str:
-        arguments = self._parse(content)
+        arguments = self.arguments(content)
         self._bind(arguments)
         result = self.fn(**arguments)
         if inspect.isawaitable(result):  # each tool-runner thread runs its own event loop for the call
             result = asyncio.run(_await(result))
         return result if isinstance(result, str) else str(result)  # TRL appends `str(result)` too
 
-    def _parse(self, content: str) -> dict[str, Any]:
+    def arguments(self, content: str) -> dict[str, Any]:
+        """The keyword arguments a call's content holds (ValueError if it holds none)."""
         try:
             arguments = json.loads(content)
         except (ValueError, RecursionError):
