@@ -192,3 +192,52 @@ def test_a_streak_ends_when_a_call_succeeds_and_the_user_may_opt_out(caplog):
             never.observe({"lookup": failing})
     assert len(caplog.records) == 2  # once per run each
     assert "training goes on" in caplog.records[1].getMessage()
+
+
+def test_paths_generate_while_a_sync_call_runs_on_this_thread_past_its_deadline(hermes):
+    """Event-driven: one path's sync call sleeps on the training thread past `tool_timeout`; the rollout's loop, on a
+    thread of its own, goes on generating the other paths meanwhile, and the late call is answered with a timeout."""
+    from test_function_tools import call
+    from test_tool_calls import ScriptedEngine
+
+    from arpo_trl.rollout import BranchingSampler
+    from arpo_trl.tool_calls import make_call_format
+
+    generated_at: list[float] = []
+
+    class EventEngine(ScriptedEngine):
+        async def agenerate(self, prefix, max_new_tokens, stop):
+            generated_at.append(time.monotonic())
+            return self.generate([prefix], [max_new_tokens], stop)[0]
+
+    def nap(seconds: float) -> str:
+        """
+        Sleeps on the training thread.
+
+        Args:
+            seconds: How long.
+        """
+        THREADS.append(threading.current_thread())
+        time.sleep(seconds)
+        return "rested"
+
+    THREADS.clear()
+    lengths = iter([0.6] + [0.0] * 20)  # the first call is late; the others are quick
+
+    def script(text, rng):
+        if "</tool_response>" not in text:
+            return f"go {call('nap', {'seconds': next(lengths)})}", 1.0, "stop"
+        return "done", 1.0, "eos"
+
+    tools = [FunctionTool(nap)]
+    fmt = make_call_format("auto", hermes, tools)
+    sampler = BranchingSampler(EventEngine(hermes, script), hermes, tools, call_format=fmt, num_generations=4,
+                               branch_policy="none", max_completion_length=400, tool_timeout=0.3, scheduler="events")
+    started = time.monotonic()
+    result = sampler.sample(fmt.prompt_ids([[{"role": "user", "content": "Rest."}]]))
+    assert set(THREADS) == {threading.main_thread()} and len(THREADS) == 4
+    failed = [c for t in result.trajectories for c in t.calls if c.failed]
+    assert len(failed) == 1  # the late call: answered with a timeout at its deadline
+    texts = [hermes.decode(t.completion_ids) for t in result.trajectories]
+    assert sum("timed out after 0.3 s" in text for text in texts) == 1 and sum("rested" in text for text in texts) == 3
+    assert any(started + 0.05 < moment < started + 0.6 for moment in generated_at)  # generated during the nap
