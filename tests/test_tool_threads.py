@@ -4,6 +4,7 @@
 the rollout still generates while those calls run (its loop on a thread of its own), and a call past `tool_timeout`
 still answers its path with a timeout."""
 
+import asyncio
 import signal
 import sqlite3
 import threading
@@ -241,3 +242,26 @@ def test_paths_generate_while_a_sync_call_runs_on_this_thread_past_its_deadline(
     texts = [hermes.decode(t.completion_ids) for t in result.trajectories]
     assert sum("timed out after 0.3 s" in text for text in texts) == 1 and sum("rested" in text for text in texts) == 3
     assert any(started + 0.05 < moment < started + 0.6 for moment in generated_at)  # generated during the nap
+
+
+def test_async_functions_share_one_event_loop_across_calls_as_under_trl():
+    """A client an async tool opens once (an HTTP session) is bound to the loop it was opened on."""
+    loops = set()
+
+    async def fetch(url: str) -> str:
+        """
+        Fetches a page with a session opened once.
+
+        Args:
+            url: The page.
+        """
+        loops.add(asyncio.get_running_loop())
+        return url
+
+    tool = FunctionTool(fetch)
+    assert tool.thread_safe  # on the workers, concurrently
+    runner = ToolRunner(max_workers=3, timeout=5)
+    futures = [runner.submit(lambda: tool("a")) for _ in range(6)]
+    runner.serve(futures)
+    assert [f.result().value for f in futures] == ["a"] * 6 and len(loops) == 1
+    runner.close()

@@ -4,10 +4,10 @@ templates use the same helper), so a function renders in the prompt exactly as u
 
 A `FunctionTool` is an ordinary `Tool` to the sampler: a sync function runs on the training thread, one call at a time,
 as `GRPOTrainer` calls it (`thread_safe=False`; `signal.alarm`, thread-local state and clients that are not thread-safe
-work as there); an async one on the tool runner's worker threads. Each call has `tool_timeout`; its result is
-appended with loss mask 0, and the sampler may fork after it. A malformed call (an unknown or missing argument,
-arguments that are not a JSON object) is answered with an error message as the result and counted as a failed call,
-as TRL does; it never stops training.
+work as there); an async one on the tool runner's worker threads, its coroutine on the one event loop of all async
+calls, as TRL runs them. Each call has `tool_timeout`; its result is appended with loss mask 0, and the sampler may
+fork after it. A malformed call (an unknown or missing argument, arguments that are not a JSON object) is answered
+with an error message as the result and counted as a failed call, as TRL does; it never stops training.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -55,8 +56,8 @@ class FunctionTool(Tool):
         arguments = self.arguments(content)
         self._bind(arguments)
         result = self.fn(**arguments)
-        if inspect.isawaitable(result):  # each tool-runner thread runs its own event loop for the call
-            result = asyncio.run(_await(result))
+        if inspect.isawaitable(result):  # as TRL: every async call on one event loop, which lives as long as we do
+            result = asyncio.run_coroutine_threadsafe(_await(result), _async_tool_loop()).result()
         return result if isinstance(result, str) else str(result)  # TRL appends `str(result)` too
 
     def arguments(self, content: str) -> dict[str, Any]:
@@ -84,6 +85,21 @@ class FunctionTool(Tool):
 
     def __repr__(self) -> str:
         return f"FunctionTool({self.tag!r})"
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _async_tool_loop() -> asyncio.AbstractEventLoop:
+    """The event loop async tools run on, in a daemon thread of its own (TRL's `GRPOTrainer-AsyncLoop`): a client
+    an async tool opens once (an HTTP session) is bound to it and stays usable across calls and steps."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            _LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_LOOP.run_forever, name="arpo-async-tools", daemon=True).start()
+        return _LOOP
 
 
 def is_async_callable(fn: Callable[..., Any]) -> bool:
