@@ -1,7 +1,9 @@
 """`ARPOConfig`: TRL's `GRPOConfig` plus the knobs of ARPO's entropy-based adaptive rollout.
 
-Defaults follow the authors' released scripts (docs/reference.md#defaults): M=16, N=8, Z=2, τ=0.5,
-β=0.2, k=20 tokens, call limit 3; entropy is exact where the backend has logits (docs/differences.md).
+Defaults follow the authors' released scripts (docs/reference.md#defaults) where TRL has no default of its own:
+N = M/2 global paths (M is TRL's `num_generations`, 8 by default, so N = 4; the paper's runs use M=16, N=8), Z=2,
+τ=0.5, β=0.2, k=20 tokens, call limit 3; entropy is exact where the backend has logits (docs/differences.md). The
+fields' checks are in `config_checks.py`.
 """
 
 from __future__ import annotations
@@ -10,17 +12,12 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from arpo_trl.advantages import ATTRIBUTIONS, check_attribution
-from arpo_trl.dropin.grpo_fields import check_grpo_fields
-from arpo_trl.engines import check_generation_kwargs
-from arpo_trl.entropy import check_entropy_args, resolve_estimator
-from arpo_trl.entropy_balance import check_aepo_args
-from arpo_trl.entropy_balanced_update import check_entropy_balanced_update
-from arpo_trl.generation.speculation import check_draft_tokens
+from arpo_trl.advantages import ATTRIBUTIONS
+from arpo_trl.config_checks import check_arpo_config
 from arpo_trl.preflight import adopt_checkpointing_default
-from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS, check_branching_args, default_initial_rollouts
-from arpo_trl.server.weight_sync import SYNC_MODES, check_sync_mode
-from arpo_trl.tool_calls import TOOL_CALL_FORMATS, check_call_format
+from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS
+from arpo_trl.server.weight_sync import SYNC_MODES
+from arpo_trl.tool_calls import TOOL_CALL_FORMATS
 
 
 @dataclass
@@ -203,6 +200,12 @@ class ARPOConfig(GRPOConfig):
             "(PythonTool also enforces its own, killing the process)."
         },
     )
+    max_failed_tool_steps: int = field(
+        default=10,
+        metadata={"help": "Stop training when a tool has failed every one of its calls in this many training steps "
+                  "in a row (its first error is raised; each such tool is also reported once, at its first such "
+                  "step). 0: never stop."},
+    )
     max_tool_workers: int = field(
         default=8,
         metadata={"help": "Tool calls run concurrently across paths in a thread pool of this size."},
@@ -327,69 +330,4 @@ class ARPOConfig(GRPOConfig):
     def __post_init__(self):
         adopt_checkpointing_default(self)
         super().__post_init__()
-        self._validate_arpo_fields()
-
-    def _validate_arpo_fields(self) -> None:
-        m = self.num_generations
-        check_attribution(self)
-        if self.initial_rollouts is None:
-            self.initial_rollouts = default_initial_rollouts(m, self.branch_policy)
-        check_branching_args(m, self.initial_rollouts, self.branch_factor, self.branch_threshold,
-                             self.entropy_window, self.branch_policy, self.max_tool_calls)
-        check_aepo_args(self.branch_penalty, self.pre_monitoring_beta)
-        check_entropy_balanced_update(self)
-        check_entropy_args(self.entropy_estimator, self.entropy_top_k, self.segment_entropy)
-        check_call_format(self.tool_call_format)
-        check_generation_kwargs(self.generation_kwargs)
-        check_grpo_fields(self)
-        if not self.tool_call_open or not self.tool_call_close:
-            raise ValueError("tool_call_open and tool_call_close must be non-empty markers, e.g. '<tool_call>'.")
-        if self.tool_timeout <= 0:
-            raise ValueError(f"tool_timeout must be > 0 seconds, got {self.tool_timeout}.")
-        if self.rollout_scheduler not in SCHEDULERS:
-            raise ValueError(f"rollout_scheduler must be one of {SCHEDULERS}, got {self.rollout_scheduler!r}.")
-        if self.max_tool_workers < 1:
-            raise ValueError(f"max_tool_workers must be >= 1, got {self.max_tool_workers}.")
-        check_draft_tokens(self.max_draft_tokens)
-        self._validate_vllm_fields()
-        self._validate_limits()
-        per_process = self.per_device_train_batch_size * self.steps_per_generation
-        if per_process % m != 0:
-            # The sampler builds each prompt's tree on one process, so a group must never straddle ranks.
-            raise ValueError(
-                f"per_device_train_batch_size * steps_per_generation ({per_process}) must be divisible by "
-                f"num_generations (M={m}) so that every prompt's M trajectories are generated on one process."
-            )
-        m_eval = self.num_generations_eval or m
-        if self.eval_strategy != "no" and self.per_device_eval_batch_size % m_eval != 0:
-            # TRL checks the global eval batch only; ARPO, like for training, needs whole groups on each process.
-            raise ValueError(
-                f"per_device_eval_batch_size ({self.per_device_eval_batch_size}) must be divisible by "
-                f"num_generations_eval ({m_eval}) so that every prompt's trajectories are generated on one process."
-            )
-
-    def _validate_limits(self) -> None:
-        if self.max_minutes is not None and not self.max_minutes > 0:
-            raise ValueError(f"max_minutes must be > 0 (minutes) or None, got {self.max_minutes}.")
-        if self.tree_packing_max_length is not None and self.tree_packing_max_length < 1:
-            raise ValueError(f"tree_packing_max_length must be >= 1 or None, got {self.tree_packing_max_length}.")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
-        for name in ("reward_timeout", "reward_batch_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}.")
-
-    def _validate_vllm_fields(self) -> None:
-        check_sync_mode(self.vllm_weight_sync)
-        if self.vllm_request_timeout <= 0:
-            raise ValueError(f"vllm_request_timeout must be > 0 seconds, got {self.vllm_request_timeout}.")
-        if self.vllm_max_concurrent_requests < 1:
-            raise ValueError(f"vllm_max_concurrent_requests must be >= 1, got {self.vllm_max_concurrent_requests}.")
-        if not self.use_vllm:
-            return
-        if self.vllm_mode != "server":
-            raise ValueError(
-                f"vllm_mode={self.vllm_mode!r}: ARPOTrainer generates through a vLLM server only; set "
-                "vllm_mode='server' and start one (python -m arpo_trl.server serve --model ...)."
-            )
-        resolve_estimator(self.entropy_estimator, False, "a vLLM server")
+        check_arpo_config(self)

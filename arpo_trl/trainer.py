@@ -53,7 +53,7 @@ from arpo_trl.tags import own_text_from_ids
 from arpo_trl.time_budget import TimeBudget
 from arpo_trl.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.tools.base import Tool
-from arpo_trl.tools.failures import DEFAULT_PATIENCE, PATIENCE_FIELD, ToolFailureWatch
+from arpo_trl.tools.failures import ToolFailureWatch
 from arpo_trl.tools.functions import as_tools
 from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
 from arpo_trl.training import TreePackedTraining
@@ -144,7 +144,7 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
         self._trl, self._environments = TRLState(self), environments
         self._trl.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
-        self._tool_failures = ToolFailureWatch(self.arpo_tools, getattr(args, PATIENCE_FIELD, DEFAULT_PATIENCE))
+        self._tool_failures = ToolFailureWatch(self.arpo_tools, args.max_failed_tool_steps)
         configure_math_scoring(timeout=args.reward_timeout, batch_timeout=args.reward_batch_timeout)
         if args.log_trees:
             self.add_callback(TreePictures())

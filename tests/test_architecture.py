@@ -22,8 +22,9 @@ LAYERS: dict[str, list[str]] = {
                       "server", "server.client", "server.responses", "server.engine", "server.server_check"],
     "sampler": ["budget", "scheduling", "entropy_balance", "rollout", "advantages", "rewards", "data", "eval_metrics",
                 "trees", "trees.analysis", "trees.render"],
-    "trainer": ["config", "trainer", "dropin", "dropin.*", "training", "training.*", "entropy_balanced_update",
-                "trl_state", "tracking", "time_budget", "server.weight_sync", "server.trainer_mode", "server.launcher"],
+    "trainer": ["config", "config_checks", "trainer", "dropin", "dropin.*", "training", "training.*",
+                "entropy_balanced_update", "trl_state", "tracking", "time_budget", "server.weight_sync",
+                "server.trainer_mode", "server.launcher"],
     "commands": ["commands", "commands.*", "server.serve_config", "server.serve_command"],
     "top": ["__init__", "cli", "server.__main__"],
 }

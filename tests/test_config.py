@@ -46,3 +46,8 @@ def test_defaults_follow_the_reference(tmp_path):
 def test_invalid_values_name_the_field(tmp_path, kw, field):
     with pytest.raises(ValueError, match=field):
         _config(tmp_path, **kw)
+
+
+def test_max_failed_tool_steps_must_not_be_negative(tmp_path):
+    with pytest.raises(ValueError, match=r"max_failed_tool_steps must be >= 0 steps \(0: never stop\), got -1"):
+        ARPOConfig(output_dir=str(tmp_path), max_failed_tool_steps=-1, report_to="none", use_cpu=True, bf16=False)

@@ -154,8 +154,8 @@ def _failing_run(hermes, addition_dataset, tmp_path, patience):
     from test_tool_calls import ScriptedEngine
     from tiny import tiny_model
 
-    args = _args(tmp_path, max_steps=3, max_completion_length=400, tool_call_format="chat_template")
-    args.max_failed_tool_steps = patience  # ARPOConfig's field (getattr with a default until it has one)
+    args = _args(tmp_path, max_steps=3, max_completion_length=400, tool_call_format="chat_template",
+                 max_failed_tool_steps=patience)
     return ARPOTrainer(model=tiny_model(hermes), reward_funcs=constant_reward, args=args,
                        train_dataset=addition_dataset, processing_class=hermes, tools=[lookup],
                        engine=ScriptedEngine(hermes, scripted([call("lookup", {"key": "pi"})])))

@@ -1,0 +1,87 @@
+"""The checks `ARPOConfig.__post_init__` runs on its fields: each bad value is a ValueError naming the field, what it
+got and what it takes."""
+
+from __future__ import annotations
+
+from arpo_trl.advantages import check_attribution
+from arpo_trl.dropin.grpo_fields import check_grpo_fields
+from arpo_trl.engines import check_generation_kwargs
+from arpo_trl.entropy import check_entropy_args, resolve_estimator
+from arpo_trl.entropy_balance import check_aepo_args
+from arpo_trl.entropy_balanced_update import check_entropy_balanced_update
+from arpo_trl.generation.speculation import check_draft_tokens
+from arpo_trl.rollout import SCHEDULERS, check_branching_args, default_initial_rollouts
+from arpo_trl.server.weight_sync import check_sync_mode
+from arpo_trl.tool_calls import check_call_format
+
+
+def check_arpo_config(config) -> None:
+    """Every ARPO field of `config` (an `ARPOConfig` after TRL's own checks); fills `initial_rollouts` when unset."""
+    m = config.num_generations
+    check_attribution(config)
+    if config.initial_rollouts is None:
+        config.initial_rollouts = default_initial_rollouts(m, config.branch_policy)
+    check_branching_args(m, config.initial_rollouts, config.branch_factor, config.branch_threshold,
+                         config.entropy_window, config.branch_policy, config.max_tool_calls)
+    check_aepo_args(config.branch_penalty, config.pre_monitoring_beta)
+    check_entropy_balanced_update(config)
+    check_entropy_args(config.entropy_estimator, config.entropy_top_k, config.segment_entropy)
+    check_call_format(config.tool_call_format)
+    check_generation_kwargs(config.generation_kwargs)
+    check_grpo_fields(config)
+    if not config.tool_call_open or not config.tool_call_close:
+        raise ValueError("tool_call_open and tool_call_close must be non-empty markers, e.g. '<tool_call>'.")
+    if config.tool_timeout <= 0:
+        raise ValueError(f"tool_timeout must be > 0 seconds, got {config.tool_timeout}.")
+    if config.rollout_scheduler not in SCHEDULERS:
+        raise ValueError(f"rollout_scheduler must be one of {SCHEDULERS}, got {config.rollout_scheduler!r}.")
+    if config.max_tool_workers < 1:
+        raise ValueError(f"max_tool_workers must be >= 1, got {config.max_tool_workers}.")
+    if config.max_failed_tool_steps < 0:
+        raise ValueError(f"max_failed_tool_steps must be >= 0 steps (0: never stop), got "
+                         f"{config.max_failed_tool_steps}.")
+    check_draft_tokens(config.max_draft_tokens)
+    _check_vllm_fields(config)
+    _check_limits(config)
+    per_process = config.per_device_train_batch_size * config.steps_per_generation
+    if per_process % m != 0:
+        # The sampler builds each prompt's tree on one process, so a group must never straddle ranks.
+        raise ValueError(
+            f"per_device_train_batch_size * steps_per_generation ({per_process}) must be divisible by "
+            f"num_generations (M={m}) so that every prompt's M trajectories are generated on one process."
+        )
+    m_eval = config.num_generations_eval or m
+    if config.eval_strategy != "no" and config.per_device_eval_batch_size % m_eval != 0:
+        # TRL checks the global eval batch only; ARPO, like for training, needs whole groups on each process.
+        raise ValueError(
+            f"per_device_eval_batch_size ({config.per_device_eval_batch_size}) must be divisible by "
+            f"num_generations_eval ({m_eval}) so that every prompt's trajectories are generated on one process."
+        )
+
+
+def _check_limits(config) -> None:
+    if config.max_minutes is not None and not config.max_minutes > 0:
+        raise ValueError(f"max_minutes must be > 0 (minutes) or None, got {config.max_minutes}.")
+    if config.tree_packing_max_length is not None and config.tree_packing_max_length < 1:
+        raise ValueError(f"tree_packing_max_length must be >= 1 or None, got {config.tree_packing_max_length}.")
+    if config.max_prompt_length is not None and config.max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1 or None, got {config.max_prompt_length}.")
+    for name in ("reward_timeout", "reward_batch_timeout"):
+        if getattr(config, name) <= 0:
+            raise ValueError(f"{name} must be > 0 seconds, got {getattr(config, name)}.")
+
+
+def _check_vllm_fields(config) -> None:
+    check_sync_mode(config.vllm_weight_sync)
+    if config.vllm_request_timeout <= 0:
+        raise ValueError(f"vllm_request_timeout must be > 0 seconds, got {config.vllm_request_timeout}.")
+    if config.vllm_max_concurrent_requests < 1:
+        raise ValueError(f"vllm_max_concurrent_requests must be >= 1, got {config.vllm_max_concurrent_requests}.")
+    if not config.use_vllm:
+        return
+    if config.vllm_mode != "server":
+        raise ValueError(
+            f"vllm_mode={config.vllm_mode!r}: ARPOTrainer generates through a vLLM server only; set "
+            "vllm_mode='server' and start one (python -m arpo_trl.server serve --model ...)."
+        )
+    resolve_estimator(config.entropy_estimator, False, "a vLLM server")
