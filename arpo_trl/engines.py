@@ -46,6 +46,9 @@ class GenerationCounters:
     accepted_tokens: int = 0  # drafts kept as generated tokens
     decode_steps: int = 0  # decode forwards (the cached engine: one per step, all running rows together)
     adopted_rows: int = 0  # requests that went on in a held row, nothing prefilled (the cached engine: a probe's)
+    kv_waits: int = 0  # steps × requests that waited for room in the KV budget (`generation/kv_budget.py`)
+    kv_peak_bytes: int = 0  # the most KV held (the cached engine: rows' buffers and prefix cache; waves: a batch's)
+    kv_peak_copy_bytes: int = 0  # the same, with a regrowing batch's old buffer while it is copied
     seconds: dict[str, float] = field(default_factory=dict)  # the cached engine's wall time per phase of its steps
 
     @contextlib.contextmanager
@@ -203,6 +206,7 @@ class TransformersEngine:
         model_context: Callable[[], AbstractContextManager] | None = None,
         max_batch_size: int | None = None,
         synced_gpus: bool = False,
+        kv_budget=None,
     ):
         self.model = model
         self.synced_gpus = synced_gpus  # every rank runs each call's decoding steps (sharded parameters)
@@ -230,6 +234,9 @@ class TransformersEngine:
         }
         self.model_context = model_context
         self.max_batch_size = max_batch_size
+        from arpo_trl.generation.kv_budget import KVBudgetSetting  # the package imports this module
+
+        self.kv_setting = kv_budget or KVBudgetSetting()  # KV bytes, from free memory by default (waves: per call)
         self.counters = GenerationCounters()  # accumulated over the engine's life
 
     def _decode(self, ids: Sequence[int]) -> str:
@@ -239,11 +246,15 @@ class TransformersEngine:
         self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop: Sequence[str]
     ) -> list[Segment]:
         _check_budgets(prefixes, max_new_tokens)
-        step = self.max_batch_size or len(prefixes) or 1
+        from arpo_trl.generation.kv_budget import log_budget, wave_batches
+
         with model_for_generation(self.model, self.model_context) as model, eval_mode(model), torch.no_grad():
-            segments = []
-            for i in range(0, len(prefixes), step):
-                segments += self._generate_batch(model, prefixes[i : i + step], max_new_tokens[i : i + step], stop)
+            budget, segments = log_budget(self, self.kv_setting.resolve(model)), []
+            for batch in wave_batches(budget, list(map(len, prefixes)), max_new_tokens, self.max_batch_size):
+                rows, budgets = prefixes[batch], max_new_tokens[batch]
+                segments += self._generate_batch(model, rows, budgets, stop)
+                held = len(rows) * budget.batch_bytes([max(map(len, rows)) + max(budgets)])  # model.generate's KV
+                self.counters.kv_peak_bytes = max(self.counters.kv_peak_bytes, held)
         return segments
 
     def _generate_batch(self, model, prefixes, budgets, stop) -> list[Segment]:

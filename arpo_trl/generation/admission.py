@@ -38,18 +38,21 @@ class Request:
 
 class Admission:
     """The cached engine's admission of joining requests. Mixed into `CachedTransformersEngine`, whose batch state
-    (`_rows`, `_batch`, `_positions`, `_logits`, `_excluded`), prefix cache, counters and `_release` it uses."""
+    (`_rows`, `_batch`, `_positions`, `_logits`, `_excluded`), prefix cache, counters, `_release` and KV budget
+    (`_budget`, `_span`, `_keep`, `_room`: `kv_budget.KVAccounting`) it uses."""
 
     def _adopt(self, joining: list[Request]) -> list[Request]:
         """A request whose prefix is a held row's text (an ARPO probe's continuation: its k tokens were answered one
         step ago) takes that row over: its last token is fed and its next-token logits are at hand, so nothing is
         prefilled or copied. The held rows no request took go to the prefix cache. Returns the requests to admit."""
         held = {tuple(request.prefix + request.ids): row for row, request in enumerate(self._rows) if request.held}
-        rest = []
+        spans, rest = [self._span(request) for request in self._rows if not request.held], []
         for request in joining:
-            if (row := held.pop(tuple(request.prefix), None)) is None:
-                rest.append(request)
+            if (row := held.get(tuple(request.prefix))) is None or not self._budget.fits(spans + [self._span(request)]):
+                rest.append(request)  # its row goes to the prefix cache if the KV budget cannot hold it grown
                 continue
+            del held[tuple(request.prefix)]
+            spans.append(self._span(request))
             request.alpha = self._rows[row].alpha
             self._rows[row] = request
             self._count(len(request.prefix))
@@ -104,7 +107,7 @@ class Admission:
                  admitted: dict[int, tuple[KV, torch.Tensor]]) -> None:
         results, positions = prefill(model, list(jobs.values()))
         for (index, job), (kv, logits) in zip(jobs.items(), results):
-            self.prefix_cache.store(CachedPrefix(tuple(job.tokens), kv, logits))
+            self._keep(CachedPrefix(tuple(job.tokens), kv, logits))
             admitted[index] = kv, logits
             self._count(job.start)
         self.counters.prefill_tokens += sum(positions)  # padding included
@@ -117,7 +120,7 @@ class Admission:
     def _join(self, joining: list[tuple[Request, KV, torch.Tensor]]) -> None:
         """Add the admitted rows to the batch (written into its preallocated buffers)."""
         if self._batch is None:
-            self._batch = KVBatch()
+            self._batch = KVBatch(self._room, self._allocated)
         self._batch.add([kv for _, kv, _ in joining])
         positions = torch.tensor([kv_length(kv) for _, kv, _ in joining], device=joining[0][2].device)
         logits = torch.cat([logits for _, _, logits in joining])

@@ -36,7 +36,8 @@ from arpo_trl.engines import (
 from arpo_trl.entropy import sampling_warpers, token_entropy
 from arpo_trl.generation.admission import Admission, Request
 from arpo_trl.generation.event_loop import run_coroutine
-from arpo_trl.generation.kv_batch import KVBatch
+from arpo_trl.generation.kv_batch import LEFT_SLACK, KVBatch
+from arpo_trl.generation.kv_budget import KVAccounting
 from arpo_trl.generation.prefix_cache import CachedPrefix, PrefixCache
 from arpo_trl.generation.sampling import sample_tokens
 from arpo_trl.generation.speculation import (
@@ -50,13 +51,14 @@ from arpo_trl.generation.support import SUPPORTED_KEYS, check_full_attention
 from arpo_trl.generation.weights import WeightsVersion
 
 
-class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngine):
+class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, TransformersEngine):
     """`TransformersEngine`'s sampling settings and segment rules, generated event-driven with a KV cache.
 
-    `max_cached_tokens` bounds the positions the prefix cache keeps between requests of one rollout (None: unbounded;
-    the running rows' own KV is not counted). `max_draft_tokens`: drafts per row and step of n-gram speculative decoding
-    (`speculation.py`; exact in distribution; 0 turns it off; off with a repetition penalty). `counters` accumulate over
-    the engine's life (positions, forwards, and each phase's seconds).
+    `max_cached_tokens` bounds the positions the prefix cache keeps between requests of one rollout (None: unbounded).
+    `kv_budget` (a `KVBudgetSetting`) bounds the running rows' KV and the prefix cache together (`kv_budget.py`;
+    default: half the memory free when a rollout starts): requests wait for room. `max_draft_tokens`: drafts per row
+    and step of n-gram speculative decoding (`speculation.py`; exact in distribution; 0 turns it off; off with a
+    repetition penalty). `counters` accumulate over the engine's life (positions, forwards, and each phase's seconds).
     """
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
@@ -145,7 +147,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
     def _forget_cache(self) -> None:
         self.prefix_cache.clear()
         self.drafts.clear(), self.acceptance.reset()
-        self._weights = None
+        self._weights = self._budget = None  # the next rollout measures the free memory anew
 
     # --- the driver: one batched step at a time, yielding to the event loop in between ----------------------
 
@@ -214,10 +216,12 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
     @torch.no_grad()
     def _step(self, model) -> None:
         pending, self._pending, timed = self._pending, [], self.counters.timed
+        self._start_budget(model, LEFT_SLACK + 1 + (self.acceptance.max_draft if self.speculating else 0))
         joining = [request for request in pending if not request.future.done()]  # not cancelled
         if any(request.held for request in self._rows):
             with timed("admit"):
                 joining = self._adopt(joining)
+        joining = self._gate(joining)  # those the KV budget holds; the others wait
         if joining:
             with timed("admit"):  # prefix-cache lookups, prefill forwards, rows written into the batch
                 try:
@@ -335,7 +339,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, TransformersEngin
         request = self._rows[row]
         tokens = request.prefix + (request.ids if fed else request.ids[:-1])
         logits = self._logits[row: row + 1].clone() if fed else None
-        self.prefix_cache.store(CachedPrefix(tuple(tokens), self._batch.row(row), logits))
+        self._keep(CachedPrefix(tuple(tokens), self._batch.row(row), logits))
 
     def _decode_step(self, model) -> None:
         """Run the sampled tokens of all rows, and their drafts if any pay, in one forward; each layer writes its new

@@ -21,6 +21,8 @@ moving rows out (`remove`) took 0.5 s instead of 0.9-1.0 s, and copying them out
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -36,9 +38,14 @@ def _slack(needed: int, minimum: int) -> int:
 class KVBatch:
     """The keys and values of `rows` running rows, all layers in one buffer: [2 (keys, values), layers, row capacity,
     heads, column capacity, head_dim], so that a row joining, leaving or copied out is one tensor operation. The
-    columns in use are `first` .. `width` - 1, and `mask[row, column]` is 1 where the row has a position."""
+    columns in use are `first` .. `width` - 1, and `mask[row, column]` is 1 where the row has a position.
 
-    def __init__(self):
+    Under a KV budget (`kv_budget.py`), `room(needed)` is asked before a new buffer is allocated, with the bytes it
+    needs at least, and answers the bytes it may take: the spare room shrinks to fit; `allocated(old_bytes)` is told
+    after (the old buffer is freed once the rows are copied)."""
+
+    def __init__(self, room: Callable[[int], float] | None = None, allocated: Callable[[int], None] | None = None):
+        self.room, self.allocated = room, allocated
         self.rows, self.first, self.width = 0, 0, 0
         self.starts: list[int] = []  # per row, its first column
         self.buffer: torch.Tensor | None = None
@@ -52,6 +59,11 @@ class KVBatch:
     @property
     def column_capacity(self) -> int:
         return self.buffer.shape[4] if self.buffer is not None else 0
+
+    @property
+    def bytes(self) -> int:
+        """The buffer's bytes, spare room included."""
+        return self.buffer.numel() * self.buffer.element_size() if self.buffer is not None else 0
 
     def add(self, rows: list[KV]) -> None:
         """Append rows (each one row's `KV`, [2, layers, 1, heads, positions, head_dim]) at the end of the batch."""
@@ -120,8 +132,9 @@ class KVBatch:
         used = max(lengths, default=0) if compact else self.width - self.first
         width = max(width, used)
         reference = like if like is not None else self.buffer
-        shape = (*reference.shape[:2], _slack(rows, 8), reference.shape[3], _slack(width + spare, 64),
-                 reference.shape[5])
+        row_capacity, column_capacity = self._capacity(reference, rows, width + spare)
+        shape = (*reference.shape[:2], row_capacity, reference.shape[3], column_capacity, reference.shape[5])
+        old_bytes = self.bytes
         buffer = _new_buffer(reference, shape)
         mask = torch.zeros(shape[2], shape[4], dtype=torch.long, device=reference.device)
         if compact:
@@ -140,6 +153,20 @@ class KVBatch:
             self.starts = [start + shift for start in self.starts]
         self.buffer, self.mask = buffer, mask
         self.first, self.width = width - used, width
+        if self.allocated is not None:
+            self.allocated(old_bytes)
+
+    def _capacity(self, reference: torch.Tensor, rows: int, columns: int) -> tuple[int, int]:
+        """Rows and columns to allocate for `rows` × `columns` in use: a quarter more of each (at least 8 rows and 64
+        columns), less where `room` allows less (columns' spare room kept first: every decode step takes one)."""
+        row_capacity, column_capacity = _slack(rows, 8), _slack(columns, 64)
+        cell = reference[:, :, :1, :, :1].numel() * reference.element_size()  # one row's position, all layers
+        if self.room is None or row_capacity * column_capacity * cell <= (room := self.room(rows * columns * cell)):
+            return row_capacity, column_capacity
+        cells = max(int(room // cell), rows * columns)
+        column_capacity = max(columns, min(column_capacity, cells // row_capacity))
+        row_capacity = max(rows, min(row_capacity, cells // column_capacity))
+        return row_capacity, max(columns, min(column_capacity, cells // row_capacity))
 
     def _zero(self, rows: slice, begin: int, end: int) -> None:
         """Zero columns [begin, end) of `rows`: masked columns inside the model's view must hold finite values."""

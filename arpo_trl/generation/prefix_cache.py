@@ -89,7 +89,7 @@ class PrefixCache:
             raise ValueError(f"PrefixCache: max_tokens must be >= 1 or None, got {max_tokens}.")
         self.max_tokens = max_tokens
         self._entries: OrderedDict[tuple[int, ...], CachedPrefix] = OrderedDict()
-        self._tokens = 0
+        self._tokens = self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -98,9 +98,19 @@ class PrefixCache:
     def tokens(self) -> int:
         return self._tokens
 
+    @property
+    def bytes(self) -> int:
+        """The entries' KV bytes (each entry's own tensor; their logits are not counted)."""
+        return self._bytes
+
     def clear(self) -> None:
         self._entries.clear()
-        self._tokens = 0
+        self._tokens = self._bytes = 0
+
+    def shrink(self, max_bytes: int) -> None:
+        """Drop the least recently used entries until the rest hold at most `max_bytes` of KV (the KV budget)."""
+        while self._bytes > max_bytes and self._entries:
+            self._drop(next(iter(self._entries)))
 
     def lookup(self, prefix: Sequence[int]) -> tuple[CachedPrefix | None, int]:
         """The entry sharing the longest prefix with `prefix`, and that length (0 and None if none); of entries that
@@ -127,9 +137,11 @@ class PrefixCache:
             return
         self._entries[entry.tokens] = entry
         self._tokens += len(entry.tokens)
+        self._bytes += entry.kv.numel() * entry.kv.element_size()
         while self.max_tokens is not None and self._tokens > self.max_tokens and self._entries:
             self._drop(next(iter(self._entries)))
 
     def _drop(self, tokens: tuple[int, ...]) -> None:
-        del self._entries[tokens]
+        entry = self._entries.pop(tokens)
         self._tokens -= len(tokens)
+        self._bytes -= entry.kv.numel() * entry.kv.element_size()
