@@ -24,6 +24,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from arpo_trl.generation.event_loop import run_coroutine
 from arpo_trl.paths import Rollout, Trajectory
 from arpo_trl.tool_calls import CallFormat, ToolCall
 from arpo_trl.tools.base import Tool
@@ -253,11 +254,7 @@ class EventScheduler:
         try:
             if any_runs_here(sampler.tools):  # the loop on a thread of its own; this one runs those tools' calls
                 return run_loop_in_thread(self._run(sampler, rollout, runner), runner)
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:
-                return asyncio.run(self._run(sampler, rollout, runner))
-            return run_loop_in_thread(self._run(sampler, rollout, runner))  # a loop runs here already (Jupyter)
+            return run_coroutine(self._run(sampler, rollout, runner))  # also inside a running loop (Jupyter)
         finally:
             runner.close()
 

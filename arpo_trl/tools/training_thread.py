@@ -45,6 +45,7 @@ def run_loop_in_thread(coroutine: Coroutine[Any, Any, Any], runner: ToolRunner |
         except BaseException as exc:
             finished.set_exception(exc)
         finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
     thread = threading.Thread(target=target, name="arpo-rollout", daemon=True)
