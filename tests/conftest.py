@@ -83,6 +83,14 @@ def tool_model_dir(tokenizer, tmp_path_factory):
     return train_tool_model(tokenizer, tmp_path_factory.mktemp("tiny-tool"))
 
 
+@pytest.fixture(scope="module")
+def tool_model64(tool_model_dir):
+    """The tool model in float64, so that batching and padding cannot flip a greedy argmax between runs or engines."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tool_model_dir).eval().double()
+
+
 @pytest.fixture(scope="session")
 def qwen_chat_model_dir(tmp_path_factory):
     """A random tiny Llama whose tokenizer has TRL's Qwen2.5 chat template (tool calling TRL can parse)."""

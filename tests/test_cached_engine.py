@@ -21,12 +21,6 @@ from arpo_trl.tools import Tool
 GREEDY = SamplingSettings(temperature=0, entropy_top_k=None)
 
 
-@pytest.fixture(scope="module")
-def tool_model64(tool_model_dir):
-    """float64, so that batching and padding cannot flip a greedy argmax between the two engines."""
-    return AutoModelForCausalLM.from_pretrained(tool_model_dir).eval().double()
-
-
 def _prompt(tokenizer, text):
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
                                          return_dict=True)["input_ids"]

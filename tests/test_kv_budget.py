@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from test_cached_engine import GREEDY, _as_tuples, _prompt
+from transformers import DynamicCache
 
-from arpo_trl.engines import SamplingSettings, TransformersEngine
+from arpo_trl.engines import TransformersEngine
 from arpo_trl.generation import CachedTransformersEngine
 from arpo_trl.generation.kv_budget import (
     DEFAULT_MEMORY_FRACTION,
@@ -20,23 +21,7 @@ from arpo_trl.generation.kv_budget import (
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool
 
-GREEDY = SamplingSettings(temperature=0, entropy_top_k=None)
 UNBOUNDED = KVBudgetSetting(unbounded=True)
-
-
-@pytest.fixture(scope="module")
-def tool_model64(tool_model_dir):
-    """float64, so that batching and padding cannot flip a greedy argmax between runs."""
-    return AutoModelForCausalLM.from_pretrained(tool_model_dir).eval().double()
-
-
-def _prompt(tokenizer, text):
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                                         return_dict=True)["input_ids"]
-
-
-def _as_tuples(result):
-    return [(t.id, t.kind, t.parent, t.fork_position, t.completion_ids, t.mask) for t in result.trajectories]
 
 
 def _most_rows(engine):

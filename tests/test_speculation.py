@@ -111,11 +111,6 @@ def test_a_late_row_learns_its_own_rate_and_drafts_from_text_written_before_it(t
     assert [s.token_ids for s in again] == [s.token_ids for s in expected]
 
 
-@pytest.fixture(scope="module")
-def tool_model64(tool_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tool_model_dir).eval().double()
-
-
 @pytest.mark.parametrize("scheduler", ["waves", "events"])
 def test_greedy_trees_equal_plain_decoding(tool_model64, tokenizer, scheduler):
     """The same seeded sampler on a greedy float64 model grows the same trees, logprobs and entropies with drafts as
