@@ -232,7 +232,7 @@ def test_bad_server_mode_input_is_refused_clearly(tokenizer, tmp_path):
         VLLMServerEngine(client, tokenizer, model_name="m", sampling=SamplingSettings(entropy_estimator="exact"))
     args = VLLMServer("m", lora_rank=4).args  # vLLM only accepts some ranks: rounded up
     assert args[args.index("--max-lora-rank") + 1] == "8"
-    with pytest.raises(ValueError, match="lora_rank must be between 1 and 512"):
+    with pytest.raises(ValueError, match="lora_rank must be an integer between 1 and 512"):
         VLLMServer("m", lora_rank=1000)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

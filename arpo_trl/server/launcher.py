@@ -92,7 +92,7 @@ def _add_vllm_metadata_alias(venv: Path) -> None:
 
 def _vllm_lora_rank(rank: int) -> int:
     """The smallest `--max-lora-rank` vLLM accepts that serves adapters of rank `rank`."""
-    return vllm_lora_rank(rank)
+    return vllm_lora_rank(rank, "lora_rank")
 
 
 def _die_with_parent() -> None:

@@ -22,12 +22,13 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's `-
 MAX_CONTEXT = 1 << 24  # a larger `max_model_len` from a server is nonsense, not a context length
 
 
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest `--max-lora-rank` vLLM accepts that serves adapters of rank `rank`."""
+def vllm_lora_rank(rank: int, name: str = "lora_r (the LoRA rank)") -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that serves adapters of rank `rank` (`name`: the field that set
+    it, for the error)."""
     valid = isinstance(rank, int) and not isinstance(rank, bool)
     allowed = [r for r in VLLM_LORA_RANKS if valid and r >= rank]
     if not valid or rank < 1 or not allowed:
-        raise ValueError(f"lora_r (the LoRA rank) must be an integer between 1 and {VLLM_LORA_RANKS[-1]} (the "
+        raise ValueError(f"{name} must be an integer between 1 and {VLLM_LORA_RANKS[-1]} (the "
                          f"largest --max-lora-rank vLLM accepts), got {rank!r}.")
     return allowed[0]
 
