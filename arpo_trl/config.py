@@ -148,10 +148,13 @@ class ARPOConfig(GRPOConfig):
         metadata={
             "help": "Forward each micro-batch tree-packed: the rows' shared token prefixes (a group's prompt, an ARPO "
             "tree's trunk and branches) are computed once, in the policy pass with its backward and in the old-logprob "
-            "and reference passes, with the same log-probabilities and gradients as unpacked rows; prompt groups stay "
-            "together in micro-batches. Falls back to unpacked rows, with a warning, where a tree mask is not exact "
-            "(architectures other than Llama/Qwen2/Qwen3/Mistral without sliding windows, attention other than "
-            "sdpa/eager). docs/tree_packing.md.",
+            "and reference passes, with the same log-probabilities and gradients as unpacked rows. Prompt groups are "
+            "regrouped into whole micro-batches only inside one optimizer step and only where that changes no "
+            "gradient (not with bnpo, an entropy bonus, top_entropy_quantile or entropy_advantage_weight). Falls "
+            "back to unpacked rows, saying why, where a tree mask is not exact (architectures other than "
+            "Llama/Qwen2/Qwen3/Mistral, sliding windows, length-dependent RoPE, PEFT prompt learning, attention other "
+            "than sdpa/eager/flex_attention), and per chunk where packs would cost more than rows. "
+            "docs/tree_packing.md.",
         },
     )
     tree_packing_max_length: int | None = field(

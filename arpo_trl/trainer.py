@@ -44,6 +44,7 @@ from arpo_trl.dropin.rows import TreeRows
 from arpo_trl.engines import GenerationEngine, SamplingSettings, TransformersEngine
 from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
 from arpo_trl.generation.cached_engine import CachedTransformersEngine
+from arpo_trl.generation.kv_budget import KVBudgetSetting
 from arpo_trl.generation.support import cache_budget, cached_engine_blocker
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.scoring import configure_math_scoring
@@ -185,8 +186,6 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
         return SamplingSettings.from_config(self.args, eos_token_ids=self._trl.eos_token_ids)
 
     def _transformers_engine(self) -> TransformersEngine | LockstepEngine:
-        from arpo_trl.generation.kv_budget import KVBudgetSetting
-
         args, lockstep = self.args, self._trl.is_sharded() and self.accelerator.num_processes > 1
         sampling = replace(self._sampling(), generation_kwargs=dict(args.generation_kwargs or {}))
         # the KV budget (generation/kv_budget.py) from TRL's knob; ranks in lockstep must split their waves alike
