@@ -19,8 +19,7 @@ from arpo_trl.tools.base import Tool
 from arpo_trl.tools.functions import FunctionTool
 
 logger = logging.getLogger(__name__)
-PATIENCE_FIELD = "max_failed_tool_steps"
-DEFAULT_PATIENCE = 10
+PATIENCE_FIELD = "max_failed_tool_steps"  # the ARPOConfig field that sets `patience` (its default lives there)
 
 
 class ToolFailingError(RuntimeError):
@@ -30,7 +29,7 @@ class ToolFailingError(RuntimeError):
 class ToolFailureWatch:
     """Fed each training step's per-tool tallies (`RolloutStats.tools`)."""
 
-    def __init__(self, tools: Sequence[Tool], patience: int = DEFAULT_PATIENCE):
+    def __init__(self, tools: Sequence[Tool], patience: int):
         if patience < 0:
             raise ValueError(f"{PATIENCE_FIELD} must be >= 0 (0: never stop), got {patience}.")
         self.tools = {tool.tag: tool for tool in tools}
