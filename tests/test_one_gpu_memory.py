@@ -1,8 +1,10 @@
-"""benchmarks/one_gpu_memory.py: its arithmetic against hand computation, and the one-GPU recipe against its table."""
+"""benchmarks/one_gpu_memory.py: its arithmetic against hand computation, and the one-GPU recipe against its table;
+benchmarks/one_gpu.py: its dry run and its summary of a run's metrics."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -12,13 +14,17 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def memory():
-    spec = importlib.util.spec_from_file_location("bench_one_gpu_memory", ROOT / "benchmarks" / "one_gpu_memory.py")
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def memory():
+    return _load("one_gpu_memory")
 
 
 def test_parameter_counts_match_the_published_sizes(memory):
@@ -60,3 +66,33 @@ def test_the_one_gpu_recipe_uses_the_24gb_settings(memory):
     assert (recipe["max_prompt_length"], recipe["max_completion_length"], recipe["lora_r"]) == (
         shape.prompt_tokens, shape.completion_tokens, shape.lora_r)
     assert recipe["lora_target_modules"] == list(memory.LORA_TARGETS)
+
+
+def test_one_gpu_dry_run_derives_each_engines_recipe(tmp_path, capsys):
+    bench = _load("one_gpu")
+    assert bench.main(["--dry-run", "--work", str(tmp_path), "--steps", "2", "--set", "seed=3"]) is None
+    printed = capsys.readouterr().out
+    assert printed.startswith("one_gpu: 4 engine(s) x 2 step(s)") and "expected ~" in printed
+    recipes = {e: yaml.safe_load((tmp_path / e / "recipe.yaml").read_text()) for e in bench.ENGINES}
+    assert recipes["colocate"]["vllm_mode"] == "colocate" and recipes["trl_colocate"]["vllm_mode"] == "colocate"
+    assert recipes["server"]["vllm_mode"] == "server" and recipes["server"]["vllm_weight_sync"] == "lora"
+    assert recipes["server"]["vllm_server_base_url"].startswith("http://127.0.0.1:")
+    assert recipes["in_process"]["use_vllm"] is False and not any(k.startswith("vllm_") for k in recipes["in_process"])
+    for engine, recipe in recipes.items():
+        assert (recipe["max_steps"], recipe["seed"], recipe["output_dir"]) == (2, 3, str(tmp_path / engine / "run"))
+    assert "vllm-serve --config" in printed and "trl_peer.py --config" in printed
+
+
+def test_one_gpu_summary_reads_metrics(tmp_path):
+    bench = _load("one_gpu")
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 1, "reward": 0.0, "step_time": 10.0, "arpo/tokens_generated_per_group": 100.0},
+            {"step": 2, "reward": 1.0, "step_time": 4.0, "arpo/tokens_generated_per_group": 200.0,
+             "arpo/prefix_cache_hit_rate": 0.5}, {"train_runtime": 14.0}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    recipe = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_generations": 4}
+    summary = bench.summarize(tmp_path, recipe)
+    # the first step (warm-up) apart; 2 groups of 200 tokens in a 4 s step
+    assert (summary["first_step_s"], summary["step_s"], summary["tokens_generated_per_step"]) == (10.0, 4.0, 400)
+    assert summary["tokens_per_s"] == 100.0 and summary["prefix_cache_hit_rate"] == 0.5 and summary["reward"] == 0.5
