@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import asdict
 
 import torch
 from accelerate import Accelerator
@@ -32,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from arpo_trl import BranchingSampler, PythonTool, TransformersEngine, VLLMClient, VLLMServerEngine
 from arpo_trl.data import SYSTEM_PROMPTS, named_dataset
 from arpo_trl.generation import CachedTransformersEngine
+from arpo_trl.generation.calibration import CPU_COSTS
 from arpo_trl.models import smollm2_path
 from arpo_trl.server.launcher import VLLMServer
 from arpo_trl.server.weight_sync import LoRAAdapterSync
@@ -47,6 +49,8 @@ IN_PROCESS_ENGINES = {
     "waves": ("transformers", TransformersEngine, {}),
     "cached": ("transformers-cached", CachedTransformersEngine, {}),
     "cached-nodraft": ("transformers-cached-nodraft", CachedTransformersEngine, {"max_draft_tokens": 0}),  # no drafts
+    # the cost model pinned to the 2-core development CPU's constants (the cached engine measures its device's)
+    "cached-cpu-costs": ("transformers-cached-cpu-costs", CachedTransformersEngine, {"cost_model": CPU_COSTS}),
 }
 
 
@@ -208,7 +212,8 @@ def main() -> None:
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
     parser.add_argument("--engines", default="waves,cached",
                         help="in-process engines: 'waves' (TransformersEngine), 'cached' (CachedTransformersEngine), "
-                             "'cached-nodraft' (the cached engine with max_draft_tokens=0); run in the order given")
+                             "'cached-nodraft' (the cached engine with max_draft_tokens=0), 'cached-cpu-costs' (its "
+                             "cost model pinned to the development CPU's constants); run in the order given")
     parser.add_argument("--out", default="outputs/bench_rollout")
     args = parser.parse_args()
     if unknown := set(args.engines.split(",")) - set(IN_PROCESS_ENGINES):
@@ -227,7 +232,10 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         for choice in args.engines.split(","):  # in the order given
             name, engine_class, kwargs = IN_PROCESS_ENGINES[choice]
-            paired(runs, name, engine_class(model, tokenizer, **kwargs), tokenizer, prompts, args, policies)
+            engine = engine_class(model, tokenizer, **kwargs)
+            paired(runs, name, engine, tokenizer, prompts, args, policies)
+            if getattr(engine, "costs", None) is not None:  # the cost model it decided with
+                report.setdefault("cost_models", {})[name] = asdict(engine.costs)
         del model
     if not args.skip_vllm:
         vllm_runs(report, runs, model_dir, tokenizer, prompts, args, policies)
@@ -249,6 +257,11 @@ def main() -> None:
                       runs[f"transformers-cached-nodraft/{policy}"]["wall_s"], 3)
         for policy in policies if f"transformers-cached/{policy}" in runs and
         f"transformers-cached-nodraft/{policy}" in runs}
+    report["measured_vs_cpu_costs"] = {  # rollout seconds, cached engine with its measured / the CPU's cost model
+        policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] /
+                      runs[f"transformers-cached-cpu-costs/{policy}"]["wall_s"], 3)
+        for policy in policies if f"transformers-cached/{policy}" in runs and
+        f"transformers-cached-cpu-costs/{policy}" in runs}
     report["cached_vs_waves"] = {  # the in-process engines side by side: rollout seconds, cached / waves
         policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] / runs[f"transformers/{policy}"]["wall_s"], 3)
         for policy in policies if f"transformers-cached/{policy}" in runs and f"transformers/{policy}" in runs}
@@ -270,6 +283,9 @@ def print_table(report: dict) -> None:
         print(f"- {backend}, ARPO / GRPO: {ratios}")
     if report.get("drafts_vs_nodraft"):
         print(f"- rollout seconds, cached engine with / without n-gram drafts: {report['drafts_vs_nodraft']}")
+    if report.get("measured_vs_cpu_costs"):
+        print(f"- rollout seconds, cached engine with its measured / the CPU's cost model: "
+              f"{report['measured_vs_cpu_costs']}")
     if report.get("cached_vs_waves"):
         print(f"- rollout seconds, cached engine / waves engine: {report['cached_vs_waves']}")
     if "lora_sync" in report:

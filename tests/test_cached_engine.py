@@ -174,12 +174,12 @@ def test_continuation_and_fork_prefill_only_new_tokens(tool_model64, tokenizer):
 
 def test_counters_time_each_phase_and_count_decode_forwards(tool_model64, tokenizer):
     """One row, no drafts: every generated token but the first (from the prefill's logits) and the last (never fed)
-    costs one decode forward; the step's phases are timed."""
+    costs one decode forward; the step's phases are timed, and the cost model's measurement (`calibration.py`)."""
     engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=0)
     segment = asyncio.run(engine.agenerate(_prompt(tokenizer, "What is 12+30?"), 6, []))
     asyncio.run(engine.aclose())
     assert engine.counters.decode_steps == engine.counters.decode_tokens == len(segment.token_ids) - 1
-    phases = {"admit", "sample", "decode"} if engine.counters.decode_steps else {"admit", "sample"}
+    phases = {"calibrate", "admit", "sample"} | ({"decode"} if engine.counters.decode_steps else set())
     assert set(engine.counters.seconds) == phases
     assert all(seconds > 0 for seconds in engine.counters.seconds.values())
 

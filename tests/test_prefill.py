@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from arpo_trl.engines import SamplingSettings
 from arpo_trl.generation import CachedTransformersEngine
+from arpo_trl.generation.calibration import CPU_COSTS
 from arpo_trl.generation.prefill import PrefillJob, group_by_length, prefill
 from arpo_trl.generation.prefix_cache import kv_length, stack_layers
 
@@ -88,7 +89,8 @@ def test_every_row_gets_what_a_forward_of_it_alone_computes(model64):
 def test_requests_joining_in_one_step_share_forwards_and_never_prefill_a_shared_prefix(model64, tokenizer):
     """Tool results that come back together join in one forward; requests whose prefix another one of the same step
     extends wait for it and prefill only their own tokens; copies of one prefix take one result."""
-    engine = CachedTransformersEngine(model64, tokenizer, sampling=SamplingSettings(temperature=0, entropy_top_k=None))
+    engine = CachedTransformersEngine(model64, tokenizer, sampling=SamplingSettings(temperature=0, entropy_top_k=None),
+                                      cost_model=CPU_COSTS)  # the forwards counted below follow its forward cost
     system = tokenizer.encode("You solve problems with python. " * 12, add_special_tokens=False)
     questions = [system + tokenizer.encode(f"What is {a}+{a}?", add_special_tokens=False) for a in range(4)]
 

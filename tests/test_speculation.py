@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from arpo_trl.engines import SamplingSettings, TransformersEngine
 from arpo_trl.generation import CachedTransformersEngine
+from arpo_trl.generation.calibration import CPU_COSTS
 from arpo_trl.generation.speculation import Acceptance, DraftIndex, step_cost
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool
@@ -99,8 +100,8 @@ def test_a_late_row_learns_its_own_rate_and_drafts_from_text_written_before_it(t
     prompts = [_prompt(tokenizer, "What is 12+30?"), _prompt(tokenizer, "What is 7+5?"), _prompt(tokenizer, "hi")]
     plain = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=0)
     expected = plain.generate(prompts, [30] * 3, [])
-    engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY)
-    with engine.rollout_scope():
+    engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, cost_model=CPU_COSTS)  # the steps
+    with engine.rollout_scope():  # below need drafts that pay: a cost model measured on the tiny model may not say so
         first = engine.generate(prompts[:1], [30], [])
         engine.acceptance.record(drafted=10_000, accepted=0)
         assert not engine.acceptance.may_pay(3)
@@ -116,7 +117,8 @@ def test_greedy_trees_equal_plain_decoding(tool_model64, tokenizer, scheduler):
     """The same seeded sampler on a greedy float64 model grows the same trees, logprobs and entropies with drafts as
     without; drafts were fed, accepted and rejected."""
     def grow(max_draft_tokens):
-        engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=max_draft_tokens)
+        engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=max_draft_tokens,
+                                          cost_model=CPU_COSTS)  # drafts fed whatever the tiny model's timings
         sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=4,
                                    max_completion_length=80, branch_policy="random", seed=3, scheduler=scheduler)
         sampler.fill_ups.after_first_decision = False  # the same fill-up timing with and without drafts

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from arpo_trl.generation.kv_batch import KVBatch
-from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, prefill
+from arpo_trl.generation.prefill import PrefillJob, prefill
 from arpo_trl.generation.prefix_cache import KV, CachedPrefix, common_prefix_length, crop, kv_length
 from arpo_trl.generation.speculation import PRIOR_ACCEPTANCE
 
@@ -38,8 +38,8 @@ class Request:
 
 class Admission:
     """The cached engine's admission of joining requests. Mixed into `CachedTransformersEngine`, whose batch state
-    (`_rows`, `_batch`, `_positions`, `_logits`, `_excluded`), prefix cache, counters, `_release` and KV budget
-    (`_budget`, `_span`, `_keep`, `_room`: `kv_budget.KVAccounting`) it uses."""
+    (`_rows`, `_batch`, `_positions`, `_logits`, `_excluded`), prefix cache, counters, `_release`, KV budget
+    (`_budget`, `_span`, `_keep`, `_room`: `kv_budget.KVAccounting`) and cost model (`costs`) it uses."""
 
     def _adopt(self, joining: list[Request]) -> list[Request]:
         """A request whose prefix is a held row's text (an ARPO probe's continuation: its k tokens were answered one
@@ -87,7 +87,7 @@ class Admission:
                     saved += gain
                 else:
                     jobs[index] = self._job(request, entry, shared)
-            if saved < FORWARD_COST_TOKENS:  # another round would cost more than it saves
+            if saved < self.costs.forward_cost_tokens:  # another round would cost more than it saves
                 jobs.update((index, self._job(requests[index], entry, shared)) for index, entry, shared in later)
                 later = []
             self._prefill(model, jobs, requests, admitted)
@@ -105,7 +105,7 @@ class Admission:
 
     def _prefill(self, model, jobs: dict[int, PrefillJob], requests: list[Request],
                  admitted: dict[int, tuple[KV, torch.Tensor]]) -> None:
-        results, positions = prefill(model, list(jobs.values()))
+        results, positions = prefill(model, list(jobs.values()), self.costs.forward_cost_tokens)
         for (index, job), (kv, logits) in zip(jobs.items(), results):
             self._keep(CachedPrefix(tuple(job.tokens), kv, logits))
             admitted[index] = kv, logits

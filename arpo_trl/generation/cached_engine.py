@@ -35,6 +35,7 @@ from arpo_trl.engines import (
 )
 from arpo_trl.entropy import sampling_warpers, token_entropy
 from arpo_trl.generation.admission import Admission, Request
+from arpo_trl.generation.calibration import ForwardCosts, measured_costs
 from arpo_trl.generation.event_loop import run_coroutine
 from arpo_trl.generation.kv_batch import LEFT_SLACK, KVBatch
 from arpo_trl.generation.kv_budget import KVAccounting
@@ -58,11 +59,14 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
     `kv_budget` (a `KVBudgetSetting`) bounds the running rows' KV and the prefix cache together (`kv_budget.py`;
     default: half the memory free when a rollout starts): requests wait for room. `max_draft_tokens`: drafts per row
     and step of n-gram speculative decoding (`speculation.py`; exact in distribution; 0 turns it off; off with a
-    repetition penalty). `counters` accumulate over the engine's life (positions, forwards, and each phase's seconds).
+    repetition penalty). `cost_model`: what a forward costs, which sets the prefill's grouping and the drafts' length
+    (None: measured on the model's device at the first step, `calibration.py`; `calibration.CPU_COSTS` pins the
+    development CPU's). `counters` accumulate over the engine's life (positions, forwards, and each phase's seconds).
     """
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
-                 max_cached_tokens: int | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS, **kwargs):
+                 max_cached_tokens: int | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
+                 cost_model: ForwardCosts | None = None, **kwargs):
         sampling = sampling or SamplingSettings()
         super().__init__(model, tokenizer, sampling=sampling, **kwargs)
         if unsupported := set(sampling.generation_kwargs or {}) - SUPPORTED_KEYS:
@@ -73,6 +77,9 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
         self.prefix_cache = PrefixCache(max_cached_tokens)
         check_draft_tokens(max_draft_tokens)
         self.drafts, self.acceptance = DraftIndex(), Acceptance(max_draft_tokens)
+        self.costs: ForwardCosts | None = None
+        if cost_model is not None:
+            self._set_costs(cost_model)
         self.speculating = max_draft_tokens > 0 and self.repetition_penalty in (None, 1.0)
         self.drafts_late_paths = self.speculating  # a path started late decodes its siblings' text in a few steps
         self._warpers = LogitsProcessorList(sampling_warpers(*self.warper_settings))
@@ -213,9 +220,15 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
             self._model_stack.close()
         self._model_stack = self._model_in_use = None
 
+    def _set_costs(self, costs: ForwardCosts) -> None:
+        self.costs, self.acceptance.cost = costs, costs.decode
+
     @torch.no_grad()
     def _step(self, model) -> None:
         pending, self._pending, timed = self._pending, [], self.counters.timed
+        if self.costs is None:
+            with timed("calibrate"):  # once per process and kind of model (`calibration.measured_costs`)
+                self._set_costs(measured_costs(model))
         self._start_budget(model, LEFT_SLACK + 1 + (self.acceptance.max_draft if self.speculating else 0))
         joining = [request for request in pending if not request.future.done()]  # not cancelled
         if any(request.held for request in self._rows):

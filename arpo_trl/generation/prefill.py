@@ -3,7 +3,8 @@
 A joining request brings the KV of its cached prefix (`start` positions, maybe none) and the tokens after it. One
 forward per request pays the model's fixed cost every time: on a 2-core CPU a SmolLM2-135M forward of 1 or of 14
 tokens took ~0.17 s, of 106 tokens ~0.33 s, so the fixed part is worth ~90 prefilled tokens (on a GPU: the kernel
-launches). Tool results come back together, so a step often admits several requests. A group's forward lays out
+launches and one read of the weights, worth far more positions: the cached engine measures it, `calibration.py`).
+Tool results come back together, so a step often admits several requests. A group's forward lays out
 
     columns   [0 ............. P)[P ................... P + W)
     row i      padding | cached i  new tokens of i | padding
@@ -26,7 +27,8 @@ from transformers import DynamicCache
 
 from arpo_trl.generation.prefix_cache import KV, layer_pairs, stack_layers
 
-FORWARD_COST_TOKENS = 64  # a forward's fixed cost, in prefilled positions (measured ~90 on a 2-core CPU; see above)
+FORWARD_COST_TOKENS = 64  # a forward's fixed cost in prefilled positions on the 2-core CPU (~90 measured, see above);
+# only where none is given: the cached engine measures its own device's (`calibration.py`)
 MAX_FORWARD_POSITIONS = 8192  # rows × width of one grouped forward: bounds its activations (a longer request alone)
 
 
@@ -43,7 +45,7 @@ class PrefillJob:
         return len(self.tokens) - self.start
 
 
-def group_by_length(lengths: Sequence[int], forward_cost: int = FORWARD_COST_TOKENS,
+def group_by_length(lengths: Sequence[int], forward_cost: float = FORWARD_COST_TOKENS,
                     max_positions: int = MAX_FORWARD_POSITIONS) -> list[list[int]]:
     """Indices of `lengths` in groups, one forward each, that minimise the positions computed,
     Σ (forward_cost + rows × longest), with rows × longest ≤ `max_positions` unless one row is longer alone.
@@ -64,12 +66,13 @@ def group_by_length(lengths: Sequence[int], forward_cost: int = FORWARD_COST_TOK
     return groups[::-1]
 
 
-def prefill(model, jobs: Sequence[PrefillJob]) -> tuple[list[tuple[KV, torch.Tensor]], list[int]]:
+def prefill(model, jobs: Sequence[PrefillJob], forward_cost: float = FORWARD_COST_TOKENS
+            ) -> tuple[list[tuple[KV, torch.Tensor]], list[int]]:
     """Each job's KV (one row, its whole prefix) and next-token logits ([1, vocab], float32), in job order; and the
-    positions each forward computed, padding included."""
+    positions each forward computed, padding included. `forward_cost`: a forward's fixed cost in positions."""
     results: list[tuple[KV, torch.Tensor] | None] = [None] * len(jobs)
     positions = []
-    for group in group_by_length([job.new for job in jobs]):
+    for group in group_by_length([job.new for job in jobs], forward_cost):
         group_jobs = [jobs[index] for index in group]
         for index, result in zip(group, _forward(model, group_jobs)):
             results[index] = result
