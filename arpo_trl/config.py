@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from arpo_trl.advantages import ATTRIBUTIONS
-from arpo_trl.config_checks import check_arpo_config
+from arpo_trl.config_checks import check_arpo_config, resolve_engine_default
 from arpo_trl.preflight import adopt_checkpointing_default
 from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS
 from arpo_trl.server.weight_sync import SYNC_MODES
@@ -277,11 +277,22 @@ class ARPOConfig(GRPOConfig):
         metadata={"help": "Seed of the fork-decision RNG; defaults to `seed`."},
     )
 
-    vllm_mode: str = field(
-        default="server",
+    use_vllm: bool | None = field(
+        default=None,
         metadata={
-            "help": "With use_vllm=True, ARPO generates through a vLLM server (`vllm_server_base_url`, or "
-            "`vllm_server_host` + `vllm_server_port`); TRL's 'colocate' mode is not supported.",
+            "help": "Generate with vLLM. Unset: on one CUDA process with `vllm` importable, ARPO generates with vLLM "
+            "colocated in the training process (one log line says so); otherwise with the in-process transformers "
+            "engines (the CPU and test path). docs/one_gpu.md has the table.",
+        },
+    )
+    vllm_mode: str | None = field(
+        default=None,
+        metadata={
+            "help": "With use_vllm: 'colocate' (TRL's default: vLLM inside the training process, one device, synced "
+            "before each rollout, asleep during training with `vllm_enable_sleep_mode`) or 'server' (a vLLM server "
+            "at `vllm_server_base_url`, or `vllm_server_host` + `vllm_server_port`). Unset: 'server' when "
+            "`vllm_server_base_url` is set, else 'colocate'.",
+            "choices": ["colocate", "server"],
         },
     )
     vllm_weight_sync: str = field(
@@ -332,5 +343,6 @@ class ARPOConfig(GRPOConfig):
 
     def __post_init__(self):
         adopt_checkpointing_default(self)
+        resolve_engine_default(self)
         super().__post_init__()
         check_arpo_config(self)

@@ -3,6 +3,12 @@ got and what it takes."""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
+
+import torch
+
 from arpo_trl.advantages import check_attribution
 from arpo_trl.dropin.grpo_fields import check_grpo_fields
 from arpo_trl.engines import check_generation_kwargs
@@ -13,6 +19,23 @@ from arpo_trl.generation.speculation import check_draft_tokens
 from arpo_trl.rollout import SCHEDULERS, check_branching_args, default_initial_rollouts
 from arpo_trl.server.weight_sync import check_sync_mode
 from arpo_trl.tool_calls import check_call_format
+
+logger = logging.getLogger("arpo_trl.trainer")
+
+
+def resolve_engine_default(config) -> None:
+    """`use_vllm` unset: vLLM colocated on one CUDA process with `vllm` importable, else the in-process engines;
+    `vllm_mode` unset: 'server' when a server URL is given, else TRL's default 'colocate'."""
+    if config.vllm_mode is None:
+        config.vllm_mode = "server" if config.vllm_server_base_url else "colocate"
+    if config.use_vllm is not None:
+        return
+    one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    config.use_vllm = one_process and torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+    if config.use_vllm:
+        logger.warning("ARPO: use_vllm unset, one CUDA process and vLLM installed: generating with vLLM colocated in "
+                       "the training process (vllm_mode=%r). Set use_vllm=False for the transformers engines.",
+                       config.vllm_mode)
 
 
 def check_arpo_config(config) -> None:
@@ -79,9 +102,13 @@ def _check_vllm_fields(config) -> None:
         raise ValueError(f"vllm_max_concurrent_requests must be >= 1, got {config.vllm_max_concurrent_requests}.")
     if not config.use_vllm:
         return
-    if config.vllm_mode != "server":
-        raise ValueError(
-            f"vllm_mode={config.vllm_mode!r}: ARPOTrainer generates through a vLLM server only; set "
-            "vllm_mode='server' and start one (python -m arpo_trl.server serve --model ...)."
-        )
+    if config.vllm_mode not in ("server", "colocate"):
+        raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {config.vllm_mode!r}.")
+    if config.vllm_mode == "colocate":
+        if config.vllm_tensor_parallel_size != 1:
+            raise ValueError(f"vllm_tensor_parallel_size={config.vllm_tensor_parallel_size}: ARPO's colocate mode runs "
+                             "vLLM on the trainer's one device (1); for several GPUs use vllm_mode='server'.")
+        if config.vllm_weight_sync != "auto":
+            raise ValueError(f"vllm_weight_sync={config.vllm_weight_sync!r} is a server-mode setting; colocate mode "
+                             "loads the merged weights in process before each rollout. Leave it 'auto'.")
     resolve_estimator(config.entropy_estimator, False, "a vLLM server")

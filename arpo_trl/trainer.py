@@ -37,6 +37,7 @@ from arpo_trl.advantages import (
     token_owners,
     trained_mask,
 )
+from arpo_trl.colocate.trainer_mode import ColocateMode
 from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import LockstepEngine, run_on_main_process
 from arpo_trl.dropin.environments import EnvironmentRollouts, placeholder_dataset, setup_environments
@@ -73,7 +74,7 @@ def silence_checkpointing_aliases() -> None:
                             r"transformers\.modeling_utils")
 
 
-class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpdate, TreePackedTraining,
+class ARPOTrainer(ServerMode, ColocateMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpdate, TreePackedTraining,
                   GRPOTrainer):
     """Train a tool-using policy with ARPO.
 
@@ -132,8 +133,8 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
         if train_dataset is None and environment_factory is not None:  # the environment owns the data (TRL 1.16)
             train_dataset = placeholder_dataset(environment_factory, args)
         silence_checkpointing_aliases()
-        use_vllm = args.use_vllm
-        trl_sync = use_vllm and self._wants_trl_nccl_sync(args, model, peft_config)
+        use_vllm, colocate = args.use_vllm, args.use_vllm and args.vllm_mode == "colocate"
+        trl_sync = use_vllm and not colocate and self._wants_trl_nccl_sync(args, model, peft_config)
         # TRL would build its own VLLMClient (needs `vllm` importable, syncs over NCCL only); our engine and
         # file-based sync replace it, so TRL sees use_vllm=False while it is constructed.
         with TRLState.constructing(args, trl_builds_vllm=trl_sync):
@@ -153,15 +154,16 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
         self.add_callback(TimeBudget(args.max_minutes, say=self.accelerator.print,
                                      agree=lambda decide: run_on_main_process(self.accelerator, decide, "max_minutes")))
         self.vllm_client = None
-        sync_mode = self._check_server_setup() if use_vllm and not trl_sync else None
-        self.vllm_weight_sync_mode = "nccl" if trl_sync else sync_mode
-        if use_vllm:
+        sync_mode = self._check_server_setup() if use_vllm and not (trl_sync or colocate) else None
+        self.vllm_weight_sync_mode = "nccl" if trl_sync else "merged" if colocate else sync_mode
+        if use_vllm and not colocate:
             self.vllm_client = VLLMClient(self._server_url(), args.vllm_request_timeout, args.vllm_server_timeout,
                                           pool_size=args.vllm_max_concurrent_requests)
         if engine is not None and not use_vllm and self._trl.is_sharded() and self.accelerator.num_processes > 1:
             raise NotImplementedError("engine= with sharded parameters (ZeRO-3/FSDP) and several processes: leave "
                                       "engine unset, so that ARPO keeps the ranks' model calls in step.")
-        self.engine = engine or (self._server_engine() if use_vllm else self._transformers_engine())
+        self.engine = engine or (self._colocated_engine() if colocate else self._server_engine() if use_vllm
+                                 else self._transformers_engine())
         if sync_mode is not None:
             self._trl.install_weight_sync(self._file_weight_sync(sync_mode))
         tokenizer = self._trl.tokenizer
@@ -228,7 +230,9 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
         if self._trl.use_vllm and self.accelerator.num_processes > 1:
             result, trajectories = self._sample_on_main_process(prompt_ids, m, policy)
         else:
+            self._colocate_before_rollout()
             result = self.sampler.sample(prompt_ids, num_generations=m, branch_policy=policy, environments=starts)
+            self._colocate_after_rollout()
             if isinstance(self.engine, LockstepEngine):
                 self.engine.finish_rollout()
             trajectories = result.trajectories
@@ -371,7 +375,8 @@ class ARPOTrainer(ServerMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpda
             metrics["arpo/global_samples_per_group"] = statistics.fmean(stats.global_samples.values())
         if stats.fork_deltas:
             metrics["arpo/fork_delta_entropy_mean"] = statistics.fmean(stats.fork_deltas)
-        if counters := getattr(self.engine, "counters", None):  # in-process engines: positions prefilled, not cached
+        metrics.update(self._colocate_metrics(groups))
+        if hasattr(counters := getattr(self.engine, "counters", None), "prefill_tokens"):  # in-process engines
             metrics["arpo/prefill_tokens_per_group"] = (counters.prefill_tokens - self._prefilled) / groups
             self._prefilled = counters.prefill_tokens
             for phase, seconds in counters.seconds.items():  # the cached engine: admit, sample, decode

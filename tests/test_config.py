@@ -20,7 +20,7 @@ def test_defaults_follow_the_reference(tmp_path):
     assert (config.entropy_estimator, config.segment_entropy) == ("auto", "mean")
     assert (config.branch_policy, config.advantage_attribution) == ("entropy", "soft")
     assert _config(tmp_path, branch_policy="none").initial_rollouts == 8
-    assert (config.vllm_mode, config.vllm_weight_sync) == ("server", "auto")  # ARPO's vLLM path is server mode
+    assert (config.vllm_mode, config.vllm_weight_sync) == ("colocate", "auto")  # TRL's default mode
 
 
 @pytest.mark.parametrize("kw,field", [
@@ -38,7 +38,7 @@ def test_defaults_follow_the_reference(tmp_path):
     ({"vllm_weight_sync": "rsync"}, "vllm_weight_sync"),
     ({"vllm_request_timeout": 0}, "vllm_request_timeout"),
     ({"vllm_max_concurrent_requests": 0}, "vllm_max_concurrent_requests"),
-    ({"use_vllm": True, "vllm_mode": "colocate"}, "vllm_mode"),
+    ({"use_vllm": True, "vllm_mode": "remote"}, "vllm_mode"),
     ({"use_vllm": True, "entropy_estimator": "exact"}, "entropy_estimator"),
     ({"entropy_estimator": "top10"}, "entropy_estimator"),
     ({"segment_entropy": "max"}, "segment_entropy"),

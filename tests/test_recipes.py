@@ -34,12 +34,7 @@ def test_recipes_exist():
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_parses_and_validates(recipe, tmp_path):
     overrides = _cpu_overrides(recipe, tmp_path)
-    try:
-        script_args, config, model_args = make_parser().parse_args_and_config(["--config", str(recipe), *overrides])
-    except ValueError as error:
-        if "vllm_mode='colocate'" in str(error):  # until ARPOConfig accepts colocate (issue 55 item 1)
-            pytest.xfail(f"{recipe.name}: colocate not accepted yet: {error}")
-        raise
+    script_args, config, model_args = make_parser().parse_args_and_config(["--config", str(recipe), *overrides])
     assert all(name in REWARDS or "." in name for name in script_args.reward_funcs)
     assert set(script_args.tools) <= set(TOOLS)
     assert model_args.model_name_or_path and script_args.dataset_name

@@ -111,21 +111,23 @@ class VLLMServerEngine:
         """The segment of a completion's JSON body, checked by `read_completion` (docs/server_mode.md)."""
         request = CompletionRequest(budget, stop, self.entropy_top_k, self.vocab_size, self._end_ids, self._decode)
         completion = read_completion(self._where, body, request)
-        entropies = self._top_k_entropies(completion.top_logprobs)
+        entropies = top_logprob_entropies(completion.top_logprobs, self.entropy_estimator, self.entropy_top_k,
+                                          self.vocab_size)
         return Segment(completion.token_ids, completion.logprobs, entropies, completion.finish_reason)
 
     def _decode(self, ids: list[int]) -> str:
         """The text vLLM matched stop strings against (the request sets skip_special_tokens=False)."""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _top_k_entropies(self, tops: list[dict[int, float]]) -> list[float]:
-        """The estimator over each position's returned logprobs (top-k, plus the sampled token when it is
-        outside them; padding with -inf adds nothing). `read_completion` checked every row: non-empty, no nulls.
-        Only the k largest count: vLLM adds the sampled token when it is outside the top k, which would otherwise
-        make the estimate depend on which token happened to be sampled."""
-        if not tops:
-            return []
-        rows = [sorted(top.values(), reverse=True)[: self.entropy_top_k] for top in tops]
-        width = max(map(len, rows))
-        padded = torch.tensor([row + [-math.inf] * (width - len(row)) for row in rows], dtype=torch.float64)
-        return top_k_entropies(padded, self.entropy_estimator, self.entropy_top_k, self.vocab_size).tolist()
+
+def top_logprob_entropies(tops: list[dict[int, float]], estimator: str, k: int, vocab_size: int) -> list[float]:
+    """The estimator over each position's returned logprobs (top-k, plus the sampled token when it is outside them;
+    padding with -inf adds nothing). `read_completion` checked every row: non-empty, no nulls. Only the k largest
+    count: vLLM adds the sampled token when it is outside the top k, which would otherwise make the estimate depend
+    on which token happened to be sampled."""
+    if not tops:
+        return []
+    rows = [sorted(top.values(), reverse=True)[:k] for top in tops]
+    width = max(map(len, rows))
+    padded = torch.tensor([row + [-math.inf] * (width - len(row)) for row in rows], dtype=torch.float64)
+    return top_k_entropies(padded, estimator, k, vocab_size).tolist()

