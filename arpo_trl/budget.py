@@ -65,8 +65,14 @@ class FillUps:
     """Decides, for one prompt at a time, which fill-ups to start, confirm or drop (`update`, `make_room`)."""
 
     def __init__(self, max_tool_calls: int, branch_factor: int, branch_threshold: float, speculative: bool = True,
-                 rng: random.Random | None = None, after_first_decision: bool = False):
+                 rng: random.Random | None = None, after_first_decision: bool = False, hedge: float | None = None):
         self.max_tool_calls, self.branch_factor, self.speculative = max_tool_calls, branch_factor, speculative
+        # speculation also covers the fill-ups needed with this probability (`likely_needed`), not only the mean's:
+        # with many prompts, one prompt whose lines fork less than expected starts a fill-up late, and the rollout
+        # waits for it (docs/differences.md, "Fill-ups hedged")
+        self.hedge = hedge
+        self._rates_seen: tuple | None = None  # (what the rates depend on..., c, p)
+        self._lines: tuple | None = None  # (rollout, g, `live_lines`) while `update` runs
         # speculative fill-ups wait for the prompt's first fork decision: for an engine that drafts a late path from
         # its siblings' text (the cached engine), which writes their first segment in a few steps
         self.after_first_decision = after_first_decision
@@ -109,16 +115,23 @@ class FillUps:
     def _rates(self, rollout: Rollout) -> tuple[float, float]:
         """c, the share of segments that end with a tool call, and p, the mean fork probability: this rollout's,
         shrunk towards the previous rollouts'."""
-        c = (rollout.segments_calling + PRIOR_WEIGHT * self.call_rate) / (rollout.segments + PRIOR_WEIGHT)
-        p = (sum(rollout.fork_probabilities) + PRIOR_WEIGHT * self.fork_rate) / \
-            (len(rollout.fork_probabilities) + PRIOR_WEIGHT)
-        return c, p
+        key = (rollout, rollout.segments, rollout.segments_calling, len(rollout.fork_probabilities),
+               self.call_rate, self.fork_rate)
+        seen = self._rates_seen
+        if seen is None or seen[0] is not rollout or seen[1:-2] != key[1:]:  # asked per live path on every update: O(1)
+            c = (rollout.segments_calling + PRIOR_WEIGHT * self.call_rate) / (rollout.segments + PRIOR_WEIGHT)
+            p = (sum(rollout.fork_probabilities) + PRIOR_WEIGHT * self.fork_rate) / \
+                (len(rollout.fork_probabilities) + PRIOR_WEIGHT)
+            self._rates_seen = (*key, c, p)
+        return self._rates_seen[-2], self._rates_seen[-1]
 
     def forking(self, rollout: Rollout, path: Trajectory) -> bool:
         return path.active and path.kind != "fill" and rollout.policy != "none" and self.branch_factor > 1
 
     def live_lines(self, rollout: Rollout, g: int) -> dict[int | None, list[Trajectory]]:
         """Prompt `g`'s committed paths that may still fork, by line."""
+        if self._lines is not None and self._lines[0] is rollout and self._lines[1] == g:
+            return self._lines[2]
         lines: dict[int | None, list[Trajectory]] = {}
         for path in rollout.groups[g]:
             if path.committed and self.forking(rollout, path):
@@ -150,6 +163,15 @@ class FillUps:
         certain fill-ups started at the end, as the paper describes, only sooner."""
         if g in rollout.monitoring:  # AEPO: how many global samples the group gets is not decided yet
             return
+        # the lines stay as they are while this runs (fill-ups never fork), and are asked for three times per update
+        self._lines = None
+        self._lines = (rollout, g, self.live_lines(rollout, g))
+        try:
+            self._update(rollout, g, creator)
+        finally:
+            self._lines = None
+
+    def _update(self, rollout: Rollout, g: int, creator: Trajectory | None) -> None:
         group, m = rollout.groups[g], rollout.num_generations
         committed = [path for path in group if path.committed]
         certain = m - len(committed) - self.forkable(rollout, g, self.capacity)
@@ -168,6 +190,8 @@ class FillUps:
             wanted = min(missing, self.surely_needed(rollout, g))
         else:
             wanted = min(missing, math.ceil(missing - self.expected_slots(rollout, g)))
+            if self.hedge is not None:
+                wanted = min(missing, max(wanted, self.likely_needed(rollout, g)))
         for _ in range(wanted - len(speculative_fills(group))):
             rollout.start(g, group[0].prompt_ids, "fill", creator).committed = False
             rollout.stats.speculative_fill_ups += 1
@@ -176,7 +200,24 @@ class FillUps:
         """The fill-ups prompt `g` needs with probability at least `SURELY` by the rates: a line that forks at none of
         its tool results leaves its whole remaining share to fill-ups (a lower bound: a line that forks may still
         leave some). With rates learned from a model that calls no tool, that is every missing slot."""
-        left = [1.0]  # P(the lines that never fork leave k slots)
+        left, tail = self._unforked_slots(rollout, g), 0.0
+        for k in range(len(left) - 1, 0, -1):
+            if (tail := tail + left[k]) >= SURELY:
+                return k
+        return 0
+
+    def likely_needed(self, rollout: Rollout, g: int) -> int:
+        """The fill-ups prompt `g` needs with probability at least `hedge` by the rates (the same distribution as
+        `surely_needed`, from its other end): the slots left by the lines that fork at none of their tool results."""
+        total = 0.0
+        for k, chance in enumerate(left := self._unforked_slots(rollout, g)):
+            if (total := total + chance) >= self.hedge:
+                return k
+        return len(left) - 1
+
+    def _unforked_slots(self, rollout: Rollout, g: int) -> list[float]:
+        """P(the live lines that never fork leave k slots), for k = 0, 1, ...: each leaves its remaining share."""
+        left = [1.0]
         for line, paths in self.live_lines(rollout, g).items():
             never, share = math.prod(self.never_forks(rollout, path) for path in paths), \
                 self.shares.remaining(rollout, g, line)
@@ -185,11 +226,7 @@ class FillUps:
                 spread[k] += chance * (1 - never)
                 spread[k + share] += chance * never
             left = spread
-        tail = 0.0
-        for k in range(len(left) - 1, 0, -1):
-            if (tail := tail + left[k]) >= SURELY:
-                return k
-        return 0
+        return left
 
     @staticmethod
     def _heard_from(group: list[Trajectory]) -> bool:

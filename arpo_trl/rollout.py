@@ -117,7 +117,7 @@ class BranchingSampler:
         call_format: CallFormat | None = None,
         scheduler: str = "auto",
         speculative_fill_ups: bool = True,
-        speculative_branches: bool = False,
+        speculative_branches: bool = False, fill_up_hedge: float | None = 0.9,  # `budget.FillUps.hedge`
         branch_penalty: float = 0.05,  # AEPO (`arpo_trl.entropy_balance`)
         pre_monitoring_beta: float | None = 0.5,  # AEPO
         segment_statistic: str = "mean",  # `arpo_trl.entropy.segment_entropy`
@@ -131,9 +131,9 @@ class BranchingSampler:
                              branch_policy, max_tool_calls)
         check_aepo_args(branch_penalty, pre_monitoring_beta)
         check_entropy_args("auto", None, segment_statistic)
-        if tool_timeout <= 0 or max_tool_workers < 1:
-            raise ValueError(f"tool_timeout must be > 0 and max_tool_workers >= 1, got {tool_timeout}, "
-                             f"{max_tool_workers}.")
+        if tool_timeout <= 0 or max_tool_workers < 1 or not (fill_up_hedge is None or 0 < fill_up_hedge < 1):
+            raise ValueError(f"tool_timeout must be > 0, max_tool_workers >= 1 and fill_up_hedge in (0, 1) or None, "
+                             f"got {tool_timeout}, {max_tool_workers}, {fill_up_hedge}.")
         self.engine, self.tokenizer, self.tools = engine, tokenizer, list(tools)
         self.call_format = call_format if call_format is not None else TagFormat(tools)
         self.num_generations, self.initial_rollouts = num_generations, initial_rollouts
@@ -146,7 +146,7 @@ class BranchingSampler:
         self.rng = random.Random(seed)
         self.speculative_branches, self.scheduler = speculative_branches, make_scheduler(scheduler, engine)
         self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups, self.rng, (
-            getattr(engine, "drafts_late_paths", False) and self.scheduler.event_driven))
+            getattr(engine, "drafts_late_paths", False) and self.scheduler.event_driven), fill_up_hedge)
         eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
         self.eos_token_id = eos[0]
         self._max_token_chars: int | None = None

@@ -81,8 +81,9 @@ METHODS = {"arpo": "entropy", "grpo": "none", "random": "random"}
 class SyntheticAgent:
     """A scripted policy with a token-time cost. `token_seconds=0`: no waiting (decode-step model)."""
 
-    def __init__(self, tokenizer, regime: Regime, seed: int, token_seconds: float = 0.0):
+    def __init__(self, tokenizer, regime: Regime, seed: int, token_seconds: float = 0.0, request_steps: int = 0):
         self.tokenizer, self.regime, self.token_seconds = tokenizer, regime, token_seconds
+        self.request_steps = request_steps  # decode steps a request waits before its first token (see the docstring)
         self.vocab_size = QWEN_VOCAB
         self.eos_token_ids = [tokenizer.eos_token_id]
         self.rng = random.Random(seed)
@@ -123,10 +124,11 @@ class SyntheticAgent:
     async def agenerate(self, prefix, max_new_tokens, stop):
         segment, start = self._segment(prefix, max_new_tokens), time.perf_counter()
         try:
-            await asyncio.sleep(self.token_seconds * len(segment.token_ids))
+            await asyncio.sleep(self.token_seconds * (self.request_steps + len(segment.token_ids)))
         except asyncio.CancelledError:  # a speculative path dropped: the server generated this much of it
-            done = (time.perf_counter() - start) / self.token_seconds if self.token_seconds else len(segment.token_ids)
-            self.generated += min(len(segment.token_ids), done)
+            done = (time.perf_counter() - start) / self.token_seconds - self.request_steps if self.token_seconds \
+                else len(segment.token_ids)
+            self.generated += min(len(segment.token_ids), max(0.0, done))
             raise
         self.generated += len(segment.token_ids)
         return segment
@@ -172,11 +174,17 @@ def order_bias(counts: dict[str, dict]) -> dict:
                for name, values in deltas.items()}}
 
 
-def run_method(tokenizer, regime: Regime, method: str, scheduler: str, args, threshold: float = 0.5) -> dict:
-    """`args.rollouts` successive rollouts of one sampler, as in training (its speculation learns the rates)."""
+def _counts() -> dict[str, dict]:
+    return {"population": {"fast": 0, "slow": 0}, "branches": {"fast": 0, "slow": 0},
+            "deltas": {"fast": [], "slow": []}}
+
+
+def rollouts(tokenizer, regime: Regime, method: str, scheduler: str, args, counts: dict, threshold: float = 0.5):
+    """`args.rollouts` successive rollouts of one sampler, as in training (its speculation learns the rates): one
+    report per rollout, yielded as it ends (`run_paired` interleaves the methods' rollouts)."""
     policy = METHODS[method]
     token_seconds = args.token_ms / 1000 if scheduler.startswith("server") else 0.0
-    engine = SyntheticAgent(tokenizer, regime, args.seed, token_seconds)
+    engine = SyntheticAgent(tokenizer, regime, args.seed, token_seconds, args.request_steps)
     m = regime.num_generations
     fast_latency = regime.fast_class[2] if regime.fast_class else None
     tool = SlowTool(regime.tool_seconds, args.seed, fast_latency) if token_seconds else SlowTool((0.0, 0.0), args.seed)
@@ -186,10 +194,9 @@ def run_method(tokenizer, regime: Regime, method: str, scheduler: str, args, thr
         num_generations=m, initial_rollouts=m if policy == "none" else regime.initial_rollouts,
         branch_policy=policy, max_tool_calls=regime.max_calls, max_completion_length=regime.max_completion_length,
         seed=args.seed, scheduler=scheduler.split("/")[-1], max_tool_workers=64, tool_timeout=60.0,
-        speculative_fill_ups=not args.no_speculation, branch_threshold=threshold, **extra,
+        speculative_fill_ups=not args.no_speculation, branch_threshold=threshold,
+        fill_up_hedge=None if args.fill_up_hedge <= 0 else args.fill_up_hedge, **extra,
     )
-    runs, counts = [], {"population": {"fast": 0, "slow": 0}, "branches": {"fast": 0, "slow": 0},
-                        "deltas": {"fast": [], "slow": []}}
     for rollout in range(args.rollouts):
         prompts = [tokenizer.encode(f"<|im_start|>user\nWhat is {i}+{rollout}?<|im_end|>\n<|im_start|>assistant\n")
                    for i in range(args.prompts)]
@@ -201,17 +208,40 @@ def run_method(tokenizer, regime: Regime, method: str, scheduler: str, args, thr
         for role, by_class in class_counts(tokenizer, result).items():
             for name, value in by_class.items():
                 counts[role][name] += value
-        runs.append({
+        yield {
             "critical_path_tokens": stats.critical_path_tokens, "waves": stats.waves,
             "unique_tokens_per_group": sum(t.own_tokens() for t in result.trajectories) / groups,
             "generated_tokens_per_group": (engine.generated - generated) / groups,
             "tool_calls_per_group": stats.tool_calls / groups,
             "discarded_tool_calls_per_group": stats.discarded_tool_calls / groups,
             "forks_per_group": stats.forks / groups, "fill_ups_per_group": stats.fill_ups / groups,
+            "latest_fill_up_start_tokens": stats.latest_fill_up_start_tokens,
             "wall_s": stats.seconds, "overhead_fraction": stats.overhead_seconds / stats.seconds,
-        })
+            # the simulated server: wall time beyond the longest chain's tokens (the sampler's own time and waits)
+            "wall_beyond_chain_s": stats.seconds - token_seconds * stats.critical_path_tokens,
+        }
+
+
+def summarise(runs: list[dict], counts: dict, regime: Regime) -> dict:
     means = {key: statistics.fmean(r[key] for r in runs) for key in runs[0]}
     return {**means, "order_bias": order_bias(counts)} if regime.fast_class else means
+
+
+def run_method(tokenizer, regime: Regime, method: str, scheduler: str, args, threshold: float = 0.5) -> dict:
+    counts = _counts()
+    return summarise(list(rollouts(tokenizer, regime, method, scheduler, args, counts, threshold)), counts, regime)
+
+
+def run_paired(tokenizer, regime: Regime, methods: list[str], scheduler: str, args) -> dict[str, dict]:
+    """The methods' rollouts in turn (rollout 0 of each, then rollout 1, ...): on a shared machine whose load
+    drifts, each ratio compares rollouts made under the same load."""
+    counts = {method: _counts() for method in methods}
+    streams = {method: rollouts(tokenizer, regime, method, scheduler, args, counts[method]) for method in methods}
+    runs: dict[str, list[dict]] = {method: [] for method in methods}
+    for _ in range(args.rollouts):
+        for method in methods:
+            runs[method].append(next(streams[method]))
+    return {method: summarise(runs[method], counts[method], regime) for method in methods}
 
 
 BIAS_LIMIT = 0.05  # |fast share of branches - fast share of global paths| (issue 28)
@@ -234,15 +264,21 @@ RATIO_KEYS = ("critical_path_tokens", "wall_s", "unique_tokens_per_group", "gene
 
 def measure(tokenizer, regime_key: str, schedulers: list[str], args) -> dict:
     regime = REGIMES[regime_key]
-    out = {f"{scheduler}/{method}": run_method(tokenizer, regime, method, scheduler, args)
-           for scheduler in schedulers for method in args.methods}
+    out = {f"{scheduler}/{method}": run
+           for scheduler in schedulers for method, run in run_paired(tokenizer, regime, args.methods, scheduler,
+                                                                      args).items()}
     ratios = {}
     for scheduler in schedulers:
         base = out.get(f"{scheduler}/grpo")
         for method in args.methods:
             if method != "grpo" and base:
                 run = out[f"{scheduler}/{method}"]
-                ratios[f"{scheduler}/{method}_vs_grpo"] = {key: round(run[key] / base[key], 3) for key in RATIO_KEYS}
+                ratio = {key: round(run[key] / base[key], 3) for key in RATIO_KEYS}
+                if scheduler.startswith("server"):  # issue 55: wall ratio <= generated-token ratio + 0.05
+                    ratio["wall_beyond_chain_s_minus_grpo"] = round(run["wall_beyond_chain_s"] -
+                                                                    base["wall_beyond_chain_s"], 3)
+                    ratio["within_token_allowance"] = ratio["wall_s"] <= ratio["generated_tokens_per_group"] + 0.05
+                ratios[f"{scheduler}/{method}_vs_grpo"] = ratio
     if "server/events" in schedulers and "server/waves" in schedulers:
         for method in args.methods:
             ratios[f"{method}_events_vs_waves_wall"] = round(
@@ -283,7 +319,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
     parser.add_argument("--token-ms", type=float, default=0.5, help="simulated server: milliseconds per token")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-steps", type=int, default=1,
+                        help="simulated server: decode steps a request waits before its first token")
     parser.add_argument("--no-speculation", action="store_true", help="fill-ups only once certain (ablation)")
+    parser.add_argument("--fill-up-hedge", type=float, default=0.9,
+                        help="the sampler's fill_up_hedge (<= 0: None, fill-ups for the expected count only)")
     parser.add_argument("--thresholds", nargs="+", type=float, default=[0.3, 1.0], help="τ values of the bias regime")
     parser.add_argument("--segment-statistic", choices=["mean", "sum"], default=None,
                         help="the sampler's segment entropy statistic (default: the sampler's own)")
@@ -293,7 +333,8 @@ def main(argv=None) -> dict:
     schedulers = {"paper": ["steps/waves", "steps/events", "server/events"],
                   "quickstart": ["steps/waves", "steps/events", "server/events"],
                   "jitter": ["server/waves", "server/events"], "bias": ["steps/waves", "server/events"]}
-    report = {"token_ms": args.token_ms, "rollouts": args.rollouts, "prompts": args.prompts,
+    report = {"token_ms": args.token_ms, "request_steps": args.request_steps, "fill_up_hedge": args.fill_up_hedge,
+              "rollouts": args.rollouts, "prompts": args.prompts,
               "speculative_fill_ups": not args.no_speculation, "segment_statistic": args.segment_statistic,
               "regimes": {key: measure_bias(tokenizer, schedulers[key], args) if key == "bias"
                           else measure(tokenizer, key, schedulers[key], args) for key in args.regimes}}
