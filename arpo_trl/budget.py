@@ -3,7 +3,8 @@ so that it does not stretch the rollout's critical path.
 
 A prompt's missing slots are *certain* to need fill-ups once forking cannot fill them even if every live path forked
 at every tool result it may still reach; those start (or are confirmed) at once. Besides, as many *speculative*
-fill-ups run as forking is expected not to fill, from the rates seen so far; a fork takes a speculative fill-up's slot
+fill-ups run as forking is expected not to fill, from the rates seen so far, or, with `hedge`, as many as are needed
+with that probability when that is more; a fork takes a speculative fill-up's slot
 back (the youngest is dropped), and they are confirmed oldest first once certain. On an engine that drafts a late
 path from its siblings' text they start at the prompt's first fork decision or the end of its first path
 (`after_first_decision`), when the estimate knows more and their first segment costs a few steps; before that, only
@@ -72,7 +73,7 @@ class FillUps:
         # waits for it (docs/differences.md, "Fill-ups hedged")
         self.hedge = hedge
         self._rates_seen: tuple | None = None  # (what the rates depend on..., c, p)
-        self._lines: tuple | None = None  # (rollout, g, `live_lines`) while `update` runs
+        self._lines: tuple | None = None  # (rollout, g, `live_lines`, each path's terms) while `update` runs
         # speculative fill-ups wait for the prompt's first fork decision: for an engine that drafts a late path from
         # its siblings' text (the cached engine), which writes their first segment in a few steps
         self.after_first_decision = after_first_decision
@@ -94,23 +95,32 @@ class FillUps:
         decision happens surely."""
         if not self.forking(rollout, path):
             return 0.0
+        if self._lines is not None and (known := self._lines[3].get(("expected", path.id))) is not None:
+            return known
         c, p = self._rates(rollout)
         growth, expected = 1 + (self.branch_factor - 1) * p, 1.0
         pending = path.tool_calls > path.fork_decisions
         for _ in range(max(0, self.max_tool_calls - path.fork_decisions - pending)):
             expected = (1 - c) + c * growth * expected
-        return (growth if pending else 1.0) * expected - 1
+        return self._remember("expected", path, (growth if pending else 1.0) * expected - 1)
 
     def never_forks(self, rollout: Rollout, path: Trajectory) -> float:
         """The probability that a live path forks at none of its remaining tool results (same rates as `expected`):
         each segment ends the path (1 - c) or reaches a decision that does not fork (c·(1 - p))."""
         if not self.forking(rollout, path):
             return 1.0
+        if self._lines is not None and (known := self._lines[3].get(("never", path.id))) is not None:
+            return known
         c, p = self._rates(rollout)
         pending = path.tool_calls > path.fork_decisions
         r = max(0, self.max_tool_calls - path.fork_decisions - pending)
         q = sum((c * (1 - p)) ** j * (1 - c) for j in range(r)) + (c * (1 - p)) ** r
-        return (1 - p) * q if pending else q
+        return self._remember("never", path, (1 - p) * q if pending else q)
+
+    def _remember(self, kind: str, path: Trajectory, value: float) -> float:
+        if self._lines is not None:  # inside `update`: each path's terms are asked for by several sums
+            self._lines[3][kind, path.id] = value
+        return value
 
     def _rates(self, rollout: Rollout) -> tuple[float, float]:
         """c, the share of segments that end with a tool call, and p, the mean fork probability: this rollout's,
@@ -163,9 +173,10 @@ class FillUps:
         certain fill-ups started at the end, as the paper describes, only sooner."""
         if g in rollout.monitoring:  # AEPO: how many global samples the group gets is not decided yet
             return
-        # the lines stay as they are while this runs (fill-ups never fork), and are asked for three times per update
+        # the lines and their paths' terms stay as they are while this runs (fill-ups never fork), and each is asked
+        # for by several sums (certain, expected and hedged fill-ups): computed once
         self._lines = None
-        self._lines = (rollout, g, self.live_lines(rollout, g))
+        self._lines = (rollout, g, self.live_lines(rollout, g), {})
         try:
             self._update(rollout, g, creator)
         finally:

@@ -224,6 +224,8 @@ def rollouts(tokenizer, regime: Regime, method: str, scheduler: str, args, count
 
 def summarise(runs: list[dict], counts: dict, regime: Regime) -> dict:
     means = {key: statistics.fmean(r[key] for r in runs) for key in runs[0]}
+    means["per_rollout"] = {key: [round(r[key], 3) for r in runs]
+                            for key in ("wall_s", "critical_path_tokens", "latest_fill_up_start_tokens")}
     return {**means, "order_bias": order_bias(counts)} if regime.fast_class else means
 
 
@@ -327,12 +329,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--thresholds", nargs="+", type=float, default=[0.3, 1.0], help="τ values of the bias regime")
     parser.add_argument("--segment-statistic", choices=["mean", "sum"], default=None,
                         help="the sampler's segment entropy statistic (default: the sampler's own)")
+    parser.add_argument("--schedulers", nargs="+", default=None,
+                        help="only these of each regime's cost models (e.g. server/events)")
     parser.add_argument("--out", default=None, help="also write the JSON report here")
     args = parser.parse_args(argv)
     tokenizer = build_tokenizer()
     schedulers = {"paper": ["steps/waves", "steps/events", "server/events"],
                   "quickstart": ["steps/waves", "steps/events", "server/events"],
                   "jitter": ["server/waves", "server/events"], "bias": ["steps/waves", "server/events"]}
+    if args.schedulers:
+        schedulers = {key: [name for name in names if name in args.schedulers] for key, names in schedulers.items()}
     report = {"token_ms": args.token_ms, "request_steps": args.request_steps, "fill_up_hedge": args.fill_up_hedge,
               "rollouts": args.rollouts, "prompts": args.prompts,
               "speculative_fill_ups": not args.no_speculation, "segment_statistic": args.segment_statistic,
