@@ -173,6 +173,9 @@ class FillUps:
         certain fill-ups started at the end, as the paper describes, only sooner."""
         if g in rollout.monitoring:  # AEPO: how many global samples the group gets is not decided yet
             return
+        group = rollout.groups[g]
+        if committed_count(group) >= rollout.num_generations and not speculative_fills(group):
+            return  # the prompt's M paths are all decided: nothing to start, confirm or drop
         # the lines and their paths' terms stay as they are while this runs (fill-ups never fork), and each is asked
         # for by several sums (certain, expected and hedged fill-ups): computed once
         self._lines = None
