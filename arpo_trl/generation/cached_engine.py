@@ -225,10 +225,11 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
 
     @torch.no_grad()
     def _step(self, model) -> None:
-        pending, self._pending, timed = self._pending, [], self.counters.timed
-        if self.costs is None:
+        timed = self.counters.timed
+        if self.costs is None:  # before the requests are taken: a model error here fails them, as a prefill's does
             with timed("calibrate"):  # once per process and kind of model (`calibration.measured_costs`)
                 self._set_costs(measured_costs(model))
+        pending, self._pending = self._pending, []
         self._start_budget(model, LEFT_SLACK + 1 + (self.acceptance.max_draft if self.speculating else 0))
         joining = [request for request in pending if not request.future.done()]  # not cancelled
         if any(request.held for request in self._rows):
