@@ -4,8 +4,8 @@ so that it does not stretch the rollout's critical path.
 A prompt's missing slots are *certain* to need fill-ups once forking cannot fill them even if every live path forked
 at every tool result it may still reach; those start (or are confirmed) at once. Besides, as many *speculative*
 fill-ups run as forking is expected not to fill, from the rates seen so far, or, with `hedge`, as many as are needed
-with that probability when that is more; a fork takes a speculative fill-up's slot
-back (the youngest is dropped), and they are confirmed oldest first once certain. On an engine that drafts a late
+with that probability when that is more; a fork takes a speculative fill-up's slot back (the youngest is dropped),
+and they are confirmed oldest first once certain. On an engine that drafts a late
 path from its siblings' text they start at the prompt's first fork decision or the end of its first path
 (`after_first_decision`), when the estimate knows more and their first segment costs a few steps; before that, only
 those the rates make near-certain start (all of them for a model that calls no tool). Forks never wait for fill-ups and

@@ -10,7 +10,16 @@ Cost models, both labelled in the output:
 * decode steps (no waiting): a batched GPU decoder's wave costs its longest segment, so a rollout costs its
   `critical_path_tokens` (waves scheduler: the sum of each wave's longest segment; events: the longest chain);
 * simulated GPU server (wall time, `--token-ms`): every request takes (its tokens × a fixed time per token), all
-  requests run concurrently, as continuous batching makes them on a GPU; tools sleep their latency.
+  requests run concurrently, as continuous batching makes them on a GPU; tools sleep their latency. A request also
+  waits `--request-steps` (1) token times before its first token: vLLM admits a request at its next step and prefills
+  it, so a probe and its continuation cost one step more than one request (without it, the extra request was free).
+  Not modelled: a real server's step time grows with its batch (here concurrency is unlimited, so tokens cost no wall
+  time), and a real client parses the logprobs of every token while this engine decodes each prefix
+  (docs/differences.md, "Rollout wall time on a simulated server").
+
+The methods' rollouts alternate (rollout i of each method back to back): on a shared machine whose load drifts, each
+ratio then compares rollouts made under the same load (run one method after the other, a load spike during one of
+them gave a ratio of 3.2). `wall_s_paired_median` is the median of those per-rollout ratios.
 
     python benchmarks/rollout_shape.py                         # all regimes; JSON + tables
     python benchmarks/rollout_shape.py --regimes quickstart --rollouts 4
@@ -21,7 +30,7 @@ latency, not in entropy; a fork-slot rule that does not depend on arrival order 
 branches it has of global paths (|gap| <= 0.05 is the target).
 
 Each rollout samples `--prompts` prompts; every method sees the same agent and fork seeds per rollout index
-(paired), and ratios are of means over rollouts.
+(paired), and ratios are of means over rollouts. `--fill-up-hedge` sets the sampler's `fill_up_hedge` (<= 0: off).
 """
 
 from __future__ import annotations
