@@ -256,6 +256,7 @@ class FillUps:
 
     def learn(self, rollout: Rollout) -> None:
         """This rollout's rates become the next one's priors (consecutive training steps behave alike)."""
+        self._rates_seen = None  # holds the rollout: let it go with its paths
         if rollout.segments:
             self.call_rate = rollout.segments_calling / rollout.segments
         if rollout.fork_probabilities:
