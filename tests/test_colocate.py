@@ -48,7 +48,7 @@ def test_colocated_vllm_grows_trees_with_forks_served_from_the_prefix_cache(colo
     result = _run_worker(colocate_python, "forks", tool_model_dir, tmp_path)
     block = result["block_size"]
     assert len(result["rollouts"]) == 2 and result["weight_syncs"] == 2  # one sync before each rollout
-    forks = 0
+    forks = long_forks = 0
     for rollout in result["rollouts"]:
         groups = rollout["groups"]
         assert [len(group) for group in groups] == [8, 8]  # exactly M per prompt (2 prompts a step)
@@ -57,8 +57,9 @@ def test_colocated_vllm_grows_trees_with_forks_served_from_the_prefix_cache(colo
             served = [cached for length, cached, key in rollout["requests"] if key == branch["prefix_key"]]
             assert served, f"no request continued branch {branch['id']} from its fork"
             # the parent's probe computed this prefix: every full KV block of it is served from the cache
-            assert max(served) >= (branch["prefix"] - 1) // block * block > 0, (branch, served, block)
-    assert forks > 0
+            assert max(served) >= (branch["prefix"] - 1) // block * block, (branch, served, block)
+            long_forks += branch["prefix"] > block
+    assert forks > 0 and long_forks > 0, (forks, long_forks)
     for step in result["steps"]:
         assert 0 < step["arpo/prefix_cache_hit_rate"] <= 1 and step["arpo/weight_sync_seconds"] > 0
         assert step["arpo/tool_calls_per_group"] > 0
