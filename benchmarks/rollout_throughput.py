@@ -50,8 +50,9 @@ IN_PROCESS_ENGINES = {
     "waves": ("transformers", TransformersEngine, {}),
     "cached": ("transformers-cached", CachedTransformersEngine, {}),
     "cached-nodraft": ("transformers-cached-nodraft", CachedTransformersEngine, {"max_draft_tokens": 0}),  # no drafts
-    # the cost model pinned to the 2-core development CPU's constants (the cached engine measures its device's)
+    # the cost model pinned to the 2-core development CPU's constants (a CPU's default), or measured on the device
     "cached-cpu-costs": ("transformers-cached-cpu-costs", CachedTransformersEngine, {"cost_model": CPU_COSTS}),
+    "cached-measured": ("transformers-cached-measured", CachedTransformersEngine, {"cost_model": "measure"}),
 }
 
 
@@ -168,10 +169,13 @@ def vllm_runs(report: dict, runs: dict, model_dir: str, tokenizer, prompts, args
     try:
         client = VLLMClient(args.base_url or server.base_url)
         engine = VLLMServerEngine(client, tokenizer)
+        chosen = args.vllm_runs.split(",")
         for scheduler in ("events", "waves"):
-            paired(runs, f"vllm-{scheduler}", engine, tokenizer, prompts, args, policies, scheduler)
-        report["lora_sync"] = lora_sync(client, engine, model_dir, args.lora_rank, 5, f"{args.out}/adapters")
-        paired(runs, "vllm_lora", engine, tokenizer, prompts, args, policies)  # through the synced adapter
+            if scheduler in chosen:
+                paired(runs, f"vllm-{scheduler}", engine, tokenizer, prompts, args, policies, scheduler)
+        if "lora" in chosen:
+            report["lora_sync"] = lora_sync(client, engine, model_dir, args.lora_rank, 5, f"{args.out}/adapters")
+            paired(runs, "vllm_lora", engine, tokenizer, prompts, args, policies)  # through the synced adapter
         engine.close()
     finally:
         if server is not None:
@@ -233,12 +237,15 @@ def main() -> None:
                         "the probe / once it keeps them (default: the sampler's)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
+    parser.add_argument("--vllm-runs", default="events,waves,lora",
+                        help="server runs: the events and waves schedulers, and sampling through a synced LoRA adapter")
     parser.add_argument("--colocate", action="store_true", help="also vLLM colocated in this process (run with the "
                         "python of `python -m arpo_trl.server setup --colocate`)")
     parser.add_argument("--engines", default="waves,cached",
                         help="in-process engines: 'waves' (TransformersEngine), 'cached' (CachedTransformersEngine), "
                              "'cached-nodraft' (the cached engine with max_draft_tokens=0), 'cached-cpu-costs' (its "
-                             "cost model pinned to the development CPU's constants); run in the order given")
+                             "cost model pinned to the development CPU's constants), 'cached-measured' (measured "
+                             "on the device); run in the order given")
     parser.add_argument("--interleave-engines", action="store_true",
                         help="each repeat runs every in-process engine in turn (else all of one engine's first)")
     parser.add_argument("--out", default="outputs/bench_rollout")
@@ -292,9 +299,9 @@ def main() -> None:
         for policy in policies if f"transformers-cached/{policy}" in runs and
         f"transformers-cached-nodraft/{policy}" in runs}
     report["measured_vs_cpu_costs"] = {  # rollout seconds, cached engine with its measured / the CPU's cost model
-        policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] /
+        policy: round(runs[f"transformers-cached-measured/{policy}"]["wall_s"] /
                       runs[f"transformers-cached-cpu-costs/{policy}"]["wall_s"], 3)
-        for policy in policies if f"transformers-cached/{policy}" in runs and
+        for policy in policies if f"transformers-cached-measured/{policy}" in runs and
         f"transformers-cached-cpu-costs/{policy}" in runs}
     report["cached_vs_waves"] = {  # the in-process engines side by side: rollout seconds, cached / waves
         policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] / runs[f"transformers/{policy}"]["wall_s"], 3)

@@ -201,3 +201,17 @@ def test_prefix_cache_counters_give_the_share_of_prompt_tokens_served():
     counters.add([1] * 96, 64, 5)
     assert counters.hit_rate() == 64 / 160 and counters.requests == 2 and counters.generated_tokens == 15
     assert [entry[:2] for entry in counters.log] == [(64, 0), (96, 64)]
+
+
+def test_the_cached_engine_steps_aside_for_transformers_older_than_its_cache_api(monkeypatch, tokenizer, tmp_path):
+    """The colocate environment's transformers (vLLM 0.31 pins < 5.18) leaves the cache layers the cached engine
+    reads empty: `use_transformers_continuous_batching=None` then picks the waves engine, saying why."""
+    import transformers
+    from tiny import tiny_model
+
+    from arpo_trl.generation.support import cached_engine_blocker
+
+    model = tiny_model(tokenizer)
+    assert cached_engine_blocker(model, None, None, False) is None
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    assert "transformers 5.17.0 predates the cache API" in cached_engine_blocker(model, None, None, False)

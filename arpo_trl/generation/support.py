@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import json
 
+import transformers
+from packaging.version import Version
+
+# transformers' cache API as the engine reads it (`DynamicCache.layers` filled by a forward); older releases (those
+# vLLM 0.31 pins, < 5.18) leave it empty, so the colocate environment's in-process runs use the waves engine.
+MIN_TRANSFORMERS = "5.20"
+
 
 def cache_budget(config: dict | str | None) -> int | None:
     """KV positions the prefix cache may hold, from TRL's `transformers_continuous_batching_config` (validated as
@@ -47,6 +54,8 @@ def cached_engine_blocker(model, generation_kwargs: dict | None, cache_implement
     (ARPOConfig's default) checks before it picks this engine over the waves engine."""
     if sharded_processes:
         return "sharded parameters (ZeRO-3/FSDP) over several processes need the ranks' model calls in step"
+    if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release:
+        return f"transformers {transformers.__version__} predates the cache API it reads (>= {MIN_TRANSFORMERS})"
     if unsupported := sorted(set(generation_kwargs or {}) - SUPPORTED_KEYS):
         return f"generation_kwargs {unsupported} are not among the ones it samples with ({sorted(SUPPORTED_KEYS)})"
     if cache_implementation:
