@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     prompts = prompt_ids(tokenizer, args)
-    engine = CachedTransformersEngine(model, tokenizer)
+    engine = CachedTransformersEngine(model, tokenizer, cost_model="measure")  # measured on any device
     report = {"model": args.model, "prompts": len(prompts),
               "M": args.num_generations, "N": args.initial_rollouts,
               "torch_threads": torch.get_num_threads(), "load_avg_start": os.getloadavg(), "policies": {}}

@@ -76,14 +76,31 @@ def test_engines_of_one_process_share_one_measurement_per_kind_of_model(tiny_mod
     calls, fixed = fake_measurement
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     prompt = _prompt(tokenizer, "What is 3+4?")
-    first, second = (CachedTransformersEngine(model, tokenizer, sampling=GREEDY) for _ in range(2))
+    first, second = (CachedTransformersEngine(model, tokenizer, sampling=GREEDY, cost_model="measure")
+                     for _ in range(2))
     assert first.costs is None
     first.generate([prompt], [3], []), second.generate([prompt], [3], [])
     assert len(calls) == 1 and first.costs is second.costs is fixed and first.acceptance.cost is fixed.decode
     assert "calibrate" in first.counters.seconds and "calibrate" in second.counters.seconds
     other = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
-    CachedTransformersEngine(other, tokenizer, sampling=GREEDY).generate([prompt], [3], [])
+    CachedTransformersEngine(other, tokenizer, sampling=GREEDY, cost_model="measure").generate([prompt], [3], [])
     assert len(calls) == 2  # another dtype is another kind of model
+
+
+def test_by_default_a_cpu_keeps_the_constants_and_an_accelerator_is_measured(tiny_model_dir, tokenizer,
+                                                                             fake_measurement):
+    calls, fixed = fake_measurement
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    engine = CachedTransformersEngine(model, tokenizer, sampling=GREEDY)
+    engine.generate([_prompt(tokenizer, "What is 3+4?")], [3], [])
+    assert engine.costs is CPU_COSTS and engine.acceptance.cost is CPU_DECODE_COST and not calls
+
+    class OnAnAccelerator(torch.nn.Module):  # only its parameters' device is read before the (fake) measurement
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(1, device="meta"))
+
+    assert calibration.device_costs(OnAnAccelerator()) is fixed and len(calls) == 1
 
 
 def test_a_given_cost_model_is_used_as_is(tiny_model_dir, tokenizer, fake_measurement, monkeypatch):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
@@ -35,7 +36,7 @@ from arpo_trl.engines import (
 )
 from arpo_trl.entropy import sampling_warpers, token_entropy
 from arpo_trl.generation.admission import Admission, Request
-from arpo_trl.generation.calibration import ForwardCosts, measured_costs
+from arpo_trl.generation.calibration import ForwardCosts, device_costs, measured_costs
 from arpo_trl.generation.event_loop import run_coroutine
 from arpo_trl.generation.kv_batch import LEFT_SLACK, KVBatch
 from arpo_trl.generation.kv_budget import KVAccounting
@@ -60,13 +61,14 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
     default: half the memory free when a rollout starts): requests wait for room. `max_draft_tokens`: drafts per row
     and step of n-gram speculative decoding (`speculation.py`; exact in distribution; 0 turns it off; off with a
     repetition penalty). `cost_model`: what a forward costs, which sets the prefill's grouping and the drafts' length
-    (None: measured on the model's device at the first step, `calibration.py`; `calibration.CPU_COSTS` pins the
-    development CPU's). `counters` accumulate over the engine's life (positions, forwards, and each phase's seconds).
+    (None: measured at the first step on an accelerator, the development CPU's constants on a CPU; "measure":
+    measured on any device; `calibration.py`). `counters` accumulate over the engine's life (positions, forwards,
+    and each phase's seconds).
     """
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
                  max_cached_tokens: int | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
-                 cost_model: ForwardCosts | None = None, **kwargs):
+                 cost_model: ForwardCosts | Literal["measure"] | None = None, **kwargs):
         sampling = sampling or SamplingSettings()
         super().__init__(model, tokenizer, sampling=sampling, **kwargs)
         if unsupported := set(sampling.generation_kwargs or {}) - SUPPORTED_KEYS:
@@ -78,7 +80,8 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
         check_draft_tokens(max_draft_tokens)
         self.drafts, self.acceptance = DraftIndex(), Acceptance(max_draft_tokens)
         self.costs: ForwardCosts | None = None
-        if cost_model is not None:
+        self._measure = cost_model == "measure"
+        if isinstance(cost_model, ForwardCosts):
             self._set_costs(cost_model)
         self.speculating = max_draft_tokens > 0 and self.repetition_penalty in (None, 1.0)
         self.drafts_late_paths = self.speculating  # a path started late decodes its siblings' text in a few steps
@@ -227,8 +230,8 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
     def _step(self, model) -> None:
         timed = self.counters.timed
         if self.costs is None:  # before the requests are taken: a model error here fails them, as a prefill's does
-            with timed("calibrate"):  # once per process and kind of model (`calibration.measured_costs`)
-                self._set_costs(measured_costs(model))
+            with timed("calibrate"):  # measured once per process and kind of model (`calibration.measured_costs`)
+                self._set_costs(measured_costs(model) if self._measure else device_costs(model))
         pending, self._pending = self._pending, []
         self._start_budget(model, LEFT_SLACK + 1 + (self.acceptance.max_draft if self.speculating else 0))
         joining = [request for request in pending if not request.future.done()]  # not cancelled

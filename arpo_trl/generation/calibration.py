@@ -17,7 +17,8 @@ SmolLM2-135M, the time of some 30 decode steps of a rollout; a tiny test model, 
 
 The decisions then depend on timings: a seed fixes the trees only as long as the cost model is the same, so it is
 measured once per process and kind of model (`_MEASURED`: engines of one process share it) and an engine may be given
-one (`CachedTransformersEngine(cost_model=...)`, e.g. `CPU_COSTS`) to pin it across processes.
+one (`CachedTransformersEngine(cost_model=...)`, e.g. `CPU_COSTS`) to pin it across processes. By default
+(`device_costs`) only an accelerator is measured; a CPU keeps the constants measured on the development CPU.
 """
 
 from __future__ import annotations
@@ -74,6 +75,15 @@ def fit_costs(decode_seconds: dict[tuple[int, int], float], prefill_seconds: flo
     per_position = (prefill_seconds - t[1, 0]) / (prefill_tokens - 1)
     tokens = fixed / per_position if per_position > 0 else MAX_FORWARD_POSITIONS
     return ForwardCosts(decode, min(max(tokens, 1.0), MAX_FORWARD_POSITIONS), source)
+
+
+def device_costs(model) -> ForwardCosts:
+    """The cost model the cached engine decides with unless given one: measured on an accelerator (`measured_costs`);
+    on a CPU, the development CPU's constants (`CPU_COSTS`). On a shared CPU a measurement is as loaded as the
+    machine (at load 8 the fixed part measured 7× and a draft position 50× their quiet values), no rollout
+    measured faster with it than with the constants, and the constants keep a seed's trees the same across
+    processes (docs/in_process_engine.md)."""
+    return CPU_COSTS if next(model.parameters()).device.type == "cpu" else measured_costs(model)
 
 
 _MEASURED: dict[str, ForwardCosts] = {}  # by `_key`: engines of one process share a measurement
