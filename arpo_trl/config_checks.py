@@ -58,6 +58,8 @@ def check_arpo_config(config) -> None:
         raise ValueError(f"tool_timeout must be > 0 seconds, got {config.tool_timeout}.")
     if config.rollout_scheduler not in SCHEDULERS:
         raise ValueError(f"rollout_scheduler must be one of {SCHEDULERS}, got {config.rollout_scheduler!r}.")
+    if config.fill_up_hedge is not None and not 0 < config.fill_up_hedge < 1:
+        raise ValueError(f"fill_up_hedge must be in (0, 1) (a probability) or None, got {config.fill_up_hedge}.")
     if config.max_tool_workers < 1:
         raise ValueError(f"max_tool_workers must be >= 1, got {config.max_tool_workers}.")
     if config.max_failed_tool_steps < 0:

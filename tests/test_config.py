@@ -42,6 +42,7 @@ def test_defaults_follow_the_reference(tmp_path):
     ({"use_vllm": True, "entropy_estimator": "exact"}, "entropy_estimator"),
     ({"entropy_estimator": "top10"}, "entropy_estimator"),
     ({"segment_entropy": "max"}, "segment_entropy"),
+    ({"fill_up_hedge": 1.0}, "fill_up_hedge"),
 ])
 def test_invalid_values_name_the_field(tmp_path, kw, field):
     with pytest.raises(ValueError, match=field):
