@@ -3,10 +3,13 @@ by `tests/colocate_worker.py`), and the parts that need no vLLM (settings, weigh
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
 import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from arpo_trl import ARPOConfig
-from arpo_trl.colocate.engine import PrefixCacheCounters
+from arpo_trl.colocate.engine import ColocatedVLLMEngine, PrefixCacheCounters, _LoopDriver
 from arpo_trl.colocate.engine_args import ColocateSettings, engine_kwargs
 from arpo_trl.colocate.outputs import completion_body
 from arpo_trl.colocate.weight_sync import policy_weights
@@ -215,3 +218,68 @@ def test_the_cached_engine_steps_aside_for_transformers_older_than_its_cache_api
     assert cached_engine_blocker(model, None, None, False) is None
     monkeypatch.setattr(transformers, "__version__", "5.17.0")
     assert "transformers 5.17.0 predates the cache API" in cached_engine_blocker(model, None, None, False)
+
+
+class _FakeLLM:
+    """Exact stand-in for the calls the driver makes on vLLM's `LLMEngine` (the real one runs in the colocate tests):
+    a request finishes after `steps` engine steps; every add and abort is recorded."""
+
+    def __init__(self, steps: int = 2):
+        self.steps, self.running, self.added, self.aborted = steps, {}, [], []
+        self.gate = threading.Event()
+
+    def add_request(self, request_id, prompt, params):
+        self.added.append(request_id)
+        self.running[request_id] = self.steps
+
+    def abort_request(self, ids):
+        self.aborted.extend(ids)
+        for request_id in ids:
+            self.running.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        self.gate.wait()  # a forward pass, as long as the test holds it: the event loop goes on meanwhile
+        done = []
+        for request_id in list(self.running):
+            self.running[request_id] -= 1
+            if not self.running[request_id]:
+                del self.running[request_id]
+                done.append(type("Output", (), {"request_id": request_id, "finished": True})())
+        return done
+
+
+class _Owner:
+    """The engine's own `step` over the stand-in, on one thread, as `_LoopDriver` uses its engine."""
+
+    step = ColocatedVLLMEngine.step
+
+    def __init__(self):
+        self.llm, self.thread = _FakeLLM(), ThreadPoolExecutor(1)
+
+
+def test_the_driver_answers_each_request_and_aborts_only_what_reached_the_engine():
+    owner = _Owner()
+
+    async def scenario() -> _LoopDriver:
+        driver = _LoopDriver(owner)
+        first = asyncio.ensure_future(driver.submit("a", [1], None))
+        second = asyncio.ensure_future(driver.submit("b", [2], None))
+        while "b" not in owner.llm.added:  # both sent; the engine steps (slowly) on its thread
+            await asyncio.sleep(0.001)
+        queued = asyncio.ensure_future(driver.submit("d", [4], None))
+        await asyncio.sleep(0)
+        assert [add[0] for add in driver.adds] == ["d"]
+        queued.cancel()  # cancelled before a step sent it: dropped, never added nor aborted
+        second.cancel()  # cancelled while it runs in the engine: aborted there
+        await asyncio.gather(queued, second, return_exceptions=True)
+        owner.llm.gate.set()  # the held step ends; the rest run freely
+        assert (await first).request_id == "a"
+        await driver.close()
+        return driver
+
+    driver = asyncio.run(scenario())
+    assert owner.llm.added == ["a", "b"] and owner.llm.aborted == ["b"] and not owner.llm.running
+    assert not driver.waiting and not driver.adds and not driver.aborts

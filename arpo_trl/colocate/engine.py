@@ -71,7 +71,10 @@ class _LoopDriver:
             return await future
         except asyncio.CancelledError:
             if self.waiting.pop(request_id, None) is not None:
-                self.aborts.append(request_id)
+                queued = len(self.adds)
+                self.adds = [add for add in self.adds if add[0] != request_id]
+                if len(self.adds) == queued:  # already in the engine
+                    self.aborts.append(request_id)
             raise
 
     async def _run(self) -> None:
@@ -96,7 +99,8 @@ class _LoopDriver:
         if self.task is not None and not self.task.done():
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
-        leftover = [*self.waiting, *self.aborts, *(request_id for request_id, _, _ in self.adds)]
+        unsent = {request_id for request_id, _, _ in self.adds}
+        leftover = [*(request_id for request_id in self.waiting if request_id not in unsent), *self.aborts]
         self.waiting.clear(), self.adds.clear(), self.aborts.clear()
         if leftover:
             await self.loop.run_in_executor(self.owner.thread, self.owner.step, [], leftover, False)
@@ -138,11 +142,12 @@ class ColocatedVLLMEngine:
 
     # --- the engine's thread -------------------------------------------------------------------------------------
     def step(self, adds: list, aborts: list[str], run: bool = True) -> list:
-        """On the engine's thread: apply aborts and new requests, then one engine step; the finished outputs."""
-        if aborts:
-            self.llm.abort_request(aborts)
+        """On the engine's thread: add new requests, abort cancelled ones, then one engine step; the finished
+        outputs."""
         for request_id, prompt, params in adds:
             self.llm.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        if aborts:
+            self.llm.abort_request(aborts)
         if not run or not self.llm.has_unfinished_requests():
             return []
         return [output for output in self.llm.step() if output.finished]
