@@ -44,8 +44,9 @@ CANDIDATES = {
     "sft8": ("runs/regime/sft8", ["--max_steps", "8", "--warmup_steps", "1"], []),
     "base_prompt": ("smollm2", None, ["--system_prompt", "python"]),  # no cold start, the long prompt's example
 }
-# Seconds per trajectory and per SFT step on the loaded 2-core development CPU (the first screening's timings).
-SECONDS_PER_TRAJECTORY, SECONDS_PER_SFT_STEP = 3.0, 75.0
+# Seconds per trajectory and per SFT step on the 2-core development CPU at load 6-8: the SFT step measured (sft4:
+# 4 steps in 8.5 min); a 16 x 8 evaluation had not finished in 26 min, so the trajectory figure is a lower bound.
+SECONDS_PER_TRAJECTORY, SECONDS_PER_SFT_STEP = 12.0, 130.0
 
 
 def distinct_per_group(records: list[dict]) -> float:
