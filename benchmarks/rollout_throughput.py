@@ -80,6 +80,9 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
     client = getattr(engine, "client", None)
     before = client.metrics() if client else {}
     counters = getattr(engine, "counters", None)
+    cache = counters if hasattr(counters, "cached_tokens") else None  # the colocated engine's prefix-cache counts
+    cache_before = (cache.prompt_tokens, cache.cached_tokens) if cache else None
+    counters = counters if hasattr(counters, "prefill_tokens") else None  # an in-process engine's positions
     names = ("prefill_tokens", "decode_tokens", "prefill_forwards", "drafted_tokens", "accepted_tokens", "decode_steps")
     before_counts = {name: getattr(counters, name) for name in names} if counters else {}
     before_seconds = dict(counters.seconds) if counters else {}
@@ -112,6 +115,9 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
         run["decode_steps"] = counters.decode_steps - before_counts["decode_steps"]  # the cached engine's forwards
         for phase, seconds in counters.seconds.items():  # the cached engine's steps: admit, sample, decode
             run[f"{phase}_s"] = round(seconds - before_seconds.get(phase, 0.0), 2)
+    if cache:  # prompt tokens the colocated engine's prefix cache served, of those its requests sent
+        sent, cached = cache.prompt_tokens - cache_before[0], cache.cached_tokens - cache_before[1]
+        run["prefix_cache_hit_rate"] = round(cached / max(sent, 1), 3)
     if client:  # the server's own count: every token it generated, aborted requests included
         after = client.metrics()
         run["prefix_cache_hit_tokens"] = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
@@ -192,8 +198,6 @@ def colocate_runs(runs: dict, model_dir: str, tokenizer, prompts, args, policies
                                 enable_sleep_mode=False, seed=args.seed, device="cpu")
     engine = ColocatedVLLMEngine(start_llm_engine(settings), tokenizer)
     paired(runs, "vllm-colocate", engine, tokenizer, prompts, args, policies)
-    for policy in policies:  # the prefix cache's share of the prompt tokens, over all of this engine's rollouts
-        runs[f"vllm-colocate/{policy}"]["prefix_cache_hit_rate_all_policies"] = round(engine.counters.hit_rate(), 3)
     engine.close()
 
 
