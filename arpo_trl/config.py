@@ -250,7 +250,7 @@ class ARPOConfig(GRPOConfig):
             "help": "With speculative_fill_ups: also start the fill-ups a prompt needs with this probability (a "
             "quantile of how many its forks will fail to fill), not only as many as expected, so that a prompt whose "
             "paths fork less than average does not start one hundreds of tokens late (the rollout's critical path). "
-            "Costs the tokens of the extra ones that a fork then makes unnecessary (about 3 % of a paper-like "
+            "Costs the tokens of the extra ones that a fork then makes unnecessary (about 3 percent of a paper-like "
             "rollout's). None: the expected count only (cheaper on a compute-bound in-process engine).",
         },
     )
