@@ -64,24 +64,18 @@ def _decode(llm, prompts: list[list[int]], tokens: int, lora_request=None) -> fl
 def run_way(way: str, args) -> dict:
     """One way in this process: start the engine, sync `--syncs` times, then decode."""
     import torch
+    from vllm.lora.request import LoRARequest
 
     from arpo_trl.colocate.engine import ColocatedVLLMEngine
-    from arpo_trl.colocate.engine_args import ColocateSettings, engine_kwargs, prepare_environment
+    from arpo_trl.colocate.engine_args import ColocateSettings, start_llm_engine
     from arpo_trl.colocate.weight_sync import policy_weights
 
     dtype = getattr(torch, args.dtype)
     model, _ = _model_with_lora(args.model, args.shape, dtype)
     settings = ColocateSettings(model=args.model, dtype=args.dtype, max_model_len=1024, gpu_memory_utilization=0.5,
                                 enable_sleep_mode=False, seed=0, device="cuda" if torch.cuda.is_available() else "cpu")
-    kwargs = engine_kwargs(settings)
-    if way == "adapter":
-        kwargs.update(enable_lora=True, max_lora_rank=max(16, LORA_SHAPES[args.shape][0]), max_loras=2)
-    prepare_environment(settings, torch.get_num_threads())
-    from vllm import EngineArgs
-    from vllm.lora.request import LoRARequest
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    llm = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+    lora = {"enable_lora": True, "max_lora_rank": max(16, LORA_SHAPES[args.shape][0]), "max_loras": 2}
+    llm = start_llm_engine(settings, **(lora if way == "adapter" else {}))
     engine = ColocatedVLLMEngine(llm, llm.get_tokenizer())
     times, request, folder = [], None, tempfile.mkdtemp(prefix="colocate-sync-")
     for version in range(args.syncs):

@@ -78,15 +78,16 @@ def prepare_environment(settings: ColocateSettings, threads: int) -> dict[str, s
     return previous
 
 
-def start_llm_engine(settings: ColocateSettings):
-    """A vLLM `LLMEngine` in this process for `settings` (the environment it reads set only while it starts)."""
+def start_llm_engine(settings: ColocateSettings, **overrides):
+    """A vLLM `LLMEngine` in this process for `settings`, plus `overrides` of its `EngineArgs` (the environment it
+    reads set only while it starts)."""
     import torch
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
     previous, set_num_threads = prepare_environment(settings, torch.get_num_threads()), torch.set_num_threads
     try:
-        return LLMEngine.from_engine_args(EngineArgs(**engine_kwargs(settings)))
+        return LLMEngine.from_engine_args(EngineArgs(**{**engine_kwargs(settings), **overrides}))
     finally:
         torch.set_num_threads = set_num_threads  # vLLM-CPU's worker replaces it process-wide
         restore_environment(previous)

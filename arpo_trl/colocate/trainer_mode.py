@@ -9,7 +9,7 @@ import logging
 import torch
 
 from arpo_trl.colocate.engine import ColocatedVLLMEngine
-from arpo_trl.colocate.engine_args import ColocateSettings, start_llm_engine
+from arpo_trl.colocate.engine_args import DTYPES, ColocateSettings, start_llm_engine
 from arpo_trl.colocate.weight_sync import ColocatedWeightSync, check_mergeable
 from arpo_trl.server.trainer_mode import _prompt_budget
 
@@ -51,7 +51,7 @@ class ColocateMode:
         prompt_tokens, _ = _prompt_budget(args, self._trl.tokenizer, self.train_dataset)
         dtype = str(model.get_input_embeddings().weight.dtype)
         return ColocateSettings(
-            model=path, dtype={"torch.float32": "float32", "torch.bfloat16": "bfloat16"}.get(dtype, "float16"),
+            model=path, dtype=DTYPES.get(dtype, "float16"),
             max_model_len=args.vllm_max_model_length or prompt_tokens + args.max_completion_length,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_enable_sleep_mode,
             seed=args.seed, device="cuda" if self.accelerator.device.type == "cuda" else "cpu",
