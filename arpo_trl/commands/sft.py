@@ -15,20 +15,24 @@ text is produced by running our real `PythonTool`. The result block is part of t
 SFT masks the prompt, not spans inside the completion); ARPO itself never trains on result tokens.
 
     arpo-trl sft --config recipes/quickstart_sft.yaml     # TRL's SFTTrainer; LoRA is merged into the saved model
+
+From Python, `quickstart_cold_start()` returns that model's folder, running the same SFT first when it is missing.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from datasets import Dataset
 
 from arpo_trl.arithmetic_chains import THOUGHT, arithmetic_chains
-from arpo_trl.commands.builders import fail, one_line_parser, parse_recipe, resolve_model
+from arpo_trl.commands.builders import RECIPES_DIR, fail, one_line_parser, parse_recipe, resolve_model
 from arpo_trl.data import PYTHON_SYSTEM_PROMPT, arpo_prompt, create_reasoning_gym_task, resolve_system_prompt
 from arpo_trl.preflight import adopt_checkpointing_default, check_writable_dir
 from arpo_trl.tools.base import format_result
@@ -180,6 +184,27 @@ def sft(argv: Sequence[str]) -> None:
     trainer.train()
     save_full_model(trainer, training_args.output_dir, merge=script_args.merge_lora)
     trainer.accelerator.print(f"Cold-start model saved to {training_args.output_dir}.")
+
+
+def quickstart_cold_start(output_dir: str | os.PathLike | None = None) -> Path:
+    """The quickstart's cold-start model, for ARPO from Python: SmolLM2-135M-Instruct after the SFT of
+    `recipes/quickstart_sft.yaml` (about a minute on 2 CPU cores), which writes `<think>`, `<python>` calls and
+    `<answer>\\boxed{…}</answer>` in the recipe's `python_short` prompt format.
+
+    `output_dir` defaults to the recipe's (`runs/quickstart-sft`, relative to the working folder), which is where
+    `arpo-trl quickstart` keeps it too. A folder that already holds a model is returned as it is (delete it to redo
+    the SFT); otherwise `arpo-trl sft --config recipes/quickstart_sft.yaml --output_dir <output_dir>` runs in this
+    process first. Needs a clone of the repository (`pip install -e .`), which has the recipe."""
+    import yaml
+
+    recipe = RECIPES_DIR / "quickstart_sft.yaml"
+    if not recipe.is_file():
+        raise FileNotFoundError(f"quickstart_cold_start: {recipe} not found; use a clone of the repository "
+                                "(pip install -e .).")
+    folder = Path(output_dir or yaml.safe_load(recipe.read_text(encoding="utf-8"))["output_dir"])
+    if not (folder / "config.json").is_file():  # the test `arpo-trl quickstart` makes before its SFT stage
+        sft(["--config", str(recipe), "--output_dir", str(folder)])
+    return folder
 
 
 def transcripts(args: ColdStartArguments) -> Dataset:
