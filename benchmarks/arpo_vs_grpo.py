@@ -1,6 +1,6 @@
 """Is ARPO worth it? ARPO against GRPO and TRL's own tool-calling GRPOTrainer on a multi-call task, with intervals.
 
-    python benchmarks/arpo_vs_grpo.py            # the default run (see README: ~2 h on 2 CPU cores)
+    python benchmarks/arpo_vs_grpo.py            # the default run (docs/benchmarks.md: ~2 h on 2 CPU cores)
     python benchmarks/arpo_vs_grpo.py --reuse    # keep the runs already complete in --out, redo the rest
     python benchmarks/arpo_vs_grpo.py --seeds 0 --steps 2 --eval-questions 8 --eval-samples 2   # a quick look
     python benchmarks/arpo_vs_grpo.py --methods arpo grpo --stacks base packed packed_cached --settings 16:8 4:2 \
