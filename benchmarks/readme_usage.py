@@ -85,7 +85,7 @@ def main() -> None:
     from arpo_trl.assets import default_cache_dir
 
     cached = (default_cache_dir() / "smollm2-135m-instruct" / "config.json").is_file()
-    load_start = os.getloadavg()
+    load_start, measured_commit = os.getloadavg(), commit()  # the code that runs is the code at the start
     with tempfile.TemporaryDirectory(prefix="readme_usage_") as folder:
         os.chdir(folder)
         start = time.monotonic()
@@ -96,7 +96,7 @@ def main() -> None:
     rewards = step_rewards(trainer)
     train_seconds = next(log["train_runtime"] for log in trainer.state.log_history if "train_runtime" in log)
     report = {
-        "commit": commit(), "block": "README.md, " + HEADING, "as_written": args.max_steps is None,
+        "commit": measured_commit, "block": "README.md, " + HEADING, "as_written": args.max_steps is None,
         "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()}",
         "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
         "converted_smollm2_cached": cached, "steps": trainer.state.global_step,
