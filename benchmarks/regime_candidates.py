@@ -42,11 +42,15 @@ CANDIDATES = {
     "sft24": ("runs/multi-call-sft", [], []),  # today's benchmark: 24 SFT steps (recipes/multi_call_sft.yaml)
     "sft4": ("runs/regime/sft4", ["--max_steps", "4", "--warmup_steps", "1"], []),
     "sft8": ("runs/regime/sft8", ["--max_steps", "8", "--warmup_steps", "1"], []),
+    "sft10": ("runs/regime/sft10", ["--max_steps", "10", "--warmup_steps", "1"], []),
+    "sft12": ("runs/regime/sft12", ["--max_steps", "12", "--warmup_steps", "1"], []),
+    "sft16": ("runs/regime/sft16", ["--max_steps", "16", "--warmup_steps", "1"], []),
     "base_prompt": ("smollm2", None, ["--system_prompt", "python"]),  # no cold start, the long prompt's example
 }
-# Seconds per trajectory and per SFT step on the 2-core development CPU at load 6-8: the SFT step measured (sft4:
-# 4 steps in 8.5 min); a 16 x 8 evaluation had not finished in 26 min, so the trajectory figure is a lower bound.
-SECONDS_PER_TRAJECTORY, SECONDS_PER_SFT_STEP = 12.0, 130.0
+# Seconds per trajectory and per SFT step on the 2-core development CPU with nothing else running (sft12: 12 steps in
+# 139 s; sft24's 16 x 8 evaluation in about 2 min). A second torch process on the same 2 cores slows both by far more
+# than 2x (oversubscribed threads): run the screening alone.
+SECONDS_PER_TRAJECTORY, SECONDS_PER_SFT_STEP = 2.0, 12.0
 
 
 def distinct_per_group(records: list[dict]) -> float:
@@ -131,13 +135,31 @@ def table(rows: dict) -> str:
     return "\n".join(lines)
 
 
+def merge_previous(report: dict, path: Path) -> None:
+    """With --reuse: candidates the previous results file holds at the same sizes and seeds are kept beside this run's;
+    a candidate this run only reused keeps the commit it was measured at, and a stage it reused (0 s here) the seconds
+    it took when it ran (None when no earlier file recorded them)."""
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    if previous.get("sizes") != report["sizes"] or previous.get("seeds") != report["seeds"]:
+        previous = {}
+    for name, now in report["candidates"].items():
+        earlier = previous.get("candidates", {}).get(name, {})
+        if not any(now["seconds"].values()):
+            now["commit"] = earlier.get("commit", previous.get("commit"))
+        now["seconds"] = {stage: seconds or earlier.get("seconds", {}).get(stage) or None
+                          for stage, seconds in now["seconds"].items()}
+    for name, earlier in previous.get("candidates", {}).items():
+        if "pass@1" in earlier and name not in report["candidates"]:
+            report["candidates"][name] = {"commit": previous.get("commit"), **earlier}
+
+
 def git_commit() -> str:
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    print(f"regime_candidates: expected ~{expected_seconds(args) / 60:.0f} min on the loaded 2-core CPU "
+    print(f"regime_candidates: expected ~{expected_seconds(args) / 60:.0f} min on a quiet 2-core CPU "
           f"({len(args.candidates)} candidates × {args.questions} questions × ({args.samples} + "
           f"{args.no_tool_samples}) samples)", file=sys.stderr, flush=True)
     report = {"commit": git_commit(), "load_start": os.getloadavg(), "sizes": {
@@ -152,6 +174,8 @@ def main(argv=None) -> None:
             "sft": sft_seconds, "eval_with_tool": tool_seconds, "eval_without_tool": no_tool_seconds}}
         print(f"regime_candidates: {name}: {json.dumps(report['candidates'][name])}", file=sys.stderr, flush=True)
     report["load_end"] = os.getloadavg()
+    if args.reuse:
+        merge_previous(report, Path(args.results))
     Path(args.results).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))
     print(table(report["candidates"]))

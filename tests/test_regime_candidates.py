@@ -1,6 +1,7 @@
 """The screening numbers of benchmarks/regime_candidates.py, computed from given evaluation records."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,26 @@ def test_summary_and_table():
     assert row == {"pass@1": 0.375, "distinct_per_group": 3.0, "samples_per_group": 4, "pass@1_without_tool": 0.25,
                    "tool_need_share": 0.5, "calls_per_trajectory": 2.5}
     assert "| c | 0.375 | 3.00 / 4 | 0.250 | 0.50 | 2.50 |" in regime.table({"c": row})
+
+
+def test_a_reuse_run_keeps_earlier_candidates_and_the_seconds_of_stages_it_reused(tmp_path):
+    sizes, seeds = {"questions": 16}, {"eval_sampling": 0}
+    earlier = {"commit": "abc", "sizes": sizes, "seeds": seeds, "candidates": {
+        "sft8": {"pass@1": 0.1, "seconds": {"sft": 470.0, "eval_with_tool": 120.0}},
+        "sft12": {"pass@1": 0.6, "commit": "old", "seconds": {"sft": 300.0, "eval_with_tool": 90.0}},
+        "sft4": {"model": "unfinished", "seconds": {"sft": 540.0}}}}  # no numbers: not carried over
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(earlier))
+    report = {"sizes": sizes, "seeds": seeds, "candidates": {
+        "sft12": {"pass@1": 0.6, "seconds": {"sft": 0.0, "eval_with_tool": 95.0}},  # evaluated again, SFT reused
+        "sft24": {"pass@1": 0.9, "seconds": {"sft": 0.0, "eval_with_tool": 0.0}}}}  # all reused, no record
+    regime.merge_previous(report, path)
+    assert set(report["candidates"]) == {"sft8", "sft12", "sft24"}
+    assert report["candidates"]["sft12"]["seconds"] == {"sft": 300.0, "eval_with_tool": 95.0}
+    assert "commit" not in report["candidates"]["sft12"]  # measured now: the report's commit
+    assert report["candidates"]["sft24"] == {"pass@1": 0.9, "commit": "abc", "seconds": {"sft": None,
+                                                                                        "eval_with_tool": None}}
+    assert report["candidates"]["sft8"]["commit"] == "abc"
+    other_sizes = {"sizes": {"questions": 200}, "seeds": seeds, "candidates": {}}
+    regime.merge_previous(other_sizes, path)
+    assert other_sizes["candidates"] == {}
