@@ -93,7 +93,9 @@ def main(argv=None) -> dict:
     args, extra = parser.parse_known_args(argv)
     out = Path(args.out).resolve()
     cache = Path(args.cache).resolve() if args.cache else Path(tempfile.mkdtemp(prefix="arpo_trl_cache_"))
-    report = {"machine": f"{os.cpu_count()} CPUs", "cache": str(cache), "extra_flags": extra, "seeds": []}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {"commit": commit, "machine": f"{os.cpu_count()} CPUs", "cache": str(cache), "extra_flags": extra,
+              "seeds": []}
     for i, seed in enumerate(args.seeds):
         folder = out / f"seed{seed}"
         shutil.rmtree(folder, ignore_errors=True)
