@@ -21,7 +21,6 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from arpo_trl.commands.builders import RECIPES_DIR, fail, resolve_model
 from arpo_trl.preflight import check_writable_dir
@@ -85,6 +84,7 @@ def quickstart(argv: Sequence[str]) -> None:
                                 "(pip install -e .)."))
     import yaml
 
+    from arpo_trl.commands.sft import quickstart_cold_start
     from arpo_trl.commands.train import parse_train_args
 
     try:  # the ARPO run's flags are checked before the minutes of SFT
@@ -97,10 +97,7 @@ def quickstart(argv: Sequence[str]) -> None:
     with stages("model fetch + conversion"):
         resolve_model(sft_args["model_name_or_path"])
     with stages("cold-start SFT"):
-        if (Path(sft_args["output_dir"]) / "config.json").is_file():
-            print(f"Cold start: using {sft_args['output_dir']} (delete it to redo the SFT).")
-        else:
-            _sft(["--config", str(sft_recipe)])
+        quickstart_cold_start(recipe=sft_recipe)
     if training_args.max_minutes is not None:
         # an exhausted budget still lets ARPO take its first step (that is how a step is measured), and no more
         left = max(training_args.max_minutes - stages.total() / 60, 1e-4)

@@ -18,11 +18,15 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from quickstart import thirds  # noqa: E402  (the quickstart benchmark's reward summary, the same statistic)
+
 README = ROOT / "README.md"
 HEADING = "## Usage in Python"
 _MAX_STEPS = re.compile(r"\bmax_steps=\d+")
@@ -64,14 +68,6 @@ def step_rewards(trainer) -> list[float]:
     return [log["reward"] for log in trainer.state.log_history if "reward" in log]
 
 
-def thirds(rewards: list[float]) -> dict[str, float]:
-    """Mean reward of the first and of the last third of the steps (one step's reward is noisy; a third is at least
-    one step), as `benchmarks/quickstart.py` reports it."""
-    third = max(len(rewards) // 3, 1)
-    return {"first_third_mean": round(sum(rewards[:third]) / third, 3),
-            "last_third_mean": round(sum(rewards[-third:]) / third, 3)}
-
-
 def commit() -> str:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -102,6 +98,7 @@ def main() -> None:
         os.chdir(ROOT)
     trainer = namespace["trainer"]
     rewards = step_rewards(trainer)
+    first, last = thirds(rewards)
     train_seconds = next(log["train_runtime"] for log in trainer.state.log_history if "train_runtime" in log)
     report = {
         "commit": measured_commit, "block": "README.md, " + HEADING, "as_written": args.max_steps is None,
@@ -109,7 +106,8 @@ def main() -> None:
         "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
         "converted_smollm2_cached": cached, "steps": trainer.state.global_step,
         "rewards": [round(r, 3) for r in rewards], "first_step_reward": round(rewards[0], 3),
-        "last_step_reward": round(rewards[-1], 3), **thirds(rewards), "seconds": round(seconds, 1),
+        "last_step_reward": round(rewards[-1], 3), "first_third_mean": round(first, 3),
+        "last_third_mean": round(last, 3), "seconds": round(seconds, 1),
         "train_seconds": round(train_seconds, 1), "cold_start_and_setup_seconds": round(seconds - train_seconds, 1),
     }
     text = json.dumps(report, indent=2)

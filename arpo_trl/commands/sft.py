@@ -186,7 +186,8 @@ def sft(argv: Sequence[str]) -> None:
     trainer.accelerator.print(f"Cold-start model saved to {training_args.output_dir}.")
 
 
-def quickstart_cold_start(output_dir: str | os.PathLike | None = None) -> Path:
+def quickstart_cold_start(output_dir: str | os.PathLike | None = None,
+                          recipe: str | os.PathLike | None = None) -> Path:
     """The quickstart's cold-start model, for ARPO from Python: SmolLM2-135M-Instruct after the SFT of
     `recipes/quickstart_sft.yaml` (about a minute on 2 CPU cores), which writes `<think>`, `<python>` calls and
     `<answer>\\boxed{…}</answer>` in the recipe's `python_short` prompt format.
@@ -194,15 +195,18 @@ def quickstart_cold_start(output_dir: str | os.PathLike | None = None) -> Path:
     `output_dir` defaults to the recipe's (`runs/quickstart-sft`, relative to the working folder), which is where
     `arpo-trl quickstart` keeps it too. A folder that already holds a model is returned as it is (delete it to redo
     the SFT); otherwise `arpo-trl sft --config recipes/quickstart_sft.yaml --output_dir <output_dir>` runs in this
-    process first. Needs a clone of the repository (`pip install -e .`), which has the recipe."""
+    process first. Needs a clone of the repository (`pip install -e .`), which has the recipe; `recipe` names another
+    cold-start recipe (`arpo-trl quickstart` passes its own)."""
     import yaml
 
-    recipe = RECIPES_DIR / "quickstart_sft.yaml"
+    recipe = Path(recipe or RECIPES_DIR / "quickstart_sft.yaml")
     if not recipe.is_file():
         raise FileNotFoundError(f"quickstart_cold_start: {recipe} not found; use a clone of the repository "
                                 "(pip install -e .).")
     folder = Path(output_dir or yaml.safe_load(recipe.read_text(encoding="utf-8"))["output_dir"])
-    if not (folder / "config.json").is_file():  # the test `arpo-trl quickstart` makes before its SFT stage
+    if (folder / "config.json").is_file():
+        print(f"Cold start: using {folder} (delete it to redo the SFT).")
+    else:
         sft(["--config", str(recipe), "--output_dir", str(folder)])
     return folder
 
