@@ -84,8 +84,8 @@ PER_STEP = {  # metrics.jsonl key -> our name (the TRL peer logs the same arpo/*
     "arpo/training_seconds": "training_seconds", "arpo/tokens_forwarded_per_group": "tokens_forwarded_per_group",
     "arpo/prefill_tokens_per_group": "prefill_tokens_per_group",
 }
-RATIOS = ("tool_calls_per_group", "tokens_generated_per_group", "rollout_seconds", "step_seconds", "training_seconds",
-          "tokens_forwarded_per_group", "prefill_tokens_per_group", "peak_rss_mb")
+RATIOS = ("tool_calls_per_group", "tokens_generated_per_group", "tokens_trained_per_group", "rollout_seconds",
+          "step_seconds", "training_seconds", "tokens_forwarded_per_group", "prefill_tokens_per_group", "peak_rss_mb")
 RUN_LEVEL = ("peak_rss_mb",)  # one value per run (resources.json), not per step
 DIFFERENCES = ("reward", "heldout_pass@1")
 
@@ -392,8 +392,10 @@ def summarize(runs: list[dict]) -> dict:
     return summary
 
 
-def plot(runs: list[dict], out: Path) -> list[str]:
-    """Per setting: reward, executed tool calls per group and calls per trajectory over training (mean of seeds)."""
+def plot(runs: list[dict], out: Path, cold_start: dict | None = None) -> list[str]:
+    """Per setting: the training reward, calls per trajectory and executed tool calls per group over training (mean
+    of seeds, faint, and its trailing mean over `SMOOTHING` steps), and held-out pass@1 before and after RL where the
+    runs were evaluated (mean of seeds; each seed a dot)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -401,23 +403,48 @@ def plot(runs: list[dict], out: Path) -> list[str]:
 
     paths = []
     for setting in dict.fromkeys(r["setting"] for r in runs):
-        keys = (("reward", "reward"), ("calls_per_trajectory", "tool calls per trajectory"),
+        keys = (("reward", "training reward"), ("calls_per_trajectory", "tool calls per trajectory"),
                 ("tool_calls_per_group", "tool calls executed per group"))
-        fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6))
+        evaluated = [r for r in runs if r["setting"] == setting and "eval" in r]
+        fig, axes = plt.subplots(1, len(keys) + bool(evaluated), figsize=(5 * (len(keys) + bool(evaluated)), 3.6))
+        methods = list(dict.fromkeys(r["method"] for r in runs if r["setting"] == setting))
         for ax, (key, label) in zip(axes, keys):
-            for method in dict.fromkeys(r["method"] for r in runs if r["setting"] == setting):
+            for color, method in zip(plt.cm.tab10.colors, methods):
                 mine = [r["steps"] for r in runs if r["setting"] == setting and r["method"] == method]
                 length = min(len(steps) for steps in mine)
                 curve = [statistics.fmean(steps[i].get(key, float("nan")) for steps in mine) for i in range(length)]
-                ax.plot(range(1, length + 1), curve, marker="o", label=f"{method} ({len(mine)} seeds)")
+                steps = range(1, length + 1)
+                ax.plot(steps, curve, color=color, alpha=0.3, linewidth=0.8)
+                ax.plot(steps, trailing_mean(curve, SMOOTHING), color=color, label=f"{method} ({len(mine)} seeds)")
             ax.set(xlabel="optimizer step", ylabel=label, title=f"{setting}: {label}")
             ax.legend(fontsize=7)
+        if evaluated:
+            heldout_panel(axes[-1], evaluated, cold_start or {}, setting, dict(zip(methods, plt.cm.tab10.colors)))
         fig.tight_layout()
         path = out / f"curves_{setting}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(str(path))
     return paths
+
+
+SMOOTHING = 10  # steps in the curves' trailing mean (one prompt a step is a noisy reward)
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    return [statistics.fmean(values[max(0, i + 1 - window): i + 1]) for i in range(len(values))]
+
+
+def heldout_panel(ax, evaluated: list[dict], cold_start: dict, setting: str, colors: dict) -> None:
+    """Held-out pass@1: each format's cold start, then each method after RL (bar: mean of seeds; dots: seeds)."""
+    bars = [(f"cold start\n({fmt})", [e["pass@1"]]) for fmt, e in cold_start.items()]
+    for method in dict.fromkeys(r["method"] for r in evaluated):
+        bars.append((method, [r["eval"]["pass@1"] for r in evaluated if r["method"] == method]))
+    for x, (label, values) in enumerate(bars):
+        ax.bar(x, statistics.fmean(values), color=colors.get(label, "lightgray"))
+        ax.plot([x] * len(values), values, "k.", markersize=5)
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=7)
+    ax.set(ylabel="held-out pass@1", title=f"{setting}: held-out pass@1, before and after RL", ylim=(0, 1))
 
 
 def markdown(report: dict) -> str:
@@ -550,7 +577,7 @@ def main(argv=None) -> dict:
                               for setting in report["summary"] for method in report["summary"][setting]
                               if (gain := against_cold_start(runs, report.get("cold_start", {}), method, setting,
                                                              args.bootstrap))}
-    report["plots"] = plot(runs, out)
+    report["plots"] = plot(runs, out, report.get("cold_start"))
     report["load_end"] = os.getloadavg()
     (out / "results.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)

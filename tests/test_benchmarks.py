@@ -322,3 +322,9 @@ def test_packed_head_times_both_ways_on_the_same_steps(tiny_model_dir, capsys):
         assert step["plain_ms"] > 0 and step["packed_ms"] > 0 and step["pack_seconds"] >= 0
         assert step["max_logit_difference"] < 1e-4
     assert "| 3 |" in capsys.readouterr().out
+
+
+def test_arpo_vs_grpo_curves_smooth_with_a_trailing_mean():
+    bench = load("arpo_vs_grpo")
+    assert bench.trailing_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert bench.trailing_mean([], 10) == []
