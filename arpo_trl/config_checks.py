@@ -3,7 +3,6 @@ got and what it takes."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 
@@ -16,6 +15,7 @@ from arpo_trl.entropy import check_entropy_args, resolve_estimator
 from arpo_trl.entropy_balance import check_aepo_args
 from arpo_trl.entropy_balanced_update import check_entropy_balanced_update
 from arpo_trl.generation.speculation import check_draft_tokens
+from arpo_trl.preflight import vllm_importable
 from arpo_trl.rollout import SCHEDULERS, check_branching_args, default_initial_rollouts
 from arpo_trl.server.weight_sync import check_sync_mode
 from arpo_trl.tool_calls import check_call_format
@@ -31,7 +31,7 @@ def resolve_engine_default(config) -> None:
     if config.use_vllm is not None:
         return
     one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
-    config.use_vllm = one_process and torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+    config.use_vllm = one_process and torch.cuda.is_available() and vllm_importable()
     if config.use_vllm:
         logger.warning("ARPO: use_vllm unset, one CUDA process and vLLM installed: generating with vLLM colocated in "
                        "the training process (vllm_mode=%r). Set use_vllm=False for the transformers engines.",

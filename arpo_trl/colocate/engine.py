@@ -21,9 +21,7 @@ import torch
 
 from arpo_trl.colocate.outputs import WHERE, cached_tokens, completion_body
 from arpo_trl.engines import SamplingSettings, Segment, _check_budgets
-from arpo_trl.entropy import DEFAULT_SERVER_TOP_K, check_entropy_args, resolve_estimator
-from arpo_trl.server.engine import top_logprob_entropies
-from arpo_trl.server.responses import CompletionRequest, read_completion
+from arpo_trl.server.segments import SegmentReader
 
 
 @dataclass
@@ -120,13 +118,11 @@ class ColocatedVLLMEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        check_entropy_args(sampling.entropy_estimator, sampling.entropy_top_k)
-        self.entropy_estimator = resolve_estimator(sampling.entropy_estimator, False, "colocated vLLM")
+        self.reader = reader = SegmentReader(tokenizer, sampling, WHERE, "ColocatedVLLMEngine", "colocated vLLM")
         self.llm, self.tokenizer, self.sleep_level = llm_engine, tokenizer, sleep_level
-        self.vocab_size = len(tokenizer)
-        self.entropy_top_k = sampling.entropy_top_k or DEFAULT_SERVER_TOP_K
-        self.eos_token_ids = eos = sampling.eos_ids(tokenizer, "ColocatedVLLMEngine")
-        self._end_ids = frozenset(eos) | frozenset(tokenizer.all_special_ids)
+        self.vocab_size, self.eos_token_ids = reader.vocab_size, reader.eos_token_ids
+        self.entropy_estimator, self.entropy_top_k = reader.estimator, reader.top_k
+        eos = reader.eos_token_ids
         extra = dict(sampling.generation_kwargs or {})
         self._params = lambda budget, stop: SamplingParams(
             n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0,
@@ -196,13 +192,9 @@ class ColocatedVLLMEngine:
         return f"arpo-{next(self._ids)}"
 
     def _segment(self, output, prompt: Sequence[int], budget: int, stop: Sequence[str]) -> Segment:
-        request = CompletionRequest(budget, list(stop), self.entropy_top_k, self.vocab_size, self._end_ids,
-                                    lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
-        completion = read_completion(WHERE, completion_body(output), request)
-        self.counters.add(prompt, cached_tokens(output), len(completion.token_ids))
-        entropies = top_logprob_entropies(completion.top_logprobs, self.entropy_estimator, self.entropy_top_k,
-                                          self.vocab_size)
-        return Segment(completion.token_ids, completion.logprobs, entropies, completion.finish_reason)
+        segment = self.reader.read(completion_body(output), budget, stop)
+        self.counters.add(prompt, cached_tokens(output), len(segment.token_ids))
+        return segment
 
     # --- weights and memory --------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

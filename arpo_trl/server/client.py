@@ -310,13 +310,18 @@ class VLLMClient:
         return totals
 
 
+def tokenizer_probe(tokenizer) -> str:
+    """A text whose token ids two tokenizers agree on only if they tokenize alike: ARPO's tags, digits, accents,
+    CJK and the tokenizer's special tokens."""
+    special = [t for t in (tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token) if t]
+    return "Hello world! 12+34=46 <python>print(sum([1, 2]))</python> <result>\n3\n</result> é ü ß 中文 " + "".join(
+        special)
+
+
 def check_server_tokenizer(client: VLLMClient, tokenizer, model: str) -> None:
     """Fail before training if the server tokenizes differently or has a smaller vocabulary than the trainer:
     its token ids would silently mean other tokens to the policy being trained."""
-    special = [t for t in (tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token) if t]
-    probe = "Hello world! 12+34=46 <python>print(sum([1, 2]))</python> <result>\n3\n</result> é ü ß 中文 " + "".join(
-        special
-    )
+    probe = tokenizer_probe(tokenizer)
     local = tokenizer.encode(probe, add_special_tokens=False)
     remote = client.tokenize(probe, model)
     last = len(tokenizer) - 1

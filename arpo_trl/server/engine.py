@@ -3,15 +3,12 @@ request per prefix; every answer passes `server.responses` before the sampler se
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 from arpo_trl.engines import SamplingSettings, Segment, _check_budgets
-from arpo_trl.entropy import DEFAULT_SERVER_TOP_K, check_entropy_args, resolve_estimator, top_k_entropies
-from arpo_trl.server.responses import CompletionRequest, VLLMServerError, Where, read_completion
+from arpo_trl.server.responses import VLLMServerError, Where
+from arpo_trl.server.segments import SegmentReader
 
 
 class VLLMServerEngine:
@@ -37,15 +34,12 @@ class VLLMServerEngine:
         sampling: SamplingSettings = SamplingSettings(),
         max_concurrency: int = 64,
     ):
-        check_entropy_args(sampling.entropy_estimator, sampling.entropy_top_k)
-        self.entropy_estimator = resolve_estimator(sampling.entropy_estimator, False, "a vLLM server")
-        entropy_top_k, extra = sampling.entropy_top_k or DEFAULT_SERVER_TOP_K, sampling.generation_kwargs or {}
-        self.client = client
-        self.tokenizer = tokenizer
-        self.vocab_size = len(tokenizer)
-        self.entropy_top_k = entropy_top_k
+        self.reader = reader = SegmentReader(tokenizer, sampling, Where(client.base_url, "POST /v1/completions"),
+                                             "VLLMServerEngine", "a vLLM server")
+        self.client, self.tokenizer, extra = client, tokenizer, sampling.generation_kwargs or {}
+        self.vocab_size, self.eos_token_ids = reader.vocab_size, reader.eos_token_ids
+        self.entropy_estimator, self.entropy_top_k = reader.estimator, reader.top_k
         self.model_name = model_name or client.base_model()
-        self.eos_token_ids = eos = sampling.eos_ids(tokenizer, "VLLMServerEngine")
         reserved = {"model", "prompt", "max_tokens", "n", "logprobs", "stop", "stop_token_ids", "return_token_ids",
                     "return_tokens_as_token_ids", "include_stop_str_in_output", "skip_special_tokens"}
         if clash := reserved & set(extra):
@@ -53,15 +47,11 @@ class VLLMServerEngine:
                              "cannot be overridden.")
         self.sampling = {
             "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
-            "min_p": sampling.min_p or 0.0, "repetition_penalty": sampling.repetition_penalty, "stop_token_ids": eos,
-            "logprobs": entropy_top_k, "include_stop_str_in_output": True, "skip_special_tokens": False,
-            "return_token_ids": True, "return_tokens_as_token_ids": True, **extra,
+            "min_p": sampling.min_p or 0.0, "repetition_penalty": sampling.repetition_penalty,
+            "stop_token_ids": reader.eos_token_ids, "logprobs": reader.top_k, "include_stop_str_in_output": True,
+            "skip_special_tokens": False, "return_token_ids": True, "return_tokens_as_token_ids": True, **extra,
         }
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm-request")
-        self._where = Where(client.base_url, "POST /v1/completions")
-        # What may end a completion with finish_reason "stop" and no stop string: our EOS ids, or the model's own
-        # EOS, which vLLM adds from its generation config (always a special token).
-        self._end_ids = frozenset(eos) | frozenset(tokenizer.all_special_ids)
 
     def generate(
         self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop: Sequence[str]
@@ -79,13 +69,13 @@ class VLLMServerEngine:
         """One segment, from asyncio: the event-driven scheduler sends each path's request as soon as it is ready."""
         _check_budgets([prefix], [max_new_tokens])
         payload = self._payload(list(prefix), max_new_tokens, list(stop))
-        return self._segment(await self.client.acompletion(payload), max_new_tokens, list(stop))
+        return self.reader.read(await self.client.acompletion(payload), max_new_tokens, stop)
 
     async def aclose(self) -> None:
         await self.client.aclose()
 
     def _complete(self, prefix: list[int], budget: int, stop: list[str]) -> Segment:
-        return self._segment(self.client.completion(self._payload(prefix, budget, stop)), budget, stop)
+        return self.reader.read(self.client.completion(self._payload(prefix, budget, stop)), budget, stop)
 
     def _payload(self, prefix: list[int], budget: int, stop: list[str]) -> dict:
         payload = {"model": self.model_name, "prompt": prefix, "max_tokens": budget, "n": 1, **self.sampling}
@@ -106,28 +96,3 @@ class VLLMServerEngine:
             raise VLLMServerError(f"The vLLM server at {self.client.base_url} failed arpo-trl's startup check (one "
                                   f"short completion with logprobs={self.entropy_top_k}): {error}",
                                   base_url=error.base_url, endpoint=error.endpoint, field=error.field) from error
-
-    def _segment(self, body, budget: int, stop: list[str]) -> Segment:
-        """The segment of a completion's JSON body, checked by `read_completion` (docs/server_mode.md)."""
-        request = CompletionRequest(budget, stop, self.entropy_top_k, self.vocab_size, self._end_ids, self._decode)
-        completion = read_completion(self._where, body, request)
-        entropies = top_logprob_entropies(completion.top_logprobs, self.entropy_estimator, self.entropy_top_k,
-                                          self.vocab_size)
-        return Segment(completion.token_ids, completion.logprobs, entropies, completion.finish_reason)
-
-    def _decode(self, ids: list[int]) -> str:
-        """The text vLLM matched stop strings against (the request sets skip_special_tokens=False)."""
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-
-def top_logprob_entropies(tops: list[dict[int, float]], estimator: str, k: int, vocab_size: int) -> list[float]:
-    """The estimator over each position's returned logprobs (top-k, plus the sampled token when it is outside them;
-    padding with -inf adds nothing). `read_completion` checked every row: non-empty, no nulls. Only the k largest
-    count: vLLM adds the sampled token when it is outside the top k, which would otherwise make the estimate depend
-    on which token happened to be sampled."""
-    if not tops:
-        return []
-    rows = [sorted(top.values(), reverse=True)[:k] for top in tops]
-    width = max(map(len, rows))
-    padded = torch.tensor([row + [-math.inf] * (width - len(row)) for row in rows], dtype=torch.float64)
-    return top_k_entropies(padded, estimator, k, vocab_size).tolist()

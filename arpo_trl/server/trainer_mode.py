@@ -4,7 +4,6 @@ A mixin of `ARPOTrainer` (docs/server_mode.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import uuid
@@ -15,6 +14,7 @@ from peft import PeftModel
 
 from arpo_trl.config import ARPOConfig
 from arpo_trl.distributed import run_on_main_process
+from arpo_trl.preflight import vllm_importable
 from arpo_trl.server.client import check_server_tokenizer
 from arpo_trl.server.engine import VLLMServerEngine
 from arpo_trl.server.server_check import RunNeeds, check_server_serves
@@ -36,7 +36,7 @@ def is_peft_model(model) -> bool:
 def _resolve_sync_mode(requested: str, *, is_peft: bool, tied: bool) -> str:
     """`resolve_sync_mode` for this machine: is there CUDA, and is `vllm` importable here."""
     return resolve_sync_mode(requested, is_peft=is_peft, cuda=torch.cuda.is_available(),
-                             vllm_importable=importlib.util.find_spec("vllm") is not None, tied=tied)
+                             vllm_importable=vllm_importable(), tied=tied)
 
 
 class ServerMode:
