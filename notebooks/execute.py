@@ -23,7 +23,6 @@ import argparse
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     started = time.monotonic()
-    if args.model is None and not (COLD_START / "config.json").is_file():
-        print(f"No cold start in {COLD_START.relative_to(ROOT)}: running arpo-trl sft first.", flush=True)
-        subprocess.run([sys.executable, "-m", "arpo_trl.cli", "sft", "--config", "recipes/quickstart_sft.yaml"],
-                       cwd=ROOT, check=True)
+    if args.model is None:  # the SFT of recipes/quickstart_sft.yaml when the folder holds no model yet
+        from arpo_trl.commands.sft import quickstart_cold_start
+
+        quickstart_cold_start(COLD_START, ROOT / "recipes" / "quickstart_sft.yaml")
     sft_seconds = time.monotonic() - started
 
     shutil.rmtree(ROOT / OUTPUT, ignore_errors=True)
