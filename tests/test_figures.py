@@ -7,7 +7,8 @@ folder's name, is a script's stem in `benchmarks/` followed by nothing, `_…` o
 (`rollout_throughput_m16n8_cached.json` and `arpo_vs_grpo_stacks/chat/results.json` are `rollout_throughput.py`'s and
 `arpo_vs_grpo.py`'s; the longest stem wins: `one_gpu_memory.json` is `one_gpu_memory.py`'s); or, for a file gathered
 from several runs, the entry's `script` names a script in `benchmarks/` whose stem the file's text names
-(`gpu_checks_h200.json` records `packed_step_profile`). Every file under `benchmarks/results/` is checked this way,
+(`gpu_checks_h200.json` records `packed_step_profile`), or a test module in `tests/` one of whose tests it names (the
+same file's `runs`, timings of `tests/test_cuda.py` on a lent GPU). Every file under `benchmarks/results/` is checked this way,
 registered or not."""
 
 from __future__ import annotations
@@ -78,9 +79,12 @@ def producing_script(file: str, script: str | None = None) -> Path | None:
         if name == stem or name.startswith((stem + "_", stem + ".")):
             return BENCHMARKS / f"{stem}.py"
     if script is not None:
-        path = ROOT / script
-        if path.parent == BENCHMARKS and path.is_file() and path.stem in (ROOT / file).read_text():
+        path, text = ROOT / script, (ROOT / file).read_text()
+        if path.parent == BENCHMARKS and path.is_file() and path.stem in text:
             return path
+        if path.parent == ROOT / "tests" and path.is_file() and any(
+                name in text for name in re.findall(r"^def (test_\w+)", path.read_text(), re.MULTILINE)):
+            return path  # timings of a test module's runs (on a lent GPU), which name its tests
     return None
 
 
@@ -158,3 +162,6 @@ def test_a_results_file_is_traced_to_its_script_by_name_or_by_the_script_it_name
     assert producing_script("benchmarks/results/gpu_checks_h200.json", "benchmarks/packed_step_profile.py") == (
         BENCHMARKS / "packed_step_profile.py")
     assert producing_script("benchmarks/results/gpu_checks_h200.json", "benchmarks/flex_lowering.py") is None
+    assert producing_script("benchmarks/results/gpu_checks_h200.json", "tests/test_cuda.py") == (
+        ROOT / "tests" / "test_cuda.py")  # its runs name test_cuda.py's tests
+    assert producing_script("benchmarks/results/gpu_checks_h200.json", "tests/test_docs.py") is None
