@@ -224,7 +224,7 @@ def train(args: argparse.Namespace, method: str, setting: tuple[int, int], seed:
         resources = run("-m", "arpo_trl.cli", "train", *common, "--branch_policy", policy, "--initial_rollouts",
                         str(m if policy == "none" else n), *(AEPO_UPDATE if policy == "aepo" else []),
                         log=run_dir / "train.log")
-    (run_dir / RESOURCES).write_text(json.dumps(resources))
+    (run_dir / RESOURCES).write_text(json.dumps(resources | {"commit": git_commit()}))  # the code that trained it
     return run_dir
 
 
@@ -305,6 +305,7 @@ def read_run(run_dir: Path, method: str, setting: tuple[int, int], seed: int, st
     for step, distinct in zip(steps, distinct_completions(run_dir)):
         step["distinct_completions_per_group"] = distinct
     return {"method": run_label(method, stack), "setting": _label(setting), "seed": seed, "dir": str(run_dir),
+            "commit": resources.get("commit"),
             "steps": steps, "mean": {key: statistics.fmean(s[key] for s in steps) for key in steps[0]}
             | {key: resources[key] for key in RUN_LEVEL}}
 

@@ -8,8 +8,8 @@ folder's name, is a script's stem in `benchmarks/` followed by nothing, `_…` o
 `arpo_vs_grpo.py`'s; the longest stem wins: `one_gpu_memory.json` is `one_gpu_memory.py`'s); or, for a file gathered
 from several runs, the entry's `script` names a script in `benchmarks/` whose stem the file's text names
 (`gpu_checks_h200.json` records `packed_step_profile`), or a test module in `tests/` one of whose tests it names (the
-same file's `runs`, timings of `tests/test_cuda.py` on a lent GPU). Every file under `benchmarks/results/` is checked this way,
-registered or not."""
+same file's `runs`, timings of `tests/test_cuda.py` on a lent GPU). Every file under `benchmarks/results/` is
+checked this way, registered or not."""
 
 from __future__ import annotations
 
