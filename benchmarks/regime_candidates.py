@@ -38,21 +38,20 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-SFT_RECIPE, CHAT_SFT_RECIPE = "recipes/multi_call_sft.yaml", "recipes/multi_call_chat_sft.yaml"
+SFT_RECIPE = "recipes/multi_call_sft.yaml"
 EVAL_RECIPE = "recipes/eval_multi_call.yaml"
 _CHAT = yaml.safe_load((ROOT / "recipes/arpo_vs_grpo_chat.yaml").read_text())  # the chat runs' prompt and budget
 CHAT_EVAL = ["--tool_call_format", "chat_template", "--system_prompt", _CHAT["system_prompt"],
              "--max_completion_length", str(_CHAT["max_completion_length"])]
-LIGHT = ["--max_steps", "10", "--warmup_steps", "1"]  # recipes/headroom_sft.yaml and headroom_chat_sft.yaml
 # name -> (cold-start model folder, (its SFT recipe, arguments) to make it when missing (None: none), eval arguments)
 CANDIDATES = {
     "sft24": ("runs/multi-call-sft", (SFT_RECIPE, []), []),  # the peaked cold start: recipes/multi_call_sft.yaml
     "sft4": ("runs/regime/sft4", (SFT_RECIPE, ["--max_steps", "4", "--warmup_steps", "1"]), []),
     "sft8": ("runs/regime/sft8", (SFT_RECIPE, ["--max_steps", "8", "--warmup_steps", "1"]), []),
-    "sft10": ("runs/regime/sft10", (SFT_RECIPE, LIGHT), []),
+    "sft10": ("runs/regime/sft10", ("recipes/headroom_sft.yaml", []), []),  # the headroom cold start
     "sft12": ("runs/regime/sft12", (SFT_RECIPE, ["--max_steps", "12", "--warmup_steps", "1"]), []),
     "sft16": ("runs/regime/sft16", (SFT_RECIPE, ["--max_steps", "16", "--warmup_steps", "1"]), []),
-    "chat_sft10": ("runs/headroom-sft-chat", (CHAT_SFT_RECIPE, LIGHT), CHAT_EVAL),  # TRL's peer's format
+    "chat_sft10": ("runs/headroom-sft-chat", ("recipes/headroom_chat_sft.yaml", []), CHAT_EVAL),  # TRL's peer's
     "base_prompt": ("smollm2", None, ["--system_prompt", "python"]),  # no cold start, the long prompt's example
 }
 # Seconds per trajectory and per SFT step on the 2-core development CPU with nothing else running (sft12: 12 steps in
