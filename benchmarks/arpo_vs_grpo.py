@@ -240,7 +240,7 @@ def _trained(run_dir: Path, steps: int) -> bool:
 def evaluate_run(args: argparse.Namespace, run: dict, cold_start: dict[str, dict]) -> None:
     """Evaluate a main-row run's adapter on the held-out questions, and its format's cold-start model first when this
     benchmark has not yet; sets `run["eval"]` and `cold_start[format]`."""
-    fmt = METHODS[method_of(run)][0]
+    fmt = format_of(run["method"])
     recipe, model, base = recipes(args)[fmt], cold_start_model(args, fmt), cold_start_eval_dir(args, fmt)
     todo = [(None, base)] * (fmt not in cold_start) + [(Path(run["dir"]), Path(run["dir"]) / "eval")]
     for adapter, out in todo:
@@ -342,7 +342,7 @@ def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int
         if key == "heldout_pass@1":
             return {r["seed"]: r["eval"]["per_question"] for r in chosen if "eval" in r}
         if key == "heldout_gain@1":  # pass@1 minus the cold start's, question by question
-            cold = cold_start.get(METHODS[method.partition("@")[0]][0], {}).get("per_question", [])
+            cold = cold_start.get(format_of(method), {}).get("per_question", [])
             return {r["seed"]: [a - b for a, b in zip(r["eval"]["per_question"], cold)] for r in chosen
                     if "eval" in r and cold}
         if key in RUN_LEVEL:
@@ -350,7 +350,7 @@ def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int
         return {r["seed"]: [s[key] for s in r["steps"] if key in s] for r in chosen}
 
     result = {}
-    formats = {METHODS[m.partition("@")[0]][0] for m in (mine, base)}
+    formats = {format_of(mine), format_of(base)}
     gains = ("heldout_gain@1",) if len(formats) > 1 else ()
     for key, statistic in [(k, "ratio") for k in RATIOS] + [(k, "difference") for k in DIFFERENCES + gains]:
         a, b = units(mine, key), units(base, key)
@@ -365,7 +365,7 @@ def against_cold_start(runs: list[dict], cold_start: dict, method: str, setting:
     """Held-out pass@1 of `method`'s runs minus their format's cold start, paired by question ({} without both)."""
     from arpo_trl.eval_metrics import paired_bootstrap
 
-    base = cold_start.get(METHODS[method.partition("@")[0]][0])
+    base = cold_start.get(format_of(method))
     mine = {r["seed"]: r["eval"]["per_question"] for r in runs
             if r["method"] == method and r["setting"] == setting and "eval" in r}
     if not (base and mine):
@@ -409,9 +409,9 @@ def plot(runs: list[dict], out: Path, cold_start: dict | None = None) -> list[st
                 ("tool_calls_per_group", "tool calls executed per group"))
         evaluated = [r for r in runs if r["setting"] == setting and "eval" in r]
         fig, axes = plt.subplots(1, len(keys) + bool(evaluated), figsize=(5 * (len(keys) + bool(evaluated)), 3.6))
-        methods = list(dict.fromkeys(r["method"] for r in runs if r["setting"] == setting))
+        colors = dict(zip(dict.fromkeys(r["method"] for r in runs if r["setting"] == setting), plt.cm.tab10.colors))
         for ax, (key, label) in zip(axes, keys):
-            for color, method in zip(plt.cm.tab10.colors, methods):
+            for method, color in colors.items():
                 mine = [r["steps"] for r in runs if r["setting"] == setting and r["method"] == method]
                 length = min(len(steps) for steps in mine)
                 curve = [statistics.fmean(steps[i].get(key, float("nan")) for steps in mine) for i in range(length)]
@@ -421,7 +421,7 @@ def plot(runs: list[dict], out: Path, cold_start: dict | None = None) -> list[st
             ax.set(xlabel="optimizer step", ylabel=label, title=f"{setting}: {label}")
             ax.legend(fontsize=7)
         if evaluated:
-            heldout_panel(axes[-1], evaluated, cold_start or {}, setting, dict(zip(methods, plt.cm.tab10.colors)))
+            heldout_panel(axes[-1], evaluated, cold_start or {}, setting, colors)
         fig.tight_layout()
         path = out / f"curves_{setting}.png"
         fig.savefig(path, dpi=110)
@@ -521,8 +521,9 @@ def expected_seconds(args: argparse.Namespace) -> float:
     return seconds
 
 
-def method_of(run: dict) -> str:
-    return run["method"].partition("@")[0]
+def format_of(label: str) -> str:
+    """The call format of a run label's method (`arpo@packed` -> 'tags')."""
+    return METHODS[label.partition("@")[0]][0]
 
 
 def comparisons(labels: set[str], stacks: list[str]) -> list[tuple[str, str]]:
