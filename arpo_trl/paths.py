@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from arpo_trl.tools.failures import ToolTally
+
 
 @dataclass(frozen=True)
 class ToolCallRecord:
@@ -84,18 +86,6 @@ class Trajectory:
         self.completion_ids, self.mask, self.logprobs, self.entropies = self.snapshot(length)
         self.calls = [call if call.result_end is None or call.result_end <= length
                       else replace(call, result_end=max(length, call.result_start)) for call in self.calls]
-
-
-@dataclass
-class ToolTally:
-    """One tool's calls in a rollout that ran (a malformed call is the model's fault, not the tool's): what
-    `arpo_trl.tools.failures` reports when they all failed. Strings only: server mode broadcasts the stats."""
-
-    calls: int = 0
-    failures: int = 0
-    first_error: str = ""  # the first failed call's result, as the model read it
-    first_arguments: str = ""  # what that call ran on (the tag's content, or the JSON arguments)
-    traceback: str = ""  # where it raised, when it raised
 
 
 @dataclass

@@ -46,9 +46,9 @@ from arpo_trl.entropy_balance import aepo_fork_probability, check_aepo_args, glo
 from arpo_trl.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory
 from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
 from arpo_trl.tags import cut_at_stop
-from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall, observation
+from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall, bind_call, observation
 from arpo_trl.tools.base import Tool
-from arpo_trl.tools.environments import bind_call, fork_environment
+from arpo_trl.tools.environments import fork_environment
 from arpo_trl.tools.runner import CallOutcome
 
 BRANCH_POLICIES = ("entropy", "random", "aepo", "none")

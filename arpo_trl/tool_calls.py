@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from arpo_trl.tags import call_start, extract_call
 from arpo_trl.tools.base import Tool, ToolEnvironmentError, format_result
+from arpo_trl.tools.environments import EnvironmentMethodTool
 from arpo_trl.tools.functions import has_function_tools
 from arpo_trl.tools.runner import CallOutcome
 
@@ -239,3 +240,14 @@ def observation(call: ToolCall, outcome: CallOutcome | None, timeout: float) -> 
     if not isinstance(text, str):
         return f"Error: Tool({tag}) returned {type(text).__name__}, not str.", True
     return text, False
+
+
+def bind_call(call: ToolCall, environment: Any) -> ToolCall:
+    """`call` as the path owning `environment` makes it: an environment's tool runs on that path's own environment; a
+    call it cannot bind is answered with the reason, as a malformed call is."""
+    if environment is None or not isinstance(call.tool, EnvironmentMethodTool) or call.error is not None:
+        return call
+    try:
+        return replace(call, tool=call.tool.bound(environment))
+    except ValueError as exc:
+        return replace(call, error=f"Error: {exc}")

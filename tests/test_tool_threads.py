@@ -179,8 +179,7 @@ def test_a_tool_whose_calls_all_fail_is_reported_once_then_stops_the_run(hermes,
 
 
 def test_a_streak_ends_when_a_call_succeeds_and_the_user_may_opt_out(caplog):
-    from arpo_trl.paths import ToolTally
-    from arpo_trl.tools.failures import ToolFailureWatch
+    from arpo_trl.tools.failures import ToolFailureWatch, ToolTally
 
     failing, partly = ToolTally(calls=4, failures=4, first_error="Error: x"), ToolTally(calls=4, failures=3)
     watch, never = ToolFailureWatch([FunctionTool(lookup)], patience=2), ToolFailureWatch([], patience=0)

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import replace
 from typing import Any
 
-from arpo_trl.tool_calls import ToolCall
 from arpo_trl.tools.functions import FunctionTool
 
 NOT_TOOLS = ("reset", "get_reward", "fork", "clone")
@@ -50,7 +48,7 @@ def environment_methods(environment: Any) -> list:
 
 class EnvironmentMethodTool(FunctionTool):
     """A method of an environment class as a tool, its schema from a probe instance's method. The sampler binds each
-    call to its path's own environment (`bind_to_environment`)."""
+    call to its path's own environment (`bind_call`, beside the call formats)."""
 
     def bound(self, environment: Any) -> FunctionTool:
         """A plain `FunctionTool` running this method of `environment`."""
@@ -64,13 +62,3 @@ class EnvironmentMethodTool(FunctionTool):
     def __call__(self, content: str) -> str:
         raise RuntimeError(f"The environment tool {self.tag!r} was called without its path's environment.")
 
-
-def bind_call(call: ToolCall, environment: Any) -> ToolCall:
-    """`call` as the path owning `environment` makes it: an environment's tool runs on that path's own environment; a
-    call it cannot bind is answered with the reason, as a malformed call is."""
-    if environment is None or not isinstance(call.tool, EnvironmentMethodTool) or call.error is not None:
-        return call
-    try:
-        return replace(call, tool=call.tool.bound(environment))
-    except ValueError as exc:
-        return replace(call, error=f"Error: {exc}")

@@ -13,13 +13,26 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-from arpo_trl.paths import ToolTally
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.functions import FunctionTool
 
 logger = logging.getLogger(__name__)
 PATIENCE_FIELD = "max_failed_tool_steps"  # the ARPOConfig field that sets `patience` (its default lives there)
+
+
+@dataclass
+class ToolTally:
+    """One tool's calls in a rollout that ran (a malformed call is the model's fault, not the tool's): what
+    this module reports when they all failed. Strings only: server mode broadcasts the stats."""
+
+    calls: int = 0
+    failures: int = 0
+    first_error: str = ""  # the first failed call's result, as the model read it
+    first_arguments: str = ""  # what that call ran on (the tag's content, or the JSON arguments)
+    traceback: str = ""  # where it raised, when it raised
+
 
 
 class ToolFailingError(RuntimeError):
