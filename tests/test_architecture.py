@@ -16,14 +16,14 @@ MIN_COPIED_LINES = 6
 # Layers, lowest first: a module may import its own layer or lower ones. `arpo_trl` itself (the public API) and
 # `arpo_trl.cli` (the dispatcher, above every command) sit on top.
 LAYERS: dict[str, list[str]] = {
-    "records": ["paths", "tags", "trees.records", "scoring", "_math_worker", "markdown", "assets", "models",
+    "records": ["tags", "trees.records", "scoring", "_math_worker", "markdown", "assets", "models",
                 "preflight", "distributed", "corpora", "arithmetic_chains"],
     "engines/tools": ["entropy", "entropy.*", "engines", "generation", "generation.*", "tool_calls", "tools", "tools.*",
                       "server", "server.client", "server.responses", "server.segments", "server.engine",
                       "server.server_check",
                       "colocate", "colocate.outputs", "colocate.engine", "colocate.engine_args"],
-    "sampler": ["budget", "scheduling", "entropy_balance", "rollout", "advantages", "rewards", "data", "eval_metrics",
-                "trees", "trees.analysis", "trees.render"],
+    "sampler": ["paths", "budget", "scheduling", "entropy_balance", "rollout", "advantages", "rewards", "data",
+                "eval_metrics", "trees", "trees.analysis", "trees.render"],
     "trainer": ["config", "config_checks", "trainer", "dropin", "dropin.*", "training", "training.*",
                 "entropy_balanced_update", "trl_state", "tracking", "time_budget", "server.weight_sync",
                 "server.trainer_mode", "server.launcher", "colocate.weight_sync", "colocate.trainer_mode",
@@ -127,10 +127,65 @@ def test_no_import_circles():
     assert not circles, f"import circles: {circles}"
 
 
+# The subcommands `arpo_trl.cli` dispatches to; any other `commands.*` module is what they share.
+COMMANDS = {"commands.train", "commands.sft", "commands.evaluate", "commands.trees"}
+
+
 def test_no_command_imports_another():
-    commands = [m for m in MODULES if m.startswith("commands.") and m != "commands.builders"]
-    crossing = [f"arpo_trl.{a} imports arpo_trl.{b}" for a in commands for b in GRAPH[a] if b in commands]
+    assert COMMANDS <= GRAPH["cli"], f"arpo_trl.cli no longer dispatches to {sorted(COMMANDS - GRAPH['cli'])}"
+    crossing = [f"arpo_trl.{a} imports arpo_trl.{b}" for a in COMMANDS for b in GRAPH[a] if b in COMMANDS]
     assert not crossing, crossing
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """Names a module binds at top level (also under `if` / `try`): what `from arpo_trl.X import name` may take."""
+    names: set[str] = set()
+    statements = list(tree.body)
+    while statements:
+        node = statements.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).partition(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try)):
+            statements += [*node.body, *node.orelse, *getattr(node, "finalbody", []),
+                           *(s for handler in getattr(node, "handlers", []) for s in handler.body)]
+    return names
+
+
+def test_every_arpo_trl_import_resolves():
+    """Inside the package, every `arpo_trl.…` import names a module, or a name its module binds at top level (a
+    module with a lazy `__getattr__` binds any). `_resolve` above walks up to the nearest module, so without this a
+    stale path (or an old path that `arpo_trl/__init__.py` keeps only for users) would go unnoticed."""
+    bound = {m: _top_level_names(ast.parse(p.read_text(encoding="utf-8"))) for m, p in MODULES.items()}
+    stale = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                stale += [f"arpo_trl.{module}:{node.lineno} imports {a.name}" for a in node.names
+                          if a.name.startswith("arpo_trl.") and a.name[len("arpo_trl."):] not in MODULES]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and (
+                    node.module == "arpo_trl" or node.module.startswith("arpo_trl.")):
+                source = node.module[len("arpo_trl."):] if node.module != "arpo_trl" else "__init__"
+                if source not in MODULES:
+                    stale.append(f"arpo_trl.{module}:{node.lineno} imports from {node.module}")
+                    continue
+                prefix = "" if source == "__init__" else source + "."
+                stale += [f"arpo_trl.{module}:{node.lineno} imports {a.name} from {node.module}" for a in node.names
+                          if prefix + a.name not in MODULES and a.name not in bound[source]
+                          and "__getattr__" not in bound[source]]
+    assert not stale, "imports of paths that do not exist in the package:\n" + "\n".join(stale)
+
+
+def test_no_module_imports_its_own_package():
+    """A module of package P imports P's other modules by their own paths, never `arpo_trl.P` itself: P's
+    `__init__` may re-export that module, and would then import a half-initialised package."""
+    own = [f"arpo_trl.{a} imports arpo_trl.{b}" for a, targets in GRAPH.items() for b in targets
+           if MODULES[b].name == "__init__.py" and a.startswith(b + ".")]
+    assert not own, own
 
 
 def test_tools_do_not_import_the_dataset_layer():
