@@ -26,7 +26,7 @@ from arpo_trl.entropy import (
     sampling_warpers,
 )
 from arpo_trl.entropy.recorder import NEUTRAL_WARPERS
-from arpo_trl.tags import first_stop
+from arpo_trl.tools.tags import first_stop
 
 FinishReason = Literal["stop", "eos", "length"]
 

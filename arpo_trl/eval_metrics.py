@@ -31,7 +31,7 @@ from arpo_trl.rewards import (
     own_text,
     validate_format,
 )
-from arpo_trl.tags import own_text_from_ids
+from arpo_trl.tools.tags import own_text_from_ids
 
 METRICS = ("auto", "math", "f1", "em", "choice")
 # The rule by data source (the `task` column: ARPO's parquet `ability`, our loaders' task names) for rows that name
@@ -77,7 +77,7 @@ def score_completion(text: str, ground_truth, metric: str, require_answer_tag: b
 def score_paths(paths: Sequence, truth, metric: str, decode: Callable[[Sequence[int]], str], tags: Sequence[str],
                 require_answer_tag: bool = True, save_text: bool = True) -> list[dict[str, Any]]:
     """Score a question's sampled paths (`Trajectory`s): the model's own text is decoded outside the recorded result
-    spans (`arpo_trl.tags.own_text_from_ids`), in any call format."""
+    spans (`arpo_trl.tools.tags.own_text_from_ids`), in any call format."""
     completions = []
     for path in paths:
         text = decode(path.completion_ids)

@@ -17,7 +17,7 @@ told each completion's calls as the sampler recorded them (`arpo_calls`: `ToolCa
 own text (`arpo_model_text`: the completion decoded outside the recorded result spans), so the checks work for every
 call format (`tags`, `chat_template`): a call is well-formed when the environment answered it. Without them
 (text-only callers, e.g. TRL's own `GRPOTrainer`), result blocks are found by their markers
-(`arpo_trl.tags.own_text_from_markers`) and the reference's text check over `<tag>` and `<result>` tags applies.
+(`arpo_trl.tools.tags.own_text_from_markers`) and the reference's text check over `<tag>` and `<result>` tags applies.
 A result marker in the model's own text is a format error (docs/rewards.md). The reference reads the whole decoded
 completion, tool output included (docs/differences.md).
 
@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from arpo_trl.scoring import ScoreReport, default_scorer
-from arpo_trl.tags import OwnText, as_own_text, own_text_from_markers, unanswered_tag_call
+from arpo_trl.tools.tags import OwnText, as_own_text, own_text_from_markers, unanswered_tag_call
 
 GROUND_TRUTH_COLUMNS = ("ground_truth", "answer", "solution")
 MULTI_TOOL_BONUS = 0.1
@@ -76,7 +76,7 @@ def _answered(call: dict) -> bool:
 
 def own_text(text: str, calls: Calls = None, model_text: str | None = None) -> OwnText:
     """What the model wrote of the completion `text`: `model_text` when the caller decoded it from the sampler's
-    records (`arpo_trl.tags.own_text_from_ids`), else `text` without the result blocks its markers show."""
+    records (`arpo_trl.tools.tags.own_text_from_ids`), else `text` without the result blocks its markers show."""
     if model_text is None:
         return own_text_from_markers(text, TOOL_TAGS)
     if not isinstance(model_text, str):

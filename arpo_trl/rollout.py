@@ -45,11 +45,11 @@ from arpo_trl.entropy import check_entropy_args, segment_entropy
 from arpo_trl.entropy_balance import aepo_fork_probability, check_aepo_args, global_samples
 from arpo_trl.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory
 from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
-from arpo_trl.tags import cut_at_stop
 from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall, bind_call, observation
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.environments import fork_environment
 from arpo_trl.tools.runner import CallOutcome
+from arpo_trl.tools.tags import cut_at_stop
 
 BRANCH_POLICIES = ("entropy", "random", "aepo", "none")
 SCHEDULERS = ("auto", "events", "waves")

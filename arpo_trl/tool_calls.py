@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from arpo_trl.tags import call_start, extract_call
 from arpo_trl.tools.base import Tool, ToolEnvironmentError, format_result
 from arpo_trl.tools.environments import EnvironmentMethodTool
 from arpo_trl.tools.functions import has_function_tools
 from arpo_trl.tools.runner import CallOutcome
+from arpo_trl.tools.tags import call_start, extract_call
 
 TOOL_CALL_FORMATS = ("auto", "tags", "chat_template")
 _SENTINEL = "ARPO_TOOL_RESULT_7f3a"

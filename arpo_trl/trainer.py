@@ -51,12 +51,12 @@ from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.scoring import configure_math_scoring
 from arpo_trl.server.client import VLLMClient
 from arpo_trl.server.trainer_mode import ServerMode
-from arpo_trl.tags import own_text_from_ids
 from arpo_trl.time_budget import TimeBudget
 from arpo_trl.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.failures import ToolFailureWatch
 from arpo_trl.tools.functions import as_tools
+from arpo_trl.tools.tags import own_text_from_ids
 from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
 from arpo_trl.training import TreePackedTraining
 from arpo_trl.trees import node_table, select, tree_html, tree_records, write_jsonl

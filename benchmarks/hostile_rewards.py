@@ -37,9 +37,9 @@ from arpo_trl.rewards import (
     last_boxed,
     validate_format,
 )
-from arpo_trl.tags import extract_call, own_text_from_markers
 from arpo_trl.tool_calls import TagFormat
 from arpo_trl.tools.base import Tool
+from arpo_trl.tools.tags import extract_call, own_text_from_markers
 
 TRUTH = "3"
 

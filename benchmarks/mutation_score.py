@@ -88,7 +88,7 @@ TARGETS = (
         _HOSTILE + "cheap_answers_score_exactly_as_math_verify_in_process",
     ), ("nesting_depth", "_squash", "MathScorer.score", "MathScorer._capped", "MathScorer._cached",
         "MathScorer._store")),
-    Target("tags", "arpo_trl/tags.py", (
+    Target("tags", "arpo_trl/tools/tags.py", (
         "tests/test_tags.py", *_FUZZ_TAGS, "tests/test_rollout.py::test_cut_when_the_tag_ends_inside_a_token",
         "tests/test_rollout.py::test_straddling_token_is_rewritten",
     )),

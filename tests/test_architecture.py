@@ -16,7 +16,7 @@ MIN_COPIED_LINES = 6
 # Layers, lowest first: a module may import its own layer or lower ones. `arpo_trl` itself (the public API) and
 # `arpo_trl.cli` (the dispatcher, above every command) sit on top.
 LAYERS: dict[str, list[str]] = {
-    "records": ["tags", "trees.records", "scoring", "_math_worker", "markdown", "assets", "models",
+    "records": ["trees.records", "scoring", "_math_worker", "markdown", "assets", "models",
                 "preflight", "distributed", "corpora", "arithmetic_chains"],
     "engines/tools": ["entropy", "entropy.*", "engines", "generation", "generation.*", "tool_calls", "tools", "tools.*",
                       "server", "server.client", "server.responses", "server.segments", "server.engine",
@@ -32,7 +32,7 @@ LAYERS: dict[str, list[str]] = {
     "top": ["__init__", "cli", "server.__main__"],
 }
 # Where a regex or a search for the tag format's result text may stand: the tag format itself.
-TAG_FORMAT_MODULES = {"tags", "tools.base"}
+TAG_FORMAT_MODULES = {"tools.tags", "tools.base"}
 
 
 def _modules() -> dict[str, Path]:

@@ -1,4 +1,4 @@
-"""Hypothesis fuzzing of the tag parser (`arpo_trl.tags`), the tool-call formats (`arpo_trl.tool_calls`) and the
+"""Hypothesis fuzzing of the tag parser (`arpo_trl.tools.tags`), the tool-call formats (`arpo_trl.tool_calls`) and the
 branching sampler's bookkeeping (`arpo_trl.rollout`), on random tag soup, unicode and token splits.
 
 Tokenizers: the real byte-level BPE of `tiny.py` (canonical encodings glued to raw vocabulary ids, so tags and
@@ -28,9 +28,9 @@ from transformers import PreTrainedTokenizerFast
 
 from arpo_trl.engines import Segment
 from arpo_trl.rollout import BRANCH_POLICIES, BranchingSampler
-from arpo_trl.tags import cut_at_stop, extract_call, first_stop
 from arpo_trl.tool_calls import ChatTemplateFormat, TagFormat, ToolCall
 from arpo_trl.tools.base import Tool, format_result
+from arpo_trl.tools.tags import cut_at_stop, extract_call, first_stop
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ROLLOUTS = settings(max_examples=150, deadline=None,

@@ -28,8 +28,8 @@ from arpo_trl.rewards import (
     format_credit_reward,
     validate_format,
 )
-from arpo_trl.tags import own_text_from_ids, own_text_from_markers
 from arpo_trl.tools.base import Tool
+from arpo_trl.tools.tags import own_text_from_ids, own_text_from_markers
 
 FROM_THE_TOOL = "<think>a</think><python>print(x)</python> <result>\n<answer>\\boxed{42}</answer>\n</result>"
 PRINT_ANSWER = 'print(r"<%s>\\boxed{{{}}}</%s>" % ("answer", "answer"))'  # no answer tag in the code itself

@@ -14,8 +14,8 @@ import pytest
 
 from arpo_trl.engines import Segment
 from arpo_trl.rollout import BranchingSampler
-from arpo_trl.tags import cut_at_stop, extract_call
 from arpo_trl.tools import PythonTool, Tool, ToolEnvironmentError
+from arpo_trl.tools.tags import cut_at_stop, extract_call
 
 CALL = "<python>print(1+1)</python>"
 

@@ -1,10 +1,10 @@
-"""Exact cases of the tag cutting (`arpo_trl.tags`) where one token completes more than one stop string: the model's
-text must be cut at the first tag to end, and the call read from it (the fuzz tests in test_fuzz.py check the
-contract on random text)."""
+"""Exact cases of the tag cutting (`arpo_trl.tools.tags`) where one token completes more than one stop string: the
+model's text must be cut at the first tag to end, and the call read from it (the fuzz tests in test_fuzz.py check
+the contract on random text)."""
 
 from __future__ import annotations
 
-from arpo_trl.tags import cut_at_stop, extract_call, first_stop
+from arpo_trl.tools.tags import cut_at_stop, extract_call, first_stop
 
 
 class Pieces:
