@@ -10,10 +10,10 @@ import torch
 
 from arpo_trl.advantages import check_attribution
 from arpo_trl.dropin.grpo_fields import check_grpo_fields
-from arpo_trl.engines import check_generation_kwargs
 from arpo_trl.entropy import check_entropy_args, resolve_estimator
 from arpo_trl.entropy_balance import check_aepo_args
 from arpo_trl.entropy_balanced_update import check_entropy_balanced_update
+from arpo_trl.generation.engine import check_generation_kwargs
 from arpo_trl.generation.speculation import check_draft_tokens
 from arpo_trl.preflight import vllm_importable
 from arpo_trl.rollout import SCHEDULERS, check_branching_args, default_initial_rollouts

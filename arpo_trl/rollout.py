@@ -40,9 +40,9 @@ from dataclasses import replace
 from transformers import PreTrainedTokenizerBase
 
 from arpo_trl.budget import FillUps
-from arpo_trl.engines import GenerationEngine, Segment
 from arpo_trl.entropy import check_entropy_args, segment_entropy
 from arpo_trl.entropy_balance import aepo_fork_probability, check_aepo_args, global_samples
+from arpo_trl.generation.engine import GenerationEngine, Segment
 from arpo_trl.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory
 from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
 from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall, bind_call, observation

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from tiny import build_tokenizer  # noqa: E402
 
-from arpo_trl.engines import Segment  # noqa: E402
+from arpo_trl.generation.engine import Segment  # noqa: E402
 from arpo_trl.rollout import BranchingSampler  # noqa: E402
 from arpo_trl.tools import Tool  # noqa: E402
 

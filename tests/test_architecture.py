@@ -18,7 +18,7 @@ MIN_COPIED_LINES = 6
 LAYERS: dict[str, list[str]] = {
     "records": ["trees.records", "scoring", "_math_worker", "markdown", "assets", "models",
                 "preflight", "distributed", "corpora", "arithmetic_chains"],
-    "engines/tools": ["entropy", "entropy.*", "engines", "generation", "generation.*", "tool_calls", "tools", "tools.*",
+    "engines/tools": ["entropy", "entropy.*", "generation", "generation.*", "tool_calls", "tools", "tools.*",
                       "server", "server.client", "server.responses", "server.segments", "server.engine",
                       "server.server_check",
                       "colocate", "colocate.outputs", "colocate.engine", "colocate.engine_args"],

@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from arpo_trl.engines import Segment
+from arpo_trl.generation.engine import Segment
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import (
     BrowseTool,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from arpo_trl.engines import SamplingSettings, TransformersEngine
 from arpo_trl.generation import CachedTransformersEngine, PrefixCache
+from arpo_trl.generation.engine import SamplingSettings, TransformersEngine
 from arpo_trl.generation.prefix_cache import CachedPrefix, common_prefix_length
 from arpo_trl.generation.sampling import sample_tokens
 from arpo_trl.generation.support import cache_budget

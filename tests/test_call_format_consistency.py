@@ -18,7 +18,7 @@ from datasets import Dataset
 
 from arpo_trl import ARPOTrainer, arpo_math_reward
 from arpo_trl.commands.evaluate import EvalArguments, EvalSetup, evaluate
-from arpo_trl.engines import Segment
+from arpo_trl.generation.engine import Segment
 from arpo_trl.rewards import format_credit_reward
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tool_calls import make_call_format

@@ -20,8 +20,8 @@ from test_tree_packing import LOSS_TYPES, assert_packed_matches_unpacked, make_t
 from transformers import AutoModelForCausalLM
 
 from arpo_trl import ARPOConfig, ARPOTrainer, arpo_math_reward
-from arpo_trl.engines import TransformersEngine
 from arpo_trl.generation import CachedTransformersEngine
+from arpo_trl.generation.engine import TransformersEngine
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool
 

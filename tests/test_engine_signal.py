@@ -10,8 +10,8 @@ import torch
 from tiny import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from arpo_trl.engines import SamplingSettings, TransformersEngine
 from arpo_trl.generation import CachedTransformersEngine, cached_engine_blocker
+from arpo_trl.generation.engine import SamplingSettings, TransformersEngine
 from arpo_trl.generation.prefill import PrefillJob, prefill
 from arpo_trl.generation.support import check_full_attention
 from arpo_trl.rollout import BranchingSampler

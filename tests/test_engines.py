@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from arpo_trl.engines import SamplingSettings, TransformersEngine
 from arpo_trl.entropy import segment_entropy, token_entropy
 from arpo_trl.generation import CachedTransformersEngine
+from arpo_trl.generation.engine import SamplingSettings, TransformersEngine
 
 ENGINES = pytest.mark.parametrize("engine_class", [TransformersEngine, CachedTransformersEngine])
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from arpo_trl.engines import SamplingSettings, TransformersEngine
 from arpo_trl.entropy import segment_entropy, token_entropy, top_k_entropies
+from arpo_trl.generation.engine import SamplingSettings, TransformersEngine
 from arpo_trl.server.engine import VLLMServerEngine
 
 

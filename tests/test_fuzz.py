@@ -26,7 +26,7 @@ from tiny import SPECIALS, tool_transcript
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from arpo_trl.engines import Segment
+from arpo_trl.generation.engine import Segment
 from arpo_trl.rollout import BRANCH_POLICIES, BranchingSampler
 from arpo_trl.tool_calls import ChatTemplateFormat, TagFormat, ToolCall
 from arpo_trl.tools.base import Tool, format_result

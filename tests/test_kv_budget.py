@@ -9,8 +9,8 @@ import torch
 from test_cached_engine import GREEDY, _as_tuples, _prompt
 from transformers import DynamicCache
 
-from arpo_trl.engines import TransformersEngine
 from arpo_trl.generation import CachedTransformersEngine
+from arpo_trl.generation.engine import TransformersEngine
 from arpo_trl.generation.kv_budget import (
     DEFAULT_MEMORY_FRACTION,
     KVBudget,

@@ -18,8 +18,8 @@ from tiny import tiny_model
 from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool
 from arpo_trl.commands.evaluate import EvalArguments, EvalSetup, evaluate, prompt_ids, resolve_metric
 from arpo_trl.data import arpo_released
-from arpo_trl.engines import Segment
 from arpo_trl.eval_metrics import score_answer, score_completion
+from arpo_trl.generation.engine import Segment
 from arpo_trl.rewards import (
     answer_accuracy,
     arpo_f1_reward,

@@ -7,8 +7,14 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from arpo_trl.engines import SamplingSettings, TransformersEngine, model_for_generation, packable_head, packed_head
 from arpo_trl.generation import CachedTransformersEngine
+from arpo_trl.generation.engine import (
+    SamplingSettings,
+    TransformersEngine,
+    model_for_generation,
+    packable_head,
+    packed_head,
+)
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from arpo_trl.engines import Segment
+from arpo_trl.generation.engine import Segment
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import PythonTool, Tool, ToolEnvironmentError
 from arpo_trl.tools.tags import cut_at_stop, extract_call

@@ -16,7 +16,7 @@ import pytest
 from fake_vllm import DROP, TRUNCATE, FakeVLLM, Mutate, Raw, Slow, Status
 from tiny import question
 
-from arpo_trl.engines import SamplingSettings
+from arpo_trl.generation.engine import SamplingSettings
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.server.client import VLLMClient, VLLMServerError
 from arpo_trl.server.engine import VLLMServerEngine

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from arpo_trl.engines import SamplingSettings, TransformersEngine
 from arpo_trl.generation import CachedTransformersEngine
 from arpo_trl.generation.calibration import CPU_COSTS
+from arpo_trl.generation.engine import SamplingSettings, TransformersEngine
 from arpo_trl.generation.speculation import Acceptance, DraftIndex, step_cost
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool

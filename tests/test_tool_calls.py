@@ -9,7 +9,7 @@ import pytest
 from tiny import HERMES, build_tokenizer, tiny_model
 
 from arpo_trl import ARPOConfig, ARPOTrainer, arpo_math_reward
-from arpo_trl.engines import Segment
+from arpo_trl.generation.engine import Segment
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tool_calls import ChatTemplateFormat, TagFormat, ToolCall, make_call_format
 from arpo_trl.tools import BrowseTool, PageStore, PythonTool, SearchTool, Tool

@@ -24,8 +24,8 @@ from tiny import build_tokenizer, question
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from arpo_trl import ARPOTrainer, PythonTool, Tool
-from arpo_trl.engines import SamplingSettings
 from arpo_trl.entropy import token_entropy
+from arpo_trl.generation.engine import SamplingSettings
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.server.client import VLLMClient, VLLMServerError, check_server_tokenizer
 from arpo_trl.server.engine import VLLMServerEngine

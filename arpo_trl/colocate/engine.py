@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from arpo_trl.colocate.outputs import WHERE, cached_tokens, completion_body
-from arpo_trl.engines import SamplingSettings, Segment, _check_budgets
+from arpo_trl.generation.engine import SamplingSettings, Segment, _check_budgets
 from arpo_trl.server.segments import SegmentReader
 
 

@@ -36,7 +36,6 @@ from arpo_trl.commands.builders import (
     recipe_hint,
     resolve_model,
 )
-from arpo_trl.engines import SamplingSettings, eos_token_ids
 from arpo_trl.eval_metrics import (
     METRICS,
     ground_truth,
@@ -50,6 +49,7 @@ from arpo_trl.eval_metrics import (
     source_table,
     summarize,
 )
+from arpo_trl.generation.engine import SamplingSettings, eos_token_ids
 from arpo_trl.preflight import check_writable_dir
 from arpo_trl.scoring import configure_math_scoring
 
@@ -234,7 +234,7 @@ def transformers_engine(args: EvalArguments, model_path: str, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from arpo_trl.engines import TransformersEngine
+    from arpo_trl.generation.engine import TransformersEngine
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:

@@ -24,7 +24,10 @@ from typing import Literal
 import torch
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from arpo_trl.engines import (
+from arpo_trl.entropy import sampling_warpers, token_entropy
+from arpo_trl.generation.admission import Admission, Request
+from arpo_trl.generation.calibration import ForwardCosts, device_costs, measured_costs
+from arpo_trl.generation.engine import (
     SamplingSettings,
     Segment,
     TransformersEngine,
@@ -34,9 +37,6 @@ from arpo_trl.engines import (
     stop_window,
     tail_has_stop,
 )
-from arpo_trl.entropy import sampling_warpers, token_entropy
-from arpo_trl.generation.admission import Admission, Request
-from arpo_trl.generation.calibration import ForwardCosts, device_costs, measured_costs
 from arpo_trl.generation.event_loop import run_coroutine
 from arpo_trl.generation.kv_batch import LEFT_SLACK, KVBatch
 from arpo_trl.generation.kv_budget import KVAccounting

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from arpo_trl.engines import SamplingSettings, Segment, _check_budgets
+from arpo_trl.generation.engine import SamplingSettings, Segment, _check_budgets
 from arpo_trl.server.responses import VLLMServerError, Where
 from arpo_trl.server.segments import SegmentReader
 

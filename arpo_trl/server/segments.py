@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from arpo_trl.engines import SamplingSettings, Segment
 from arpo_trl.entropy import DEFAULT_SERVER_TOP_K, check_entropy_args, resolve_estimator, top_k_entropies
+from arpo_trl.generation.engine import SamplingSettings, Segment
 from arpo_trl.server.responses import CompletionRequest, Where, read_completion
 
 
