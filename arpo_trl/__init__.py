@@ -2,7 +2,8 @@
 
 from arpo_trl.advantages import hard_advantages, owner_mask, token_owners
 from arpo_trl.config import ARPOConfig
-from arpo_trl.generation.engine import GenerationEngine, Segment, TransformersEngine
+from arpo_trl.generation.engine import GenerationEngine, Segment
+from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.rewards import arpo_f1_reward, arpo_math_reward
 from arpo_trl.rollout import BranchingSampler, RolloutResult, Trajectory
 from arpo_trl.server.client import VLLMClient, VLLMServerError

@@ -44,9 +44,10 @@ from arpo_trl.dropin.environments import EnvironmentRollouts, placeholder_datase
 from arpo_trl.dropin.rows import TreeRows
 from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
 from arpo_trl.generation.cached_engine import CachedTransformersEngine
-from arpo_trl.generation.engine import GenerationEngine, SamplingSettings, TransformersEngine
+from arpo_trl.generation.engine import GenerationEngine, SamplingSettings
 from arpo_trl.generation.kv_budget import KVBudgetSetting
 from arpo_trl.generation.support import cache_budget, cached_engine_blocker
+from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.scoring import configure_math_scoring
 from arpo_trl.server.client import VLLMClient

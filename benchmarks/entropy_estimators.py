@@ -28,7 +28,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_trl.entropy import segment_entropy, token_entropy
-from arpo_trl.generation.engine import SamplingSettings, TransformersEngine
+from arpo_trl.generation.engine import SamplingSettings
+from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.models import smollm2_path
 from arpo_trl.tools import PythonTool
 

@@ -11,10 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from arpo_trl.generation import CachedTransformersEngine, PrefixCache
-from arpo_trl.generation.engine import SamplingSettings, TransformersEngine
+from arpo_trl.generation.engine import SamplingSettings
 from arpo_trl.generation.prefix_cache import CachedPrefix, common_prefix_length
 from arpo_trl.generation.sampling import sample_tokens
 from arpo_trl.generation.support import cache_budget
+from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool
 

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from arpo_trl import ARPOConfig, ARPOTrainer, arpo_math_reward
 from arpo_trl.generation import CachedTransformersEngine
-from arpo_trl.generation.engine import TransformersEngine
+from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool
 

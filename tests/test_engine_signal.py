@@ -11,9 +11,10 @@ from tiny import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from arpo_trl.generation import CachedTransformersEngine, cached_engine_blocker
-from arpo_trl.generation.engine import SamplingSettings, TransformersEngine
+from arpo_trl.generation.engine import SamplingSettings
 from arpo_trl.generation.prefill import PrefillJob, prefill
 from arpo_trl.generation.support import check_full_attention
+from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool
 

@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from arpo_trl.entropy import segment_entropy, token_entropy
 from arpo_trl.generation import CachedTransformersEngine
-from arpo_trl.generation.engine import SamplingSettings, TransformersEngine
+from arpo_trl.generation.engine import SamplingSettings
+from arpo_trl.generation.transformers_engine import TransformersEngine
 
 ENGINES = pytest.mark.parametrize("engine_class", [TransformersEngine, CachedTransformersEngine])
 

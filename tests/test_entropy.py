@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from arpo_trl.entropy import segment_entropy, token_entropy, top_k_entropies
-from arpo_trl.generation.engine import SamplingSettings, TransformersEngine
+from arpo_trl.generation.engine import SamplingSettings
+from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.server.engine import VLLMServerEngine
 
 

@@ -145,7 +145,7 @@ def test_training_step_and_compute_loss_see_what_grpo_trainer_gives_them(tmp_pat
 
 # ---- the engine's per-token statistics cannot be skipped silently ------------------------------------------------
 def test_a_generate_that_skips_the_logits_processor_is_named(tokenizer):
-    from arpo_trl.generation.engine import TransformersEngine
+    from arpo_trl.generation.transformers_engine import TransformersEngine
 
     model = tiny_model(tokenizer)
     standard = model.generate

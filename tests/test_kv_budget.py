@@ -10,7 +10,6 @@ from test_cached_engine import GREEDY, _as_tuples, _prompt
 from transformers import DynamicCache
 
 from arpo_trl.generation import CachedTransformersEngine
-from arpo_trl.generation.engine import TransformersEngine
 from arpo_trl.generation.kv_budget import (
     DEFAULT_MEMORY_FRACTION,
     KVBudget,
@@ -18,6 +17,7 @@ from arpo_trl.generation.kv_budget import (
     kv_bytes_per_token,
     wave_batches,
 )
+from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool
 

@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from arpo_trl.generation import CachedTransformersEngine
 from arpo_trl.generation.calibration import CPU_COSTS
-from arpo_trl.generation.engine import SamplingSettings, TransformersEngine
+from arpo_trl.generation.engine import SamplingSettings
 from arpo_trl.generation.speculation import Acceptance, DraftIndex, step_cost
+from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool
 from tests.test_cached_engine import GREEDY, _chi2_and_bound, _prompt

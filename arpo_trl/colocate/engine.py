@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from arpo_trl.colocate.outputs import WHERE, cached_tokens, completion_body
-from arpo_trl.generation.engine import SamplingSettings, Segment, _check_budgets
+from arpo_trl.generation.engine import SamplingSettings, Segment, check_budgets
 from arpo_trl.server.segments import SegmentReader
 
 
@@ -154,7 +154,7 @@ class ColocatedVLLMEngine:
 
     # --- generation ----------------------------------------------------------------------------------------------
     async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
-        _check_budgets([prefix], [max_new_tokens])
+        check_budgets([prefix], [max_new_tokens])
         loop = asyncio.get_running_loop()
         driver = self._drivers.get(loop) or self._drivers.setdefault(loop, _LoopDriver(self))
         output = await driver.submit(self._new_id(), list(prefix), self._params(max_new_tokens, stop))
@@ -162,7 +162,7 @@ class ColocatedVLLMEngine:
 
     def generate(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                  stop: Sequence[str]) -> list[Segment]:
-        _check_budgets(prefixes, max_new_tokens)
+        check_budgets(prefixes, max_new_tokens)
         requests = [(self._new_id(), list(p), self._params(b, stop)) for p, b in zip(prefixes, max_new_tokens)]
         outputs = self.call(lambda: self._run_batch(requests))
         return [self._segment(outputs[rid], p, b, stop)

@@ -234,7 +234,7 @@ def transformers_engine(args: EvalArguments, model_path: str, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from arpo_trl.generation.engine import TransformersEngine
+    from arpo_trl.generation.transformers_engine import TransformersEngine
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:

@@ -27,19 +27,11 @@ from transformers.generation.logits_process import LogitsProcessorList, Repetiti
 from arpo_trl.entropy import sampling_warpers, token_entropy
 from arpo_trl.generation.admission import Admission, Request
 from arpo_trl.generation.calibration import ForwardCosts, device_costs, measured_costs
-from arpo_trl.generation.engine import (
-    SamplingSettings,
-    Segment,
-    TransformersEngine,
-    _check_budgets,
-    eval_mode,
-    model_for_generation,
-    stop_window,
-    tail_has_stop,
-)
+from arpo_trl.generation.engine import SamplingSettings, Segment, check_budgets, stop_window, tail_has_stop
 from arpo_trl.generation.event_loop import run_coroutine
 from arpo_trl.generation.kv_batch import LEFT_SLACK, KVBatch
 from arpo_trl.generation.kv_budget import KVAccounting
+from arpo_trl.generation.model_context import eval_mode, model_for_generation
 from arpo_trl.generation.prefix_cache import CachedPrefix, PrefixCache
 from arpo_trl.generation.sampling import sample_tokens
 from arpo_trl.generation.speculation import (
@@ -50,6 +42,7 @@ from arpo_trl.generation.speculation import (
     check_draft_tokens,
 )
 from arpo_trl.generation.support import SUPPORTED_KEYS, check_full_attention
+from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.generation.weights import WeightsVersion
 
 
@@ -106,7 +99,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
                  stop: Sequence[str]) -> list[Segment]:
         """A wave, for the waves scheduler and evaluation: its requests share the batch and each other's prefixes;
         the cache is freed afterwards, unless a `rollout_scope` keeps it for the rollout's next waves."""
-        _check_budgets(prefixes, max_new_tokens)
+        check_budgets(prefixes, max_new_tokens)
 
         async def wave() -> list[Segment]:
             try:
@@ -129,7 +122,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
             self._forget_cache()
 
     async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
-        _check_budgets([prefix], [max_new_tokens])
+        check_budgets([prefix], [max_new_tokens])
         if not prefix:
             raise ValueError("agenerate: the prefix must hold at least one token.")
         request = Request(list(prefix), max_new_tokens, list(stop), asyncio.get_running_loop().create_future(),

@@ -23,7 +23,7 @@ def cache_budget(config: dict | str | None) -> int | None:
     return blocks * size if blocks and size else None
 
 
-# an allow-list, where the waves engine has a deny-list (engines.check_generation_kwargs): this engine samples
+# an allow-list, where the waves engine has a deny-list (engine.check_generation_kwargs): this engine samples
 # itself and implements exactly these, while `model.generate` would run whatever else HF knows
 SUPPORTED_KEYS = {"do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
 

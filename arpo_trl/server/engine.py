@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from arpo_trl.generation.engine import SamplingSettings, Segment, _check_budgets
+from arpo_trl.generation.engine import SamplingSettings, Segment, check_budgets
 from arpo_trl.server.responses import VLLMServerError, Where
 from arpo_trl.server.segments import SegmentReader
 
@@ -56,7 +56,7 @@ class VLLMServerEngine:
     def generate(
         self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop: Sequence[str]
     ) -> list[Segment]:
-        _check_budgets(prefixes, max_new_tokens)
+        check_budgets(prefixes, max_new_tokens)
         futures = [self._pool.submit(self._complete, list(p), b, list(stop)) for p, b in zip(prefixes, max_new_tokens)]
         try:
             return [future.result() for future in futures]
@@ -67,7 +67,7 @@ class VLLMServerEngine:
 
     async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
         """One segment, from asyncio: the event-driven scheduler sends each path's request as soon as it is ready."""
-        _check_budgets([prefix], [max_new_tokens])
+        check_budgets([prefix], [max_new_tokens])
         payload = self._payload(list(prefix), max_new_tokens, list(stop))
         return self.reader.read(await self.client.acompletion(payload), max_new_tokens, stop)
 
