@@ -39,11 +39,11 @@ from arpo_trl.advantages import (
 )
 from arpo_trl.colocate.trainer_mode import ColocateMode
 from arpo_trl.config import ARPOConfig
-from arpo_trl.distributed import LockstepEngine, run_on_main_process
 from arpo_trl.dropin.environments import EnvironmentRollouts, placeholder_dataset, setup_environments
 from arpo_trl.dropin.rows import TreeRows
 from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
 from arpo_trl.generation.cached_engine import CachedTransformersEngine
+from arpo_trl.generation.distributed import LockstepEngine, run_on_main_process
 from arpo_trl.generation.engine import GenerationEngine, SamplingSettings
 from arpo_trl.generation.kv_budget import KVBudgetSetting
 from arpo_trl.generation.support import cache_budget, cached_engine_blocker

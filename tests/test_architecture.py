@@ -17,7 +17,7 @@ MIN_COPIED_LINES = 6
 # `arpo_trl.cli` (the dispatcher, above every command) sit on top.
 LAYERS: dict[str, list[str]] = {
     "records": ["trees.records", "scoring", "_math_worker", "markdown", "assets", "models",
-                "preflight", "distributed", "corpora", "arithmetic_chains"],
+                "preflight", "corpora", "arithmetic_chains"],
     "engines/tools": ["entropy", "entropy.*", "generation", "generation.*", "tool_calls", "tools", "tools.*",
                       "server", "server.client", "server.responses", "server.segments", "server.engine",
                       "server.server_check",

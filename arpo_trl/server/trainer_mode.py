@@ -13,7 +13,7 @@ from accelerate.utils import gather_object
 from peft import PeftModel
 
 from arpo_trl.config import ARPOConfig
-from arpo_trl.distributed import run_on_main_process
+from arpo_trl.generation.distributed import run_on_main_process
 from arpo_trl.preflight import vllm_importable
 from arpo_trl.server.client import check_server_tokenizer
 from arpo_trl.server.engine import VLLMServerEngine

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from arpo_trl.distributed import run_on_main_process
+from arpo_trl.generation.distributed import run_on_main_process
 from arpo_trl.server.client import VLLMClient
 
 SYNC_MODES = ("auto", "nccl", "lora", "reload", "none")
