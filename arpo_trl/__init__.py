@@ -1,5 +1,8 @@
 """arpo-trl: ARPO (Agentic Reinforced Policy Optimization, Dong et al. 2025, arXiv 2507.19849) on TRL."""
 
+import importlib
+import sys
+
 from arpo_trl.advantages import hard_advantages, owner_mask, token_owners
 from arpo_trl.config import ARPOConfig
 from arpo_trl.generation.engine import GenerationEngine, Segment
@@ -19,3 +22,10 @@ __all__ = [
     "VLLMClient", "VLLMServerEngine", "VLLMServerError",
     "arpo_f1_reward", "arpo_math_reward", "hard_advantages", "owner_mask", "token_owners",
 ]
+
+# Module paths of arpo-trl 0.1 that the docs named, kept for users (docs/architecture.md, moved modules): each is the
+# moved module itself, so that imports, attribute access and monkeypatching reach the same object. Nothing inside the
+# package imports them (tests/test_architecture.py).
+_MOVED = {"tool_calls": "rollout.tool_calls"}
+for _old, _new in _MOVED.items():
+    globals()[_old] = sys.modules[f"{__name__}.{_old}"] = importlib.import_module(f"{__name__}.{_new}")

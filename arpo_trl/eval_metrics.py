@@ -17,7 +17,6 @@ from dataclasses import asdict
 from typing import Any
 
 from arpo_trl.markdown import markdown_table
-from arpo_trl.paths import ToolCallRecord
 from arpo_trl.rewards import (
     GROUND_TRUTH_COLUMNS,
     OwnText,
@@ -31,6 +30,7 @@ from arpo_trl.rewards import (
     own_text,
     validate_format,
 )
+from arpo_trl.rollout.paths import ToolCallRecord
 from arpo_trl.tools.tags import own_text_from_ids
 
 METRICS = ("auto", "math", "f1", "em", "choice")

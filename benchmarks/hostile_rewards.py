@@ -37,7 +37,7 @@ from arpo_trl.rewards import (
     last_boxed,
     validate_format,
 )
-from arpo_trl.tool_calls import TagFormat
+from arpo_trl.rollout.tool_calls import TagFormat
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.tags import extract_call, own_text_from_markers
 

@@ -92,7 +92,7 @@ TARGETS = (
         "tests/test_tags.py", *_FUZZ_TAGS, "tests/test_rollout.py::test_cut_when_the_tag_ends_inside_a_token",
         "tests/test_rollout.py::test_straddling_token_is_rewritten",
     )),
-    Target("budget", "arpo_trl/budget.py", ("tests/test_budget.py", *_ROLLOUT_FAST)),
+    Target("budget", "arpo_trl/rollout/budget.py", ("tests/test_budget.py", *_ROLLOUT_FAST)),
     # The fork rule only: the rest of rollout.py is the path program, covered by the slower rollout tests.
     Target("fork_rule", "arpo_trl/rollout.py", ("tests/test_fork_rule.py", *_ROLLOUT_FAST), (
         "default_initial_rollouts", "BranchingSampler.fork_probability", "BranchingSampler._at_tool_result",

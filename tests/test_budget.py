@@ -1,5 +1,5 @@
-"""The fill-up rule (`arpo_trl.budget.FillUps`, paper §3.1 step 4) on hand-built rollouts: how many paths forking
-could still add, how many it is expected to add, and which fill-ups start, are confirmed or are dropped."""
+"""The fill-up rule (`arpo_trl.rollout.budget.FillUps`, paper §3.1 step 4) on hand-built rollouts: how many paths
+forking could still add, how many it is expected to add, and which fill-ups start, are confirmed or are dropped."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from arpo_trl.budget import FillUps
-from arpo_trl.paths import Rollout, ToolCallRecord
+from arpo_trl.rollout.budget import FillUps
+from arpo_trl.rollout.paths import Rollout, ToolCallRecord
 
 PROMPT = [5, 6, 7]
 

@@ -21,7 +21,7 @@ from arpo_trl.commands.evaluate import EvalArguments, EvalSetup, evaluate
 from arpo_trl.generation.engine import Segment
 from arpo_trl.rewards import format_credit_reward
 from arpo_trl.rollout import BranchingSampler
-from arpo_trl.tool_calls import make_call_format
+from arpo_trl.rollout.tool_calls import make_call_format
 from arpo_trl.tools import BM25Backend, PythonTool, SearchTool
 from arpo_trl.tools.tags import own_text_from_ids
 from arpo_trl.trees.records import tree_records

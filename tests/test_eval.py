@@ -18,7 +18,7 @@ from arpo_trl.cli import main
 from arpo_trl.commands.evaluate import RESULTS_FILE, EvalArguments, EvalSetup, check_args, evaluate, make_eval_parser
 from arpo_trl.eval_metrics import pass_at_k, score_answer, score_completion, tool_call_counts
 from arpo_trl.generation.engine import Segment
-from arpo_trl.paths import ToolCallRecord
+from arpo_trl.rollout.paths import ToolCallRecord
 from arpo_trl.tools.base import Tool
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "eval_quickstart.yaml"

@@ -1,5 +1,5 @@
-"""Hypothesis fuzzing of the tag parser (`arpo_trl.tools.tags`), the tool-call formats (`arpo_trl.tool_calls`) and the
-branching sampler's bookkeeping (`arpo_trl.rollout`), on random tag soup, unicode and token splits.
+"""Hypothesis fuzzing of the tag parser (`arpo_trl.tools.tags`), the tool-call formats (`arpo_trl.rollout.tool_calls`)
+and the branching sampler's bookkeeping (`arpo_trl.rollout`), on random tag soup, unicode and token splits.
 
 Tokenizers: the real byte-level BPE of `tiny.py` (canonical encodings glued to raw vocabulary ids, so tags and
 multi-byte characters straddle token boundaries), a SentencePiece-style one (`▁` prepended to each encoded text), a
@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerFast
 
 from arpo_trl.generation.engine import Segment
 from arpo_trl.rollout import BRANCH_POLICIES, BranchingSampler
-from arpo_trl.tool_calls import ChatTemplateFormat, TagFormat, ToolCall
+from arpo_trl.rollout.tool_calls import ChatTemplateFormat, TagFormat, ToolCall
 from arpo_trl.tools.base import Tool, format_result
 from arpo_trl.tools.tags import cut_at_stop, extract_call, first_stop
 

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from arpo_trl.budget import FillUps
-from arpo_trl.paths import Rollout
+from arpo_trl.rollout.budget import FillUps
+from arpo_trl.rollout.paths import Rollout
 
 PROMPT = [5, 6, 7]
 

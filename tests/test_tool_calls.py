@@ -11,7 +11,7 @@ from tiny import HERMES, build_tokenizer, tiny_model
 from arpo_trl import ARPOConfig, ARPOTrainer, arpo_math_reward
 from arpo_trl.generation.engine import Segment
 from arpo_trl.rollout import BranchingSampler
-from arpo_trl.tool_calls import ChatTemplateFormat, TagFormat, ToolCall, make_call_format
+from arpo_trl.rollout.tool_calls import ChatTemplateFormat, TagFormat, ToolCall, make_call_format
 from arpo_trl.tools import BrowseTool, PageStore, PythonTool, SearchTool, Tool
 from arpo_trl.tools.base import format_result
 

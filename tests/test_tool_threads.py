@@ -201,7 +201,7 @@ def test_paths_generate_while_a_sync_call_runs_on_this_thread_past_its_deadline(
     from test_tool_calls import ScriptedEngine
 
     from arpo_trl.rollout import BranchingSampler
-    from arpo_trl.tool_calls import make_call_format
+    from arpo_trl.rollout.tool_calls import make_call_format
 
     generated_at: list[float] = []
 

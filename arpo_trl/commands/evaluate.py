@@ -337,7 +337,7 @@ def evaluate(args: EvalArguments, setup: EvalSetup | None = None) -> dict:
     the results (`config`, `model`, `metric`, `summary`, `per_seed`, `records`, `table`). `setup` replaces the
     engine, tools and data built from `args` (tests, notebooks)."""
     from arpo_trl.rollout import BranchingSampler
-    from arpo_trl.tool_calls import make_call_format
+    from arpo_trl.rollout.tool_calls import make_call_format
 
     setup = setup or prepare(args)
     configure_math_scoring(timeout=args.scoring_timeout, batch_timeout=max(8.0, args.scoring_timeout))
@@ -376,8 +376,8 @@ def make_eval_parser():
 
 def eval_command(argv: Sequence[str]) -> None:
     """`arpo-trl eval --config recipe.yaml [--flags]`: user mistakes end with one line and exit code 2."""
+    from arpo_trl.rollout.tool_calls import make_call_format
     from arpo_trl.server.client import VLLMServerError
-    from arpo_trl.tool_calls import make_call_format
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

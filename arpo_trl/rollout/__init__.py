@@ -13,12 +13,12 @@ Per prompt, with a budget of M trajectories, N global paths start the tree, and 
   5. back to 1, until EOS, the call limit or the budget.
 When forking can no longer fill a prompt's M slots (even if every live path forked at every tool result it may
 still reach), all the missing trajectories start at once as fresh global samples ("fill-ups", paper §3.1 step 4:
-"add M-N-Ẑ trajectory-level samples"; `arpo_trl.budget`, which also starts likely ones early). Each prompt ends
-with exactly M trajectories; the records are in `arpo_trl.paths`. AEPO's rollout (`branch_policy="aepo"`):
-`arpo_trl.entropy_balance`, docs/aepo.md.
+"add M-N-Ẑ trajectory-level samples"; `arpo_trl.rollout.budget`, which also starts likely ones early). Each prompt ends
+with exactly M trajectories; the records are in `arpo_trl.rollout.paths`. AEPO's rollout (`branch_policy="aepo"`):
+`arpo_trl.rollout.entropy_balance`, docs/aepo.md.
 
-A scheduler (`arpo_trl.scheduling`) drives the programs: against a server every path advances on its own; with a batch
-engine the requests ready together form one batch (a wave), in path order, so a seed reproduces the trees.
+A scheduler (`arpo_trl.rollout.scheduling`) drives the programs: against a server every path advances on its own; with a
+batch engine the requests ready together form one batch (a wave), in path order, so a seed reproduces the trees.
 
 Where we differ from the reference code, deliberately (docs/differences.md, which says why):
   * H_initial is reset every rollout and inherited by branches (the reference's per-slot dict is never cleared).
@@ -39,13 +39,13 @@ from dataclasses import replace
 
 from transformers import PreTrainedTokenizerBase
 
-from arpo_trl.budget import FillUps
 from arpo_trl.entropy import check_entropy_args, segment_entropy
-from arpo_trl.entropy_balance import aepo_fork_probability, check_aepo_args, global_samples
 from arpo_trl.generation.engine import GenerationEngine, Segment
-from arpo_trl.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory
-from arpo_trl.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
-from arpo_trl.tool_calls import CallFormat, TagFormat, ToolCall, bind_call, observation
+from arpo_trl.rollout.budget import FillUps
+from arpo_trl.rollout.entropy_balance import aepo_fork_probability, check_aepo_args, global_samples
+from arpo_trl.rollout.paths import Rollout, RolloutResult, ToolCallRecord, Trajectory
+from arpo_trl.rollout.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
+from arpo_trl.rollout.tool_calls import CallFormat, TagFormat, ToolCall, bind_call, observation
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.environments import fork_environment
 from arpo_trl.tools.runner import CallOutcome
@@ -118,7 +118,7 @@ class BranchingSampler:
         scheduler: str = "auto",
         speculative_fill_ups: bool = True,
         speculative_branches: bool = False, fill_up_hedge: float | None = 0.9,  # `budget.FillUps.hedge`
-        branch_penalty: float = 0.05,  # AEPO (`arpo_trl.entropy_balance`)
+        branch_penalty: float = 0.05,  # AEPO (`arpo_trl.rollout.entropy_balance`)
         pre_monitoring_beta: float | None = 0.5,  # AEPO
         segment_statistic: str = "mean",  # `arpo_trl.entropy.segment_entropy`
     ):

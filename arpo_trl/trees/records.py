@@ -20,9 +20,9 @@ Record schema, version 2 (one JSON object per trajectory, in `RolloutResult.traj
     reward, advantage   floats or null
     initial_entropy, segment_entropies   normalised entropy of the first k tokens of each segment (sampler's H)
     prompt          the decoded prompt on the group's first record, null on the others
-    calls           the sampler's record of each tool call (`arpo_trl.paths.ToolCallRecord`): {"tool", "arguments",
-                    "call_chars", "ran", "result_start", "result_end", "failed", "seconds"}; token offsets index
-                    the completion
+    calls           the sampler's record of each tool call (`arpo_trl.rollout.paths.ToolCallRecord`): {"tool",
+                    "arguments", "call_chars", "ran", "result_start", "result_end", "failed", "seconds"}; token offsets
+                    index the completion
     segments        [{"start", "end", "kind", "text"}]: the completion as consecutive token spans of one kind,
                     "model" (sampled, mask 1), "result" (a tool's reply, as `calls` places it) or "env" (other
                     environment tokens: a tag tail, the EOS after the call limit; mask 0). Texts re-join to the

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from arpo_trl.generation.event_loop import run_coroutine
-from arpo_trl.paths import Rollout, Trajectory
-from arpo_trl.tool_calls import CallFormat, ToolCall
+from arpo_trl.rollout.paths import Rollout, Trajectory
+from arpo_trl.rollout.tool_calls import CallFormat, ToolCall
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.runner import ToolRunner
 from arpo_trl.tools.training_thread import any_runs_here, run_loop_in_thread, runs_here

@@ -19,7 +19,7 @@ import math
 import random
 from collections.abc import Callable
 
-from arpo_trl.paths import Rollout, Trajectory, committed_count, speculative_fills
+from arpo_trl.rollout.paths import Rollout, Trajectory, committed_count, speculative_fills
 
 PRIOR_WEIGHT = 8  # segments (fork decisions) the previous rollouts' rates weigh in this rollout's estimates
 SURELY = 0.99  # before a prompt is heard from, the fill-ups it needs with this probability start (`surely_needed`)
