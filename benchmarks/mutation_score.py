@@ -93,8 +93,8 @@ TARGETS = (
         "tests/test_rollout.py::test_straddling_token_is_rewritten",
     )),
     Target("budget", "arpo_trl/rollout/budget.py", ("tests/test_budget.py", *_ROLLOUT_FAST)),
-    # The fork rule only: the rest of rollout.py is the path program, covered by the slower rollout tests.
-    Target("fork_rule", "arpo_trl/rollout.py", ("tests/test_fork_rule.py", *_ROLLOUT_FAST), (
+    # The fork rule only: the rest of the sampler is the path program, covered by the slower rollout tests.
+    Target("fork_rule", "arpo_trl/rollout/sampler.py", ("tests/test_fork_rule.py", *_ROLLOUT_FAST), (
         "default_initial_rollouts", "BranchingSampler.fork_probability", "BranchingSampler._at_tool_result",
         "BranchingSampler._branch", "BranchingSampler._may_fork", "BranchingSampler._decide_fork")),
 )

@@ -610,7 +610,7 @@ def test_sampler_bookkeeping_with_chat_template_calls(hermes, args, pool, n_prom
     run_sampler(hermes, args, pool, n_prompts, tools, chat_template=True)
 
 
-# ---- known bugs in rollout.py / tools/runner.py: reproductions, expected to pass once those are fixed ----------------
+# ---- known bugs in the rollout / tools/runner.py: reproductions, expected to pass once those are fixed -------------
 def _one_call_then_answer(text, rng):
     return (CALL, 0.1, "stop") if "</result>" not in text else ("<answer>1</answer>", 0.1, "eos")
 
