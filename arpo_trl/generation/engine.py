@@ -63,7 +63,7 @@ class Segment:
 class GenerationEngine(Protocol):
     """What the sampler needs. An engine may also offer `async agenerate(prefix, max_new_tokens, stop) -> Segment`
     (and `async aclose()`): the sampler then drives every path on its own
-    (`arpo_trl.rollout.scheduling.EventScheduler`); a batch-only engine is driven in waves."""
+    (`arpo_trl.rollout.events.EventScheduler`); a batch-only engine is driven in waves."""
 
     vocab_size: int
 

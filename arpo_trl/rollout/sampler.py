@@ -41,7 +41,8 @@ from arpo_trl.rollout.budget import FillUps
 from arpo_trl.rollout.entropy_balance import aepo_fork_probability, check_aepo_args, global_samples
 from arpo_trl.rollout.path_writer import OPEN, PathWriter
 from arpo_trl.rollout.paths import Rollout, RolloutResult, Trajectory
-from arpo_trl.rollout.scheduling import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
+from arpo_trl.rollout.requests import CallRequest, CommitRequest, GenerateRequest, PathRequest
+from arpo_trl.rollout.scheduling import make_scheduler
 from arpo_trl.rollout.tool_calls import CallFormat, TagFormat, ToolCall, bind_call
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.environments import fork_environment
