@@ -19,7 +19,6 @@ from typing import Any
 from arpo_trl.markdown import markdown_table
 from arpo_trl.rewards import (
     GROUND_TRUTH_COLUMNS,
-    OwnText,
     choice_score,
     exact_match,
     extract_answer,
@@ -31,7 +30,7 @@ from arpo_trl.rewards import (
     validate_format,
 )
 from arpo_trl.rollout.paths import ToolCallRecord
-from arpo_trl.tools.tags import own_text_from_ids
+from arpo_trl.tools.tags import OwnText, own_text_from_ids
 
 METRICS = ("auto", "math", "f1", "em", "choice")
 # The rule by data source (the `task` column: ARPO's parquet `ability`, our loaders' task names) for rows that name

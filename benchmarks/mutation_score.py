@@ -80,7 +80,7 @@ _HOSTILE = "tests/test_hostile_outputs.py::test_"
 
 TARGETS = (
     Target("advantages", "arpo_trl/advantages.py", ("tests/test_advantages.py",)),
-    Target("rewards", "arpo_trl/rewards.py", ("tests/test_rewards.py",)),
+    Target("rewards", "arpo_trl/rewards/reward_functions.py", ("tests/test_rewards.py",)),
     # The math-equivalence verdicts (caps, text comparison, cache); the worker-process plumbing is left out: its
     # mutants hang or race rather than change a score, and its tests are timing tests.
     Target("scoring", "arpo_trl/scoring.py", (

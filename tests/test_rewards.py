@@ -5,7 +5,6 @@ import threading
 
 import pytest
 
-from arpo_trl import rewards
 from arpo_trl.rewards import (
     answer_accuracy,
     arpo_f1_reward,
@@ -21,6 +20,7 @@ from arpo_trl.rewards import (
     math_score,
     validate_format,
 )
+from arpo_trl.rewards import reward_functions as rewards
 from arpo_trl.scoring import ScoreReport
 
 GOOD = "<think>t</think><answer>The answer is \\boxed{Paris}</answer>"
