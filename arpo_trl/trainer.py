@@ -48,9 +48,9 @@ from arpo_trl.generation.engine import GenerationEngine, SamplingSettings
 from arpo_trl.generation.kv_budget import KVBudgetSetting
 from arpo_trl.generation.support import cache_budget, cached_engine_blocker
 from arpo_trl.generation.transformers_engine import TransformersEngine
+from arpo_trl.rewards.math_scoring import configure_math_scoring
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.rollout.tool_calls import ChatTemplateFormat, make_call_format
-from arpo_trl.scoring import configure_math_scoring
 from arpo_trl.server.client import VLLMClient
 from arpo_trl.server.trainer_mode import ServerMode
 from arpo_trl.time_budget import TimeBudget

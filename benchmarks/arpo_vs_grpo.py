@@ -30,11 +30,12 @@ a prefix KV cache; `default` (the default) takes the recipe's settings. Besides 
 training-phase seconds, tokens forwarded and prefilled per group, and its process's peak resident memory.
 
 Each comparison (arpo/grpo, arpo_chat/trl_grpo, arpo/trl_grpo, aepo/grpo, aepo/arpo, random/grpo, and each method
-against its cold start) gets a 95 % two-level paired bootstrap interval (`arpo_trl.eval_metrics.paired_bootstrap`:
-seeds, then the steps or questions within them): cost ratios per training step (executed tool calls, unique
-generated tokens, rollout and step seconds) and differences of reward per step and of held-out pass@1 per question
-(across call formats also of the gain over each one's cold start). Writes `<out>/results.json` (commit, machine load,
-each run's seed and steps), `<out>/results.md` and `<out>/*.png`, and copies them to `--results`.
+against its cold start) gets a 95 % two-level paired bootstrap interval
+(`arpo_trl.rewards.eval_metrics.paired_bootstrap`: seeds, then the steps or questions within them): cost ratios per
+training step (executed tool calls, unique generated tokens, rollout and step seconds) and differences of reward per
+step and of held-out pass@1 per question (across call formats also of the gain over each one's cold start). Writes
+`<out>/results.json` (commit, machine load, each run's seed and steps), `<out>/results.md` and `<out>/*.png`, and copies
+them to `--results`.
 """
 
 from __future__ import annotations
@@ -335,7 +336,7 @@ def read_eval(path: Path) -> dict:
 def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int, cold_start: dict) -> dict:
     """Bootstrap intervals of `mine` against `base` at one setting: cost ratios and quality differences. Methods of
     different call formats start from different cold starts: their held-out gains over them are compared too."""
-    from arpo_trl.eval_metrics import paired_bootstrap
+    from arpo_trl.rewards.eval_metrics import paired_bootstrap
 
     def units(method: str, key: str) -> dict[int, list[float]]:
         chosen = [r for r in runs if r["method"] == method and r["setting"] == setting]
@@ -363,7 +364,7 @@ def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int
 
 def against_cold_start(runs: list[dict], cold_start: dict, method: str, setting: str, resamples: int) -> dict:
     """Held-out pass@1 of `method`'s runs minus their format's cold start, paired by question ({} without both)."""
-    from arpo_trl.eval_metrics import paired_bootstrap
+    from arpo_trl.rewards.eval_metrics import paired_bootstrap
 
     base = cold_start.get(format_of(method))
     mine = {r["seed"]: r["eval"]["per_question"] for r in runs

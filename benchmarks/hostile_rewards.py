@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from arpo_trl.eval_metrics import score_completion
 from arpo_trl.rewards import (
     answer_accuracy,
     arpo_f1_reward,
@@ -37,6 +36,7 @@ from arpo_trl.rewards import (
     last_boxed,
     validate_format,
 )
+from arpo_trl.rewards.eval_metrics import score_completion
 from arpo_trl.rollout.tool_calls import TagFormat
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.tags import extract_call, own_text_from_markers
@@ -161,7 +161,7 @@ def measure_case(name: str) -> dict:
 def _clear_cache() -> None:
     """Forget cached scores (the code under test caches them), so that the thread run scores everything again."""
     try:
-        from arpo_trl.scoring import default_scorer
+        from arpo_trl.rewards.math_scoring import default_scorer
     except ImportError:  # the code before bounded scoring: no cache
         return
     default_scorer().clear_cache()

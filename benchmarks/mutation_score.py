@@ -83,7 +83,7 @@ TARGETS = (
     Target("rewards", "arpo_trl/rewards/reward_functions.py", ("tests/test_rewards.py",)),
     # The math-equivalence verdicts (caps, text comparison, cache); the worker-process plumbing is left out: its
     # mutants hang or race rather than change a score, and its tests are timing tests.
-    Target("scoring", "arpo_trl/scoring.py", (
+    Target("scoring", "arpo_trl/rewards/math_scoring.py", (
         "tests/test_rewards.py", "tests/test_scoring.py", _HOSTILE + "caps_compare_long_answers_as_text",
         _HOSTILE + "cheap_answers_score_exactly_as_math_verify_in_process",
     ), ("nesting_depth", "_squash", "MathScorer.score", "MathScorer._capped", "MathScorer._cached",

@@ -25,7 +25,7 @@ Per step: tokens forwarded per group (padding included), training-phase seconds 
 before the clock is read; and the process's CPU seconds, which other jobs on a shared machine disturb less), and the
 peak memory the training phase adds (on CPU the process's ru_maxrss after the steps minus before them; on a GPU the
 peak allocated GPU memory above what was allocated before them). Ratios get the two-level paired bootstrap intervals
-of `arpo_trl.eval_metrics.paired_bootstrap` (seeds, then steps), as benchmarks/arpo_vs_grpo.py.
+of `arpo_trl.rewards.eval_metrics.paired_bootstrap` (seeds, then steps), as benchmarks/arpo_vs_grpo.py.
 Step seconds (rollout included) come from the multi-call benchmark's runs with `--tree_packing true/false`; this
 script measures the phase packing changes. Writes `<out>/results.json` and `<out>/results.md`.
 """
@@ -236,7 +236,7 @@ def run_config(args, setting, seed: int, method: str, packed: bool) -> dict:
 
 
 def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int) -> dict:
-    from arpo_trl.eval_metrics import paired_bootstrap
+    from arpo_trl.rewards.eval_metrics import paired_bootstrap
 
     def units(config: str, key: str) -> dict[int, list[float]]:
         return {r["seed"]: [s[key] for s in r["steps"]] for r in runs if r["config"] == config

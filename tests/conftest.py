@@ -39,7 +39,7 @@ def restored_environment():
 def own_math_scorer(monkeypatch):
     """Each test gets a new process-wide math scorer: the limits an `ARPOTrainer` configures (`reward_timeout`) and
     the answers an earlier test scored (its cache) do not reach the tests after it."""
-    import arpo_trl.scoring as scoring
+    import arpo_trl.rewards.math_scoring as scoring
 
     monkeypatch.setattr(scoring, "_default", None)
     yield

@@ -16,8 +16,8 @@ from datasets import Dataset
 
 from arpo_trl.cli import main
 from arpo_trl.commands.evaluate import RESULTS_FILE, EvalArguments, EvalSetup, check_args, evaluate, make_eval_parser
-from arpo_trl.eval_metrics import pass_at_k, score_answer, score_completion, tool_call_counts
 from arpo_trl.generation.engine import Segment
+from arpo_trl.rewards.eval_metrics import pass_at_k, score_answer, score_completion, tool_call_counts
 from arpo_trl.rollout.paths import ToolCallRecord
 from arpo_trl.tools.base import Tool
 
@@ -284,7 +284,7 @@ def test_auto_metric_is_the_rows_then_the_datasets():
     metric scores every row; a `metric` column outside METRICS is a one-line error."""
     from arpo_trl.commands.builders import UserInputError
     from arpo_trl.commands.evaluate import resolve_metric
-    from arpo_trl.eval_metrics import row_metric
+    from arpo_trl.rewards.eval_metrics import row_metric
 
     plain = Dataset.from_list([{"prompt": "q", "ground_truth": "a"}])
     for named in ("two_hop_qa:8", "paper:hotpotqa", "paper:2WikiMultihopQA", "arpo:hard_search.parquet"):

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from arpo_trl.eval_metrics import score_completion
 from arpo_trl.rewards import answer_accuracy, arpo_math_reward, completion_text, math_scores
 from arpo_trl.rewards import reward_functions as rewards_module
+from arpo_trl.rewards.eval_metrics import score_completion
+from arpo_trl.rewards.math_scoring import MathScorer, default_scorer
 from arpo_trl.rollout.tool_calls import ChatTemplateFormat
-from arpo_trl.scoring import MathScorer, default_scorer
 from arpo_trl.tools import Tool
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "hostile_rewards.py"

@@ -11,7 +11,7 @@ import pytest
 from arpo_trl.arithmetic_chains import Chain, arithmetic_chains
 from arpo_trl.commands.sft import ColdStartArguments, chain_transcripts, load_tokenizer, transcripts
 from arpo_trl.data import dataset_metric, named_dataset
-from arpo_trl.eval_metrics import paired_bootstrap
+from arpo_trl.rewards.eval_metrics import paired_bootstrap
 
 
 def test_a_chain_says_its_steps_and_computes_each_on_the_previous_value():

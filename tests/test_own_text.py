@@ -18,7 +18,6 @@ from tiny import tiny_model
 from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool
 from arpo_trl.commands.evaluate import EvalArguments, EvalSetup, evaluate, prompt_ids, resolve_metric
 from arpo_trl.data import arpo_released
-from arpo_trl.eval_metrics import score_answer, score_completion
 from arpo_trl.generation.engine import Segment
 from arpo_trl.rewards import (
     answer_accuracy,
@@ -28,6 +27,7 @@ from arpo_trl.rewards import (
     format_credit_reward,
     validate_format,
 )
+from arpo_trl.rewards.eval_metrics import score_answer, score_completion
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.tags import own_text_from_ids, own_text_from_markers
 

@@ -21,7 +21,7 @@ from arpo_trl.rewards import (
     validate_format,
 )
 from arpo_trl.rewards import reward_functions as rewards
-from arpo_trl.scoring import ScoreReport
+from arpo_trl.rewards.math_scoring import ScoreReport
 
 GOOD = "<think>t</think><answer>The answer is \\boxed{Paris}</answer>"
 BOTH_TOOLS = ("<think>a</think><search>q</search> <result>\nr\n</result><python>1</python> <result>\n1\n</result>"
@@ -163,8 +163,8 @@ def test_reward_column_errors_say_what_is_wrong():
 
 
 class BoundScorer:
-    """Stands in for the bounded math scorer (`arpo_trl.scoring.MathScorer`): scores 0, and reports `timeouts`
-    answers past its time bound and one capped."""
+    """Stands in for the bounded math scorer (`arpo_trl.rewards.math_scoring.MathScorer`): scores 0, and reports
+    `timeouts` answers past its time bound and one capped."""
 
     timeout, batch_timeout = 2.0, 8.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from arpo_trl.scoring import MathScorer, nesting_depth
+from arpo_trl.rewards.math_scoring import MathScorer, nesting_depth
 
 SLOW_SUM = "\\sum_{k=1}^{%d} \\frac{1}{k}"  # math-verify spends minutes on it (over 90 s here)
 

@@ -10,7 +10,7 @@ wrote (never inside a tool result), scored by the row's metric (`eval_metrics.ro
 mean F1/EM, the format-valid rate, tool-call statistics, finish reasons, tokens generated and wall time; with several
 sources (the `task` column), pass@k and scores per source too. Writes `<output_dir>/eval_results.json` (config,
 summary, per-seed metrics, per-question records with completions) and `eval_results.md`, and prints the tables.
-Scoring and metrics: `arpo_trl.eval_metrics`.
+Scoring and metrics: `arpo_trl.rewards.eval_metrics`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ from arpo_trl.commands.builders import (
     recipe_hint,
     resolve_model,
 )
-from arpo_trl.eval_metrics import (
+from arpo_trl.generation.engine import SamplingSettings, eos_token_ids
+from arpo_trl.preflight import check_writable_dir
+from arpo_trl.rewards.eval_metrics import (
     METRICS,
     ground_truth,
     pass_at_k,
@@ -49,9 +51,7 @@ from arpo_trl.eval_metrics import (
     source_table,
     summarize,
 )
-from arpo_trl.generation.engine import SamplingSettings, eos_token_ids
-from arpo_trl.preflight import check_writable_dir
-from arpo_trl.scoring import configure_math_scoring
+from arpo_trl.rewards.math_scoring import configure_math_scoring
 
 BACKENDS = ("transformers", "vllm_server")
 RESULTS_FILE = "eval_results.json"

@@ -22,9 +22,9 @@ A result marker in the model's own text is a format error (docs/rewards.md). The
 completion, tool output included (docs/differences.md).
 
 Completions are hostile input (docs/rewards.md): the text checks here are linear in the completion's length, and
-math equivalence runs through `arpo_trl.scoring.MathScorer` — length and nesting caps before parsing, a time limit
-per answer and per call, from any thread, printing nothing. Under `GRPOTrainer`, the math rewards log how many
-answers hit a bound as `rewards/<reward>/timeouts` and `rewards/<reward>/capped`.
+math equivalence runs through `arpo_trl.rewards.math_scoring.MathScorer` — length and nesting caps before parsing, a
+time limit per answer and per call, from any thread, printing nothing. Under `GRPOTrainer`, the math rewards log how
+many answers hit a bound as `rewards/<reward>/timeouts` and `rewards/<reward>/capped`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from arpo_trl.scoring import ScoreReport, default_scorer
+from arpo_trl.rewards.math_scoring import ScoreReport, default_scorer
 from arpo_trl.tools.tags import OwnText, as_own_text, own_text_from_markers, unanswered_tag_call
 
 GROUND_TRUTH_COLUMNS = ("ground_truth", "answer", "solution")
@@ -199,7 +199,7 @@ def choice_score(prediction: str, ground_truths: str | Sequence[str]) -> float:
 
 def math_score(prediction: str, ground_truths: str | Sequence[str]) -> float:
     """1.0 if `math-verify` finds the prediction equivalent to a ground truth, else 0.0 (also past the scoring
-    bounds of `arpo_trl.scoring.default_scorer()`)."""
+    bounds of `arpo_trl.rewards.math_scoring.default_scorer()`)."""
     return default_scorer().score([prediction], [_truth_list(ground_truths)]).scores[0]
 
 
@@ -308,7 +308,7 @@ def arpo_f1_reward(completions: list, **kwargs) -> list[float]:
 
 def arpo_math_reward(completions: list, **kwargs) -> list[float]:
     """As `arpo_f1_reward`, but the answer is scored by math equivalence (`math-verify`, bounded: see
-    `arpo_trl.scoring`)."""
+    `arpo_trl.rewards.math_scoring`)."""
     truths = _ground_truths(kwargs, len(completions))
     texts, calls, owns = _own_texts(completions, kwargs)
     answers = [formatted_answer(x, calls=k, own=o) for x, k, o in zip(texts, calls, owns)]

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from arpo_trl.markdown import markdown_table
-from arpo_trl.rewards import (
+from arpo_trl.rewards.reward_functions import (
     GROUND_TRUTH_COLUMNS,
     choice_score,
     exact_match,

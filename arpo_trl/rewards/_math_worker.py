@@ -1,5 +1,5 @@
-"""The process side of `arpo_trl.scoring`: run as ``python -I _math_worker.py <control fd>`` (by path, so that it
-imports math-verify and nothing of the trainer: no torch, no TRL).
+"""The process side of `arpo_trl.rewards.math_scoring`: run as ``python -I _math_worker.py <control fd>`` (by path, so
+that it imports math-verify and nothing of the trainer: no torch, no TRL).
 
 It is a zygote: it imports math-verify once, then, for each `spawn` request on the control socket, receives one
 end of a socket pair and forks a worker that scores answers sent on it, one at a time. Forked workers start in
