@@ -26,6 +26,7 @@ __all__ = [
 # Module paths of arpo-trl 0.1 that the docs named, kept for users (docs/architecture.md, moved modules): each is the
 # moved module itself, so that imports, attribute access and monkeypatching reach the same object. Nothing inside the
 # package imports them (tests/test_architecture.py).
-_MOVED = {"tool_calls": "rollout.tool_calls", "scoring": "rewards.math_scoring", "eval_metrics": "rewards.eval_metrics"}
+_MOVED = {"tool_calls": "rollout.tool_calls", "scoring": "rewards.math_scoring", "eval_metrics": "rewards.eval_metrics",
+          "models": "data.models"}
 for _old, _new in _MOVED.items():
     globals()[_old] = sys.modules[f"{__name__}.{_old}"] = importlib.import_module(f"{__name__}.{_new}")

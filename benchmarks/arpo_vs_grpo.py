@@ -5,7 +5,7 @@
     python benchmarks/arpo_vs_grpo.py --cold-start peaked --methods arpo grpo --stacks base packed packed_cached \
         --settings 16:8 4:2 --steps 2 --eval-questions 0 --out runs/stacks    # the stacks (docs/tree_packing.md)
 
-The task (`arithmetic_chain`, `arpo_trl.arithmetic_chains`) needs one Python call per step, 2-3 per trajectory;
+The task (`arithmetic_chain`, `arpo_trl.data.arithmetic_chains`) needs one Python call per step, 2-3 per trajectory;
 SmolLM2-135M is cold-started on the same transcripts in two call formats (`COLD_STARTS`: `headroom`, 10 SFT steps,
 leaves RL room to learn; `peaked`, 24 steps, is the earlier regime), trained first when missing. Methods, all with
 the same model, data, reward, M, token and call budgets, LoRA and seed:

@@ -114,7 +114,7 @@ def main() -> None:
         print(json.dumps(run_way(args.way, args)))
         return
     if args.model is None:
-        from arpo_trl.models import smollm2_path
+        from arpo_trl.data.models import smollm2_path
 
         args.model = str(smollm2_path())
     report = {"model": args.model, "dtype": args.dtype, "prompts": args.prompts, "tokens": args.tokens,

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from arpo_trl.data.models import smollm2_path
 from arpo_trl.entropy import segment_entropy, token_entropy
 from arpo_trl.generation.engine import SamplingSettings
 from arpo_trl.generation.transformers_engine import TransformersEngine
-from arpo_trl.models import smollm2_path
 from arpo_trl.tools import PythonTool
 
 SYSTEM = ("Solve the problem. You may run Python by writing <python>code</python>; its output appears in "

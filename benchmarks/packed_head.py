@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per way and row count")
     args = parser.parse_args(argv)
     if args.model is None:
-        from arpo_trl.models import smollm2_path
+        from arpo_trl.data.models import smollm2_path
 
         args.model = str(smollm2_path())
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -86,7 +86,7 @@ def main() -> None:
     code = usage_block(README.read_text(encoding="utf-8"))
     if args.max_steps is not None:
         code = with_max_steps(code, args.max_steps)
-    from arpo_trl.assets import default_cache_dir
+    from arpo_trl.data.assets import default_cache_dir
 
     cached = (default_cache_dir() / "smollm2-135m-instruct" / "config.json").is_file()
     load_start, measured_commit = os.getloadavg(), commit()  # the code that runs is the code at the start

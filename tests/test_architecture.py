@@ -16,13 +16,14 @@ MIN_COPIED_LINES = 6
 # Layers, lowest first: a module may import its own layer or lower ones. `arpo_trl` itself (the public API) and
 # `arpo_trl.cli` (the dispatcher, above every command) sit on top.
 LAYERS: dict[str, list[str]] = {
-    "records": ["trees.records", "markdown", "assets", "models",
-                "preflight", "corpora", "arithmetic_chains"],
+    "records": ["trees.records", "markdown", "preflight", "data.assets", "data.models", "data.corpora",
+                "data.arithmetic_chains"],
     "engines/tools": ["entropy", "entropy.*", "generation", "generation.*", "tools", "tools.*",
                       "server", "server.client", "server.responses", "server.segments", "server.engine",
                       "server.server_check",
                       "colocate", "colocate.outputs", "colocate.engine", "colocate.engine_args"],
-    "sampler": ["rollout", "rollout.*", "advantages", "rewards", "rewards.*", "data", "trees",
+    "sampler": ["rollout", "rollout.*", "advantages", "rewards", "rewards.*", "data", "data.prompts",
+                "data.offline_sets", "data.hub_sets", "data.named", "trees",
                 "trees.analysis", "trees.render"],
     "trainer": ["config", "config_checks", "trainer", "dropin", "dropin.*", "training", "training.*",
                 "entropy_balanced_update", "trl_state", "tracking", "time_budget", "server.weight_sync",

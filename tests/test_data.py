@@ -8,8 +8,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from arpo_trl.assets import package_file
-from arpo_trl.corpora import COUNTRYINFO, wiki_corpus, wiki_pages
 from arpo_trl.data import (
     PAPER_BENCHMARKS,
     PYTHON_SYSTEM_PROMPT,
@@ -23,6 +21,8 @@ from arpo_trl.data import (
     reasoning_gym_dataset,
     two_hop_qa,
 )
+from arpo_trl.data.assets import package_file
+from arpo_trl.data.corpora import COUNTRYINFO, wiki_corpus, wiki_pages
 from arpo_trl.rewards import arpo_f1_reward, arpo_math_reward
 
 COLUMNS = {"prompt", "ground_truth", "task", "source"}
@@ -84,7 +84,7 @@ def test_wiki_pages_and_corpus():
 
 
 def _raw_countries():
-    """countryinfo's records read independently of `arpo_trl.corpora`: name → records, ISO alpha-3 → names."""
+    """countryinfo's records read independently of `arpo_trl.data.corpora`: name → records, ISO alpha-3 → names."""
     by_name, names = defaultdict(list), defaultdict(set)
     for path in package_file(*COUNTRYINFO).glob("*.json"):
         record = json.loads(path.read_text(encoding="utf-8"))

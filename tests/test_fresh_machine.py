@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-import arpo_trl.models
+import arpo_trl.data.models
 from arpo_trl.cli import main
 from arpo_trl.commands.builders import RECIPES_DIR, ToolArguments
 from arpo_trl.commands.train import parse_train_args
@@ -33,7 +33,7 @@ def empty_cache(tmp_path, monkeypatch):
     def too_late(*args, **kwargs):
         raise AssertionError("the model was prepared before the user's mistake was reported")
 
-    monkeypatch.setattr(arpo_trl.models, "smollm2_path", too_late)
+    monkeypatch.setattr(arpo_trl.data.models, "smollm2_path", too_late)
     monkeypatch.chdir(tmp_path)
     return cache
 
@@ -109,7 +109,7 @@ def test_our_config_defaults_print_no_deprecation_warning(tmp_path):
 def test_progress_bars_are_off_in_a_log_and_back_after(capsys):
     from transformers.utils import logging as transformers_logging
 
-    from arpo_trl.assets import quiet_progress_bars
+    from arpo_trl.data.assets import quiet_progress_bars
 
     assert not sys.stderr.isatty()  # capsys: like a log file or a pipe
     transformers_logging.enable_progress_bar()

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from arpo_trl.arithmetic_chains import Chain, arithmetic_chains
 from arpo_trl.commands.sft import ColdStartArguments, chain_transcripts, load_tokenizer, transcripts
 from arpo_trl.data import dataset_metric, named_dataset
+from arpo_trl.data.arithmetic_chains import Chain, arithmetic_chains
 from arpo_trl.rewards.eval_metrics import paired_bootstrap
 
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import arpo_trl.commands.sft as sft_command
-from arpo_trl.assets import default_cache_dir
+from arpo_trl.data.assets import default_cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 2
@@ -38,7 +38,8 @@ def cached_cold_start() -> Path:
     ARPO_TRL_CACHE (~1 min on 2 idle cores, far more on a loaded machine) and kept under a key of everything that
     shapes it: the recipe, the SFT and data code, the library versions. A fresh cache (`.ci/run`) trains it."""
     sources = [ROOT / "recipes" / "quickstart_sft.yaml", *(ROOT / "arpo_trl" / name for name in (
-        "commands/sft.py", "data.py", "tools/python.py", "tools/base.py", "models.py"))]
+        "commands/sft.py", "data/prompts.py", "data/offline_sets.py", "tools/python.py", "tools/base.py",
+        "data/models.py"))]
     key = hashlib.sha256(b"".join(path.read_bytes() for path in sources))
     for package in ("torch", "transformers", "trl", "peft", "reasoning-gym", "datasets"):
         key.update(f"{package}=={importlib.metadata.version(package)};".encode())

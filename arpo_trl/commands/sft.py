@@ -31,15 +31,16 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from arpo_trl.arithmetic_chains import THOUGHT, arithmetic_chains
 from arpo_trl.commands.builders import RECIPES_DIR, fail, one_line_parser, parse_recipe, resolve_model
-from arpo_trl.data import PYTHON_SYSTEM_PROMPT, arpo_prompt, create_reasoning_gym_task, resolve_system_prompt
+from arpo_trl.data.arithmetic_chains import THOUGHT, arithmetic_chains
+from arpo_trl.data.offline_sets import create_reasoning_gym_task
+from arpo_trl.data.prompts import PYTHON_SYSTEM_PROMPT, arpo_prompt, resolve_system_prompt
 from arpo_trl.preflight import adopt_checkpointing_default, check_writable_dir
 from arpo_trl.tools.base import format_result
 from arpo_trl.tools.python import PythonTool
 
 ARITHMETIC_TASKS = ("basic_arithmetic", "chain_sum", "products")
-CHAIN_TASK = "arithmetic_chain"  # multi-call transcripts: one Python call per step (arpo_trl.arithmetic_chains)
+CHAIN_TASK = "arithmetic_chain"  # multi-call transcripts: one Python call per step (arpo_trl.data.arithmetic_chains)
 _THOUGHTS = (
     "I will compute this with Python.",
     "Let me evaluate the expression in Python.",

