@@ -3,7 +3,6 @@
 import importlib
 import sys
 
-from arpo_trl.advantages import hard_advantages, owner_mask, token_owners
 from arpo_trl.config import ARPOConfig
 from arpo_trl.generation.engine import GenerationEngine, Segment
 from arpo_trl.generation.transformers_engine import TransformersEngine
@@ -13,6 +12,7 @@ from arpo_trl.server.client import VLLMClient, VLLMServerError
 from arpo_trl.server.engine import VLLMServerEngine
 from arpo_trl.tools import BM25Backend, PythonTool, SearchBackend, SearchTool, Tool
 from arpo_trl.trainer import ARPOTrainer
+from arpo_trl.training.advantages import hard_advantages, owner_mask, token_owners
 
 __version__ = "0.1.0"
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from arpo_trl.advantages import ATTRIBUTIONS
 from arpo_trl.config_checks import check_arpo_config, resolve_engine_default
 from arpo_trl.preflight import adopt_checkpointing_default
 from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS
 from arpo_trl.rollout.tool_calls import TOOL_CALL_FORMATS
 from arpo_trl.server.weight_sync import SYNC_MODES
+from arpo_trl.training.advantages import ATTRIBUTIONS
 
 
 @dataclass

@@ -8,10 +8,8 @@ import os
 
 import torch
 
-from arpo_trl.advantages import check_attribution
 from arpo_trl.dropin.grpo_fields import check_grpo_fields
 from arpo_trl.entropy import check_entropy_args, resolve_estimator
-from arpo_trl.entropy_balanced_update import check_entropy_balanced_update
 from arpo_trl.generation.engine import check_generation_kwargs
 from arpo_trl.generation.speculation import check_draft_tokens
 from arpo_trl.preflight import vllm_importable
@@ -19,6 +17,8 @@ from arpo_trl.rollout import SCHEDULERS, check_branching_args, default_initial_r
 from arpo_trl.rollout.entropy_balance import check_aepo_args
 from arpo_trl.rollout.tool_calls import check_call_format
 from arpo_trl.server.weight_sync import check_sync_mode
+from arpo_trl.training.advantages import check_attribution
+from arpo_trl.training.entropy_balanced_update import check_entropy_balanced_update
 
 logger = logging.getLogger("arpo_trl.trainer")
 

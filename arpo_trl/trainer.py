@@ -8,7 +8,7 @@ Only these hooks change (plus, with `use_vllm=True`, the weight-sync object TRL 
     completion lengths from the true one), and `_generate_and_score_completions` replaces the (B,) advantages by
     (B,T) ones for hard attribution, which TRL's `_compute_loss` accepts (with grpo/sapo, scaled so that a row's
     division by its own trained tokens weighs them by its whole trajectory's, as soft attribution does);
-  * with AEPO's update options, `EntropyBalancedUpdate` (arpo_trl/entropy_balanced_update.py) adjusts the
+  * with AEPO's update options, `EntropyBalancedUpdate` (arpo_trl/training/entropy_balanced_update.py) adjusts the
     advantages and log-probabilities TRL's `_compute_loss` reads, keeping TRL's loss code.
 Every use of TRL's undocumented state goes through `TRLState` (arpo_trl/trl_state.py; tests/test_trl_touch_points.py
 checks it).
@@ -30,18 +30,10 @@ import torch
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
-from arpo_trl.advantages import (
-    ROW_NORMALISED_LOSSES,
-    hard_advantages,
-    row_normalised_hard_advantages,
-    token_owners,
-    trained_mask,
-)
 from arpo_trl.colocate.trainer_mode import ColocateMode
 from arpo_trl.config import ARPOConfig
 from arpo_trl.dropin.environments import EnvironmentRollouts, placeholder_dataset, setup_environments
 from arpo_trl.dropin.rows import TreeRows
-from arpo_trl.entropy_balanced_update import EntropyBalancedUpdate
 from arpo_trl.generation.cached_engine import CachedTransformersEngine
 from arpo_trl.generation.distributed import LockstepEngine, run_on_main_process
 from arpo_trl.generation.engine import GenerationEngine, SamplingSettings
@@ -53,13 +45,21 @@ from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.rollout.tool_calls import ChatTemplateFormat, make_call_format
 from arpo_trl.server.client import VLLMClient
 from arpo_trl.server.trainer_mode import ServerMode
-from arpo_trl.time_budget import TimeBudget
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.failures import ToolFailureWatch
 from arpo_trl.tools.functions import as_tools
 from arpo_trl.tools.tags import own_text_from_ids
-from arpo_trl.tracking import TREES_FILE, MetricsFile, TreePictures
-from arpo_trl.training import TreePackedTraining
+from arpo_trl.training.advantages import (
+    ROW_NORMALISED_LOSSES,
+    hard_advantages,
+    row_normalised_hard_advantages,
+    token_owners,
+    trained_mask,
+)
+from arpo_trl.training.entropy_balanced_update import EntropyBalancedUpdate
+from arpo_trl.training.packed_logps import TreePackedTraining
+from arpo_trl.training.time_budget import TimeBudget
+from arpo_trl.training.tracking import TREES_FILE, MetricsFile, TreePictures
 from arpo_trl.trees import node_table, select, tree_html, tree_records, write_jsonl
 from arpo_trl.trl_state import TRLState
 

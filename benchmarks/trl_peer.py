@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         resolve_model,
     )
     from arpo_trl.commands.train import ARPOScriptArguments
-    from arpo_trl.tracking import MetricsFile
+    from arpo_trl.training.tracking import MetricsFile
 
     argv = grpo_recipe(list(sys.argv[1:] if argv is None else argv))
     parser = one_line_parser((ARPOScriptArguments, GRPOConfig, ModelConfig), "trl_peer")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arpo_trl.advantages import hard_advantages, owner_mask, token_owners
+from arpo_trl.training.advantages import hard_advantages, owner_mask, token_owners
 
 # Paths of one prompt's tree: (parent path or None, fork position in the parent's completion, own tokens). Every path
 # writes a tool call answered by a 3-token tool result at its own tokens 2..4, so forks at 6 or later share it.

@@ -2,7 +2,7 @@
 
 import torch
 
-from arpo_trl.advantages import hard_advantages, owner_mask, token_owners, trained_mask
+from arpo_trl.training.advantages import hard_advantages, owner_mask, token_owners, trained_mask
 
 
 def test_owners_follow_fork_positions():

@@ -10,8 +10,8 @@ from test_rollout import CALL, _prompts, _sampler, _waves_with_bare_prompts
 from test_trainer import length_reward
 
 from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool, arpo_math_reward
-from arpo_trl.entropy_balanced_update import BOUND_MARGIN, entropy_aware_advantages, keep_clipped_gradients
 from arpo_trl.rollout.entropy_balance import aepo_fork_probability, global_samples
+from arpo_trl.training.entropy_balanced_update import BOUND_MARGIN, entropy_aware_advantages, keep_clipped_gradients
 
 VOCAB_LOG = math.log(1000)  # the scripted engine's ln|V|
 WINDOW = 4  # entropy_window k in the rollout tests: a segment's entropy is 4 tokens' sum / ln|V|

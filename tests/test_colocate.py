@@ -22,7 +22,7 @@ from arpo_trl.colocate.engine_args import ColocateSettings, engine_kwargs
 from arpo_trl.colocate.outputs import completion_body
 from arpo_trl.colocate.weight_sync import policy_weights
 from arpo_trl.server.responses import CompletionRequest, VLLMServerError, read_completion
-from arpo_trl.tracking import read_metrics
+from arpo_trl.training.tracking import read_metrics
 
 WORKER = Path(__file__).with_name("colocate_worker.py")
 ROOT = Path(__file__).resolve().parents[1]

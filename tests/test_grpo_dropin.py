@@ -12,7 +12,7 @@ from tiny import question, tiny_model
 from trl.trainer import grpo_trainer
 
 from arpo_trl import ARPOConfig, ARPOTrainer
-from arpo_trl.advantages import hard_advantages, token_owners
+from arpo_trl.training.advantages import hard_advantages, token_owners
 
 
 def config(tmp_path, **kw) -> ARPOConfig:

@@ -9,7 +9,7 @@ import pytest
 from transformers import TrainerControl
 
 from arpo_trl.config import ARPOConfig
-from arpo_trl.time_budget import TimeBudget, fitting_steps
+from arpo_trl.training.time_budget import TimeBudget, fitting_steps
 
 
 def test_fitting_steps_counts_the_first_step_and_the_later_ones():

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from arpo_trl.tracking import curves
+from arpo_trl.training.tracking import curves
 from arpo_trl.trees import NODE_COLUMNS, node_table, read_jsonl
 
 SCRIPT = textwrap.dedent("""
@@ -69,7 +69,7 @@ def test_wandb_offline_and_trackio(tool_model_dir, tmp_path):
 
 
 def test_curves_summary_and_plot_from_a_metrics_file(tmp_path):
-    from arpo_trl.tracking import plot_curves, run_summary
+    from arpo_trl.training.tracking import plot_curves, run_summary
 
     rows = [{"step": s, "reward": s / 10, "rewards/arpo_math_reward/mean": -1 + s / 10, "loss": 0.1,
              "arpo/forks_per_group": 1.0, "arpo/tool_calls_per_trajectory": float("nan") if s == 3 else 0.5}

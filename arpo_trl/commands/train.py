@@ -95,7 +95,7 @@ def train(argv: Sequence[str]) -> None:
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
     if trainer.accelerator.is_main_process:
-        from arpo_trl.tracking import run_summary
+        from arpo_trl.training.tracking import run_summary
 
         print(run_summary(training_args.output_dir))
     if hasattr(trainer, "end"):  # transformers >= 5.18: finish trackers, destroy the process group

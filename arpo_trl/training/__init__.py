@@ -1,5 +1,9 @@
-"""The training side of ARPOTrainer: tree-packed forwards of TRL's micro-batches (docs/tree_packing.md)."""
+"""The training side of ARPOTrainer, after the rollout: attribution over the rollout trees (`advantages`), TRL's loss
+hooks (`entropy_balanced_update`: AEPO's balanced update; `packed_logps` with `packing`, `grouping`, `forward_cost`
+and `compatibility`: tree-packed forwards of TRL's micro-batches, docs/tree_packing.md), and what a run leaves and
+how long it may take (`tracking`, `time_budget`).
 
-from arpo_trl.training.packed_logps import TreePackedTraining
+May import: rollout, generation, trees, tools, markdown.
 
-__all__ = ["TreePackedTraining"]
+Nothing is re-exported here: `arpo_trl.config` imports `training.advantages` without loading the packing code.
+"""
