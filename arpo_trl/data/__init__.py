@@ -9,8 +9,8 @@ import only each other; the builders may import them and the rewards' answer par
 
 May import: rewards.
 
-The builders' names are importable from `arpo_trl.data` itself, loaded on first use: a tool that reads a corpus does
-not load Hugging Face `datasets` and every builder.
+The builders' names are importable from `arpo_trl.data` itself, each loaded on first use: a tool that reads a corpus
+loads no builder.
 """
 
 from __future__ import annotations

@@ -5,5 +5,5 @@ how long it may take (`tracking`, `time_budget`).
 
 May import: rollout, generation, trees, tools, markdown.
 
-Nothing is re-exported here: `arpo_trl.config` imports `training.advantages` without loading the packing code.
+Nothing is re-exported here: each module is imported by its own path (the trainer's mixins, config's checks).
 """
