@@ -17,7 +17,8 @@ import pytest
 from datasets import Dataset
 
 from arpo_trl import ARPOTrainer, arpo_math_reward
-from arpo_trl.commands.evaluate import EvalArguments, EvalSetup, evaluate
+from arpo_trl.commands.eval_setup import EvalArguments, EvalSetup
+from arpo_trl.commands.evaluate import evaluate
 from arpo_trl.generation.engine import Segment
 from arpo_trl.rewards import format_credit_reward
 from arpo_trl.rollout import BranchingSampler

@@ -15,7 +15,8 @@ import yaml
 from datasets import Dataset
 
 from arpo_trl.cli import main
-from arpo_trl.commands.evaluate import RESULTS_FILE, EvalArguments, EvalSetup, check_args, evaluate, make_eval_parser
+from arpo_trl.commands.eval_setup import RESULTS_FILE, EvalArguments, EvalSetup, check_args
+from arpo_trl.commands.evaluate import evaluate, make_eval_parser
 from arpo_trl.generation.engine import Segment
 from arpo_trl.rewards.eval_metrics import pass_at_k, score_answer, score_completion, tool_call_counts
 from arpo_trl.rollout.paths import ToolCallRecord
@@ -147,7 +148,7 @@ def _python(code: str) -> str:
 
 
 def test_scripted_engine_gives_exact_pass_at_k_and_tool_statistics(tokenizer, tmp_path):
-    from arpo_trl.commands.evaluate import prompt_ids
+    from arpo_trl.commands.eval_setup import prompt_ids
 
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {q}?"}], "ground_truth": gt}
                               for q, gt in (("2+3", "5"), ("3+4", "7"))])
@@ -283,7 +284,7 @@ def test_auto_metric_is_the_rows_then_the_datasets():
     (math → math-verify, qa → F1), then the dataset's metric (`arpo_trl.data.dataset_metric`, else 'math'). A named
     metric scores every row; a `metric` column outside METRICS is a one-line error."""
     from arpo_trl.commands.builders import UserInputError
-    from arpo_trl.commands.evaluate import resolve_metric
+    from arpo_trl.commands.eval_setup import resolve_metric
     from arpo_trl.rewards.eval_metrics import row_metric
 
     plain = Dataset.from_list([{"prompt": "q", "ground_truth": "a"}])

@@ -16,7 +16,8 @@ from datasets import Dataset
 from tiny import tiny_model
 
 from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool
-from arpo_trl.commands.evaluate import EvalArguments, EvalSetup, evaluate, prompt_ids, resolve_metric
+from arpo_trl.commands.eval_setup import EvalArguments, EvalSetup, prompt_ids, resolve_metric
+from arpo_trl.commands.evaluate import evaluate
 from arpo_trl.data import arpo_released
 from arpo_trl.generation.engine import Segment
 from arpo_trl.rewards import (
