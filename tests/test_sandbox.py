@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import arpo_trl.tools.sandbox as sandbox_module
+import arpo_trl.tools.sandbox_process as sandbox_process
 from arpo_trl.tools import PythonTool
 from arpo_trl.tools.sandbox import Sandbox, SandboxError, _probe_namespaces
 
@@ -377,7 +378,7 @@ def test_the_probe_reports_why_namespaces_fail(tmp_path):
     fake = tmp_path / "python"
     fake.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
     fake.chmod(0o755)
-    sandbox_module._python_dirs(str(fake))  # the Sandbox reads (and caches) its directories first
+    sandbox_process.python_dirs(str(fake))  # the Sandbox reads (and caches) its directories first
     fake.write_text("#!/bin/sh\necho 'no namespaces for you' >&2\nexit 1\n")
     reason = sandbox_module._try_namespaces(str(fake))
     if sys.platform.startswith("linux"):
