@@ -11,7 +11,7 @@ ARPO probe) keeps its row for one step, and its continuation goes on in it. Entr
 at hand, exactly as `TransformersEngine` records them. The cache lives for one rollout (`aclose` frees it and lets the
 weights go), so every rollout samples the current weights, LoRA adapters included; a request that joins after the
 weights changed (an optimizer step between two `agenerate` calls) finds it dropped (`weights.py`). The model samples in
-eval mode (no dropout), and is back in its own mode whenever no request runs.
+eval mode (no dropout), and is back in its own mode whenever no request runs (`held_model.py`).
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from transformers.generation.logits_process import LogitsProcessorList
 
-from arpo_trl.entropy import sampling_warpers, token_entropy
+from arpo_trl.entropy import sampling_warpers
 from arpo_trl.generation.admission import Admission, Request
 from arpo_trl.generation.calibration import ForwardCosts, device_costs, measured_costs
 from arpo_trl.generation.engine import SamplingSettings, Segment, check_budgets, stop_window, tail_has_stop
 from arpo_trl.generation.event_loop import run_coroutine
+from arpo_trl.generation.held_model import HeldModel
 from arpo_trl.generation.kv_batch import LEFT_SLACK, KVBatch
 from arpo_trl.generation.kv_budget import KVAccounting
-from arpo_trl.generation.model_context import eval_mode, model_for_generation
 from arpo_trl.generation.prefix_cache import CachedPrefix, PrefixCache
-from arpo_trl.generation.sampling import sample_tokens
+from arpo_trl.generation.sampling import distributions, penalized, residual, sample_tokens
 from arpo_trl.generation.speculation import (
     MAX_DRAFT_TOKENS,
     Acceptance,
@@ -86,9 +86,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
         self._logits: torch.Tensor | None = None  # [rows, vocab] next-token logits
         self._tokens: torch.Tensor | None = None  # [rows] the tokens just sampled, fed by the next decode
         self._excluded: torch.Tensor | None = None  # [rows] a rejected draft the next sample avoids, or -1
-        self._model_stack: contextlib.ExitStack | None = None
-        self._model_in_use = None
-        self._mode: contextlib.ExitStack | None = None  # the held model in eval mode, while requests run
+        self._held = HeldModel()
         self._weights: WeightsVersion | None = None  # the weights the cached KV and logits were computed with
         self._driver: asyncio.Task | None = None
         self._scoped = False  # inside `rollout_scope`: the prefix cache outlives a wave
@@ -145,7 +143,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
         self._fail_all(RuntimeError("CachedTransformersEngine closed with requests in flight"))
         if not keep_cache:
             self._forget_cache()
-        self._release_model()
+        self._held.release()
 
     def _forget_cache(self) -> None:
         self.prefix_cache.clear()
@@ -159,14 +157,14 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
             while self._pending or self._rows:
                 self._step(self._current_model())
                 if all(request.held for request in self._rows):  # the callers' code runs next: their mode
-                    self._restore_mode()
+                    self._held.restore_mode()
                 await asyncio.sleep(0)  # let paths react: tool results, new requests join before the next step
         except asyncio.CancelledError:
             raise
         except BaseException as error:
             self._fail_all(error)
         finally:
-            self._restore_mode()
+            self._held.restore_mode()
 
     def _fail_all(self, error: BaseException) -> None:
         _fail(self._pending + self._rows, error)
@@ -187,34 +185,20 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
                 "tokens would mix two policies. Change the weights between requests, or after aclose()."))
             self._drop_rows()
             self._forget_cache()
-            self._release_model()  # taken again: a model context gathers the new weights, the head is packed anew
+            self._held.release()  # taken again: a model context gathers the new weights, the head is packed anew
             model = self._model()
-        if self._mode is None:
-            self._mode = contextlib.ExitStack()
-            self._mode.enter_context(eval_mode(model))
+        self._held.in_eval_mode(model)
         return model
 
     def _model(self):
-        if self._model_in_use is None:
-            self._model_stack = contextlib.ExitStack()
-            self._model_in_use = self._model_stack.enter_context(model_for_generation(self.model, self.model_context))
-            check_full_attention(self._model_in_use)
-            if self._weights is not None and not self._weights.same_parameters(self._model_in_use):
+        model, taken = self._held.take(self.model, self.model_context)
+        if taken:
+            check_full_attention(model)
+            if self._weights is not None and not self._weights.same_parameters(model):
                 self._forget_cache()  # computed with another model's parameters
         if self._weights is None:
-            self._weights = WeightsVersion(self._model_in_use)
-        return self._model_in_use
-
-    def _restore_mode(self) -> None:
-        if self._mode is not None:
-            self._mode.close()
-        self._mode = None
-
-    def _release_model(self) -> None:
-        self._restore_mode()
-        if self._model_stack is not None:
-            self._model_stack.close()
-        self._model_stack = self._model_in_use = None
+            self._weights = WeightsVersion(model)
+        return model
 
     def _set_costs(self, costs: ForwardCosts) -> None:
         self.costs, self.acceptance.cost = costs, costs.decode
@@ -250,12 +234,12 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
 
     def _sample(self) -> list[int]:
         """One token per running row; returns the rows that finished."""
-        scores = self._penalized(self._logits)
+        scores = penalized(self._logits, self.repetition_penalty, self._rows)
         tempered, entropies, sampled = self._distributions(scores)
         if self.speculating:
             self._observe_acceptance(tempered, sampled)
         if sampled is not None:
-            tokens = sample_tokens(self._residual(sampled))
+            tokens = sample_tokens(residual(sampled, self._excluded))
         else:  # greedy: a rejected draft was not the argmax, so the argmax stands
             sampled, tokens = tempered, scores.argmax(-1)
         chosen = sampled.gather(-1, tokens[:, None]).squeeze(1).tolist()  # the logprob under p, not the residual
@@ -269,38 +253,14 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
         return finished
 
     def _distributions(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """For next-token `scores` [positions, vocab]: the tempered log-probabilities, their entropies, and the
-        log-probabilities of the distribution sampled, after top-k / top-p / min-p (None: greedy)."""
-        tempered = torch.log_softmax(scores / (self.temperature if self.temperature > 0 else 1.0), dim=-1)
-        entropies = token_entropy(tempered, self.entropy_estimator, self.entropy_top_k, self.vocab_size)
-        if self.temperature <= 0:
-            return tempered, entropies, None
-        if not self._warpers:  # temperature 1, no truncation: the distribution sampled is the tempered one
-            return tempered, entropies, tempered
-        return tempered, entropies, torch.log_softmax(self._warpers(None, scores), dim=-1)
-
-    def _residual(self, sampled: torch.Tensor) -> torch.Tensor:
-        """The distributions to draw from: where a draft was just rejected at this position, p without it."""
-        rows = (self._excluded >= 0).nonzero().squeeze(1)
-        if not len(rows):
-            return sampled
-        residual = sampled.clone()
-        residual[rows, self._excluded[rows]] = float("-inf")
-        return residual
+        return distributions(scores, self.temperature, self._warpers, self.entropy_estimator, self.entropy_top_k,
+                             self.vocab_size)
 
     def _append(self, request: Request, token: int, logprob: float, entropy: float) -> None:
         request.ids.append(token), request.logprobs.append(logprob), request.entropies.append(entropy)
         request.text.append(token)
         if self.speculating:
             self.drafts.add(request.text, len(request.text) - 2)
-
-    def _penalized(self, logits: torch.Tensor) -> torch.Tensor:
-        penalty = self.repetition_penalty
-        if penalty is None or penalty == 1.0:
-            return logits
-        processor = RepetitionPenaltyLogitsProcessor(penalty)
-        return torch.cat([processor(torch.tensor([r.prefix + r.ids], device=logits.device), logits[i: i + 1])
-                          for i, r in enumerate(self._rows)])
 
     def _is_done(self, request: Request) -> bool:
         return len(request.ids) >= request.budget or request.ids[-1] in self.eos_token_ids or tail_has_stop(

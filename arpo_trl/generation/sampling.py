@@ -1,9 +1,50 @@
-"""How the cached engine draws tokens: two-level inverse transform sampling, and the acceptance rule of speculative
-decoding (the drafts come from `speculation.py`)."""
+"""How the cached engine draws tokens: the distributions at a position (repetition penalty, temperature, top-k/p,
+min-p; their entropies), two-level inverse transform sampling, and the acceptance rule of speculative decoding (the
+drafts come from `speculation.py`; a rejected draft is left out of the residual distribution)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+from arpo_trl.entropy import token_entropy
+
+
+def penalized(logits: torch.Tensor, penalty: float | None, rows: Sequence) -> torch.Tensor:
+    """`logits` [rows, vocab] with the repetition penalty applied to each row's tokens (`rows`: each with its `prefix`
+    and generated `ids`)."""
+    if penalty is None or penalty == 1.0:
+        return logits
+    processor = RepetitionPenaltyLogitsProcessor(penalty)
+    return torch.cat([processor(torch.tensor([r.prefix + r.ids], device=logits.device), logits[i: i + 1])
+                      for i, r in enumerate(rows)])
+
+
+def distributions(scores: torch.Tensor, temperature: float, warpers: LogitsProcessorList, estimator: str,
+                  top_k: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """For next-token `scores` [positions, vocab]: the tempered log-probabilities, their entropies (by `estimator`,
+    `top_k`), and the log-probabilities of the distribution sampled, after the `warpers` (top-k / top-p / min-p; None:
+    greedy)."""
+    tempered = torch.log_softmax(scores / (temperature if temperature > 0 else 1.0), dim=-1)
+    entropies = token_entropy(tempered, estimator, top_k, vocab_size)
+    if temperature <= 0:
+        return tempered, entropies, None
+    if not warpers:  # temperature 1, no truncation: the distribution sampled is the tempered one
+        return tempered, entropies, tempered
+    return tempered, entropies, torch.log_softmax(warpers(None, scores), dim=-1)
+
+
+def residual(sampled: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:
+    """The distributions to draw from: where a draft was just rejected at this position (`excluded` >= 0: the draft),
+    p without it."""
+    rows = (excluded >= 0).nonzero().squeeze(1)
+    if not len(rows):
+        return sampled
+    left = sampled.clone()
+    left[rows, excluded[rows]] = float("-inf")
+    return left
 
 
 def sample_tokens(logprobs: torch.Tensor, block: int = 256) -> torch.Tensor:
