@@ -1,13 +1,13 @@
 """`ARPOTrainer`: TRL's `GRPOTrainer` with ARPO's branching tool rollout and shared-prefix attribution.
 
-Only these hooks change (plus, with `use_vllm=True`, the weight-sync object TRL calls before each rollout):
+Only these hooks change (plus, with `use_vllm=True`, the weight-sync object TRL calls before each rollout; which class
+of the trainer overrides which TRL hook, in MRO order: docs/architecture.md):
   * generation goes through TRL's `rollout_func` (bound to `_arpo_rollout`), so TRL keeps padding, old and
     reference logps, importance sampling, rewards and metrics; tool-result tokens come back as `env_mask`,
     which TRL turns into `tool_mask` and removes from the loss;
-  * `_generate` applies hard attribution's "each shared token once" to TRL's tool mask (after TRL logged the
-    completion lengths from the true one), and `_generate_and_score_completions` replaces the (B,) advantages by
-    (B,T) ones for hard attribution, which TRL's `_compute_loss` accepts (with grpo/sapo, scaled so that a row's
-    division by its own trained tokens weighs them by its whole trajectory's, as soft attribution does);
+  * `_generate` and `_generate_and_score_completions` apply hard attribution (arpo_trl/training/hard_attribution.py):
+    each shared token trained once, through TRL's tool mask (after TRL logged the completion lengths from the true
+    one) and (B,T) advantages, which TRL's `_compute_loss` accepts;
   * with AEPO's update options, `EntropyBalancedUpdate` (arpo_trl/training/entropy_balanced_update.py) adjusts the
     advantages and log-probabilities TRL's `_compute_loss` reads, keeping TRL's loss code.
 Every use of TRL's undocumented state goes through `TRLState` (arpo_trl/trl_state.py; tests/test_trl_touch_points.py
@@ -16,17 +16,14 @@ checks it).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
-import statistics
 import textwrap
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
-import torch
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
@@ -34,11 +31,9 @@ from arpo_trl.colocate.trainer_mode import ColocateMode
 from arpo_trl.config import ARPOConfig
 from arpo_trl.dropin.environments import EnvironmentRollouts, placeholder_dataset, setup_environments
 from arpo_trl.dropin.rows import TreeRows
-from arpo_trl.generation.cached_engine import CachedTransformersEngine
 from arpo_trl.generation.distributed import LockstepEngine, run_on_main_process
 from arpo_trl.generation.engine import GenerationEngine, SamplingSettings
-from arpo_trl.generation.kv_budget import KVBudgetSetting
-from arpo_trl.generation.support import cache_budget, cached_engine_blocker
+from arpo_trl.generation.in_process import in_process_engine
 from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.rewards.math_scoring import configure_math_scoring
 from arpo_trl.rollout import BranchingSampler, RolloutResult
@@ -49,18 +44,12 @@ from arpo_trl.tools.base import Tool
 from arpo_trl.tools.failures import ToolFailureWatch
 from arpo_trl.tools.functions import as_tools
 from arpo_trl.tools.tags import own_text_from_ids
-from arpo_trl.training.advantages import (
-    ROW_NORMALISED_LOSSES,
-    hard_advantages,
-    row_normalised_hard_advantages,
-    token_owners,
-    trained_mask,
-)
 from arpo_trl.training.entropy_balanced_update import EntropyBalancedUpdate
+from arpo_trl.training.hard_attribution import owned_tool_mask, token_advantages
 from arpo_trl.training.packed_logps import TreePackedTraining
 from arpo_trl.training.time_budget import TimeBudget
-from arpo_trl.training.tracking import TREES_FILE, MetricsFile, TreePictures
-from arpo_trl.trees import node_table, select, tree_html, tree_records, write_jsonl
+from arpo_trl.training.tracking import MetricsFile, RolloutLog, TreePictures, write_trees
+from arpo_trl.trees import tree_records
 from arpo_trl.trl_state import TRLState
 
 SAMPLER_STATE_FILE = "arpo_sampler_rng_{rank}.json"
@@ -105,8 +94,6 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, EnvironmentRollouts, Entro
             }"""),
     }
 
-    _prefilled = 0  # the engine's prefill counter when the last rollout was logged
-    _engine_seconds: dict[str, float] | None = None  # the engine's seconds per step phase, likewise
     _trajectory_mask: list[list[int]] | None = None  # hard attribution: the tool mask before ownership is applied
 
     def __init__(
@@ -148,6 +135,7 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, EnvironmentRollouts, Entro
         self._trl.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
         self._tool_failures = ToolFailureWatch(self.arpo_tools, args.max_failed_tool_steps)
+        self._rollout_log = RolloutLog()
         configure_math_scoring(timeout=args.reward_timeout, batch_timeout=args.reward_batch_timeout)
         if args.log_trees:
             self.add_callback(TreePictures())
@@ -191,29 +179,10 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, EnvironmentRollouts, Entro
 
     def _transformers_engine(self) -> TransformersEngine | LockstepEngine:
         args, lockstep = self.args, self._trl.is_sharded() and self.accelerator.num_processes > 1
-        sampling = replace(self._sampling(), generation_kwargs=dict(args.generation_kwargs or {}))
-        # the KV budget (generation/kv_budget.py) from TRL's knob; ranks in lockstep must split their waves alike
-        budget = KVBudgetSetting(unbounded=True) if lockstep else KVBudgetSetting.from_config(
-            args.transformers_continuous_batching_config)
-        engine_class, extra = TransformersEngine, {"synced_gpus": lockstep, "kv_budget": budget}
-        blocker = cached_engine_blocker(self.model, args.generation_kwargs, args.cache_implementation, lockstep)
-        if args.use_transformers_continuous_batching and blocker:
-            raise NotImplementedError(f"use_transformers_continuous_batching=True: the cached engine cannot run here: "
-                                      f"{blocker}. Set it to False (the waves engine) or leave it unset (auto).")
-        if args.use_transformers_continuous_batching or (args.use_transformers_continuous_batching is None
-                                                         and blocker is None):  # TRL's knob; None: where it can
-            engine_class, extra = CachedTransformersEngine, {
-                "max_cached_tokens": cache_budget(args.transformers_continuous_batching_config),
-                "max_draft_tokens": args.max_draft_tokens, "kv_budget": budget}
-        elif args.cache_implementation:
-            sampling.generation_kwargs.setdefault("cache_implementation", args.cache_implementation)
-        engine = engine_class(
-            None, self._trl.tokenizer, sampling=sampling, **extra,
-            model_context=lambda: unwrap_model_for_generation(
-                self.model_wrapped, self.accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
-            ),
-        )
+        engine = in_process_engine(args, self.model, self._trl.tokenizer, self._sampling(), lambda: (
+            unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                        gather_deepspeed3_params=args.ds3_gather_for_generation,
+                                        gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)), lockstep)
         return LockstepEngine(engine, self.accelerator, self._trl.eos_token_ids[:1]) if lockstep else engine
 
     def _arpo_rollout(self, prompts: list, trainer=None) -> dict:
@@ -271,18 +240,11 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, EnvironmentRollouts, Entro
         kept = [not (self.args.mask_truncated_completions and self._trl.truncated(ids)) for ids in completion_ids]
         if self.args.advantage_attribution == "hard":  # each shared token trained once
             self._trajectory_mask = tool_mask  # each trajectory's own trained tokens, for grpo/sapo's normalisation
-            owners = self._owners(tree, max(map(len, tool_mask)))
-            keep = trained_mask(owners, [f["node"] for f in tree], kept).tolist()
-            tool_mask = [[bit * k for bit, k in zip(row, keep[i])] for i, row in enumerate(tool_mask)]
+            tool_mask = owned_tool_mask(tree, tool_mask, kept)
             generated = self._trl.with_tool_mask(generated, tool_mask)
         trained = sum(sum(row) for row, k in zip(tool_mask, kept) if k) / max(len({f["group"] for f in tree}), 1)
         self._trl.log_metric("train" if self.model.training else "eval", "arpo/tokens_trained_per_group", trained)
         return generated
-
-    @staticmethod
-    def _owners(fields: list[dict], width: int) -> torch.Tensor:
-        return token_owners([f["node"] for f in fields], [f["parent"] for f in fields],
-                            [f["fork_position"] for f in fields], [f["length"] for f in fields], width)
 
     def _save_rng_state(self, output_dir: str) -> None:  # transformers' Trainer hook (under TRL 1.16)
         # Trainer saves the global RNGs (torch: the transformers backend's sampling); the fork decisions use
@@ -315,24 +277,9 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, EnvironmentRollouts, Entro
         # Evaluation never forks, so every token has one owner and hard attribution changes nothing there; TRL's logs,
         # which the unscored rows are read from, keep generation_batch_size rows, fewer than an eval batch may hold.
         if self.args.advantage_attribution == "hard" and fields is not None and self.model.training:
-            self._trl.set_token_advantages(output, self._hard_advantages(output, fields, trajectory_mask))
+            self._trl.set_token_advantages(output, token_advantages(self._trl, self.accelerator, self.args.loss_type,
+                                                                    output, fields, trajectory_mask))
         return output
-
-    def _hard_advantages(self, output: dict, fields: list[dict], trajectory_mask: list[list[int]]) -> torch.Tensor:
-        """(B, T) per-token advantages of hard attribution, from the (B,) group advantages TRL just computed."""
-        rows, width = self._trl.completion_shape(output)
-        index, processes = self.accelerator.process_index, self.accelerator.num_processes
-        scored = [not flag for flag in self._trl.unscored(rows * processes)[index * rows : (index + 1) * rows]]
-        tree = (self._owners(fields, width), [f["group"] for f in fields])
-        advantages, kept = self._trl.advantages(output), self._trl.rows_in_loss(output)
-        if self.args.loss_type not in ROW_NORMALISED_LOSSES:
-            return hard_advantages(advantages, *tree, kept=kept, scored=scored)
-        padded = torch.zeros(rows, width, dtype=torch.long)
-        for row, bits in zip(padded, trajectory_mask):
-            row[:len(bits)] = torch.as_tensor(bits)
-        whole = self._trl.loss_mask(output, padded).sum(-1)  # what soft attribution divides each row by
-        trained = self._trl.loss_mask(output).sum(-1)  # what the loss divides each row by
-        return row_normalised_hard_advantages(advantages, *tree, whole, trained, kept, scored)
 
     def _log_trees(self, result: RolloutResult, local_rows: int) -> None:
         """Append this step's trees, with the rewards and advantages TRL just computed, to trees.jsonl."""
@@ -341,50 +288,14 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, EnvironmentRollouts, Entro
         n = len(result.trajectories)  # server mode: every rank's groups; otherwise the main process's own
         total = local_rows * self.accelerator.num_processes  # TRL logs all ranks' rows, gathered in rank order
         advantages, rewards = self._trl.logged_advantages(total)[:n], self._trl.logged_rewards(total)[:n]
-        records = tree_records(result, self._trl.tokenizer, self.state.global_step, rewards, advantages)
-        write_jsonl(records, os.path.join(self.args.output_dir, TREES_FILE))
-        if "wandb" in (self.args.report_to or []) and importlib.util.find_spec("wandb"):
-            import wandb
-
-            if wandb.run is not None:
-                columns, rows = node_table(records)
-                wandb.log({"arpo/tree_nodes": wandb.Table(columns=columns, data=rows),
-                           "arpo/tree": wandb.Html(tree_html(select(records, group=0)))}, commit=False)
+        write_trees(tree_records(result, self._trl.tokenizer, self.state.global_step, rewards, advantages),
+                    self.args.output_dir, self.args.report_to)
 
     def _log_rollout(self, result: RolloutResult, mode: str) -> None:
-        """Tree statistics of the whole rollout (all ranks' prompts in server mode); trained tokens: `_generate`."""
-        stats, trajectories, groups = result.stats, result.trajectories, max(len(result.groups), 1)
-        metrics = {
-            "arpo/forks_per_group": stats.forks / groups,
-            "arpo/fill_ups_per_group": stats.fill_ups / groups,
-            "arpo/discarded_tokens_per_group": stats.discarded_tokens / groups,
-            "arpo/waves": stats.waves,
-            "arpo/critical_path_tokens": stats.critical_path_tokens,
-            "arpo/latest_fill_up_start_tokens": stats.latest_fill_up_start_tokens,
-            "arpo/tool_calls_per_trajectory": statistics.fmean(t.tool_calls for t in trajectories),
-            "arpo/tool_calls_per_group": stats.tool_calls / groups,
-            "arpo/tool_failures_per_group": stats.tool_failures / groups,
-            "arpo/tokens_generated_per_group": sum(t.own_tokens() for t in trajectories) / groups,
-            "arpo/rollout_seconds": stats.seconds,
-            "arpo/generation_seconds": stats.generation_seconds,
-            "arpo/tool_seconds": stats.tool_seconds,
-            "arpo/sampler_overhead_seconds": stats.overhead_seconds,
-        }
-        sync = self._trl.weight_sync
-        if getattr(sync, "last_seconds", None) is not None:  # set by a sync before this rollout only
-            metrics["arpo/weight_sync_seconds"], sync.last_seconds = sync.last_seconds, None
-        if stats.global_samples:  # AEPO's pre-monitoring
-            metrics["arpo/global_samples_per_group"] = statistics.fmean(stats.global_samples.values())
-        if stats.fork_deltas:
-            metrics["arpo/fork_delta_entropy_mean"] = statistics.fmean(stats.fork_deltas)
-        metrics.update(self._colocate_metrics(groups))
-        if hasattr(counters := getattr(self.engine, "counters", None), "prefill_tokens"):  # in-process engines
-            metrics["arpo/prefill_tokens_per_group"] = (counters.prefill_tokens - self._prefilled) / groups
-            self._prefilled = counters.prefill_tokens
-            for phase, seconds in counters.seconds.items():  # the cached engine: admit, sample, decode
-                metrics[f"arpo/engine_{phase}_seconds"] = seconds - (self._engine_seconds or {}).get(phase, 0.0)
-            self._engine_seconds = dict(counters.seconds)
+        """The rollout's `arpo/*` metrics (`RolloutLog`; trained tokens: `_generate`), the colocated engine's too."""
+        metrics = self._rollout_log.metrics(result, self.engine, self._trl.weight_sync)
+        metrics.update(self._colocate_metrics(max(len(result.groups), 1)))
         for key, value in metrics.items():
             self._trl.log_metric(mode, key, value)
         if mode == "train":  # a tool that fails every call is reported; one that keeps failing stops training
-            self._tool_failures.observe(stats.tools)
+            self._tool_failures.observe(result.stats.tools)

@@ -1,6 +1,7 @@
 """What a run leaves in its output folder, beside TRL's checkpoints (`ARPOConfig.log_trees`):
 
-    trees.jsonl                 every training rollout tree (written by ARPOTrainer each step; `arpo_trl.trees`)
+    trees.jsonl                 every training rollout tree (written by ARPOTrainer each step, `write_trees`;
+                                `arpo_trl.trees`)
     metrics.jsonl               every logged metrics dict (reward, arpo/forks_per_group, ...), one line per log
     reward_curve.png            reward (and format credit, tool calls) per step, drawn at the end
     trees/                      the last step's tree pictures (PNG + HTML) and the entropy-around-tools plot
@@ -11,16 +12,19 @@ tree picture each step.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
 import os
+import statistics
 from pathlib import Path
 
 from transformers import TrainerCallback
 
 from arpo_trl.markdown import markdown_table
-from arpo_trl.trees import plot_run
+from arpo_trl.rollout import RolloutResult
+from arpo_trl.trees import node_table, plot_run, select, tree_html, write_jsonl
 
 logger = logging.getLogger(__name__)
 TREES_FILE = "trees.jsonl"
@@ -38,6 +42,60 @@ class TreePictures(TrainerCallback):
         if state.is_world_process_zero and os.path.exists(trees):
             written = plot_run(trees, os.path.join(args.output_dir, "trees"))
             logger.warning("ARPO: rollout trees in %s; pictures: %s", trees, ", ".join(map(str, written)))
+
+
+class RolloutLog:
+    """Each rollout's tree statistics as `arpo/*` metrics (all ranks' prompts in server mode), with an in-process
+    engine's work since the previous rollout."""
+
+    def __init__(self) -> None:
+        self._prefilled = 0  # the engine's prefill counter when the last rollout was logged
+        self._engine_seconds: dict[str, float] = {}  # the engine's seconds per step phase, likewise
+
+    def metrics(self, result: RolloutResult, engine, weight_sync) -> dict[str, float]:
+        stats, trajectories, groups = result.stats, result.trajectories, max(len(result.groups), 1)
+        metrics = {
+            "arpo/forks_per_group": stats.forks / groups,
+            "arpo/fill_ups_per_group": stats.fill_ups / groups,
+            "arpo/discarded_tokens_per_group": stats.discarded_tokens / groups,
+            "arpo/waves": stats.waves,
+            "arpo/critical_path_tokens": stats.critical_path_tokens,
+            "arpo/latest_fill_up_start_tokens": stats.latest_fill_up_start_tokens,
+            "arpo/tool_calls_per_trajectory": statistics.fmean(t.tool_calls for t in trajectories),
+            "arpo/tool_calls_per_group": stats.tool_calls / groups,
+            "arpo/tool_failures_per_group": stats.tool_failures / groups,
+            "arpo/tokens_generated_per_group": sum(t.own_tokens() for t in trajectories) / groups,
+            "arpo/rollout_seconds": stats.seconds,
+            "arpo/generation_seconds": stats.generation_seconds,
+            "arpo/tool_seconds": stats.tool_seconds,
+            "arpo/sampler_overhead_seconds": stats.overhead_seconds,
+        }
+        if getattr(weight_sync, "last_seconds", None) is not None:  # set by a sync before this rollout only
+            metrics["arpo/weight_sync_seconds"], weight_sync.last_seconds = weight_sync.last_seconds, None
+        if stats.global_samples:  # AEPO's pre-monitoring
+            metrics["arpo/global_samples_per_group"] = statistics.fmean(stats.global_samples.values())
+        if stats.fork_deltas:
+            metrics["arpo/fork_delta_entropy_mean"] = statistics.fmean(stats.fork_deltas)
+        if hasattr(counters := getattr(engine, "counters", None), "prefill_tokens"):  # in-process engines
+            metrics["arpo/prefill_tokens_per_group"] = (counters.prefill_tokens - self._prefilled) / groups
+            self._prefilled = counters.prefill_tokens
+            for phase, seconds in counters.seconds.items():  # the cached engine: admit, sample, decode
+                metrics[f"arpo/engine_{phase}_seconds"] = seconds - self._engine_seconds.get(phase, 0.0)
+            self._engine_seconds = dict(counters.seconds)
+        return metrics
+
+
+def write_trees(records: list[dict], output_dir: str, report_to: list[str] | None) -> None:
+    """Append a step's tree records to `<output_dir>/trees.jsonl`; wandb also gets their node table and the first
+    group's tree picture."""
+    write_jsonl(records, os.path.join(output_dir, TREES_FILE))
+    if "wandb" in (report_to or []) and importlib.util.find_spec("wandb"):
+        import wandb
+
+        if wandb.run is not None:
+            columns, rows = node_table(records)
+            wandb.log({"arpo/tree_nodes": wandb.Table(columns=columns, data=rows),
+                       "arpo/tree": wandb.Html(tree_html(select(records, group=0)))}, commit=False)
 
 
 class MetricsFile(TrainerCallback):
