@@ -1,6 +1,9 @@
 """What ARPO measures as entropy: per-token estimators (`estimators`), the segment statistic the fork rule compares,
 and, for the transformers backend, the recorder of each step's entropy and of the sampled token's logprob under the
-distribution actually sampled (`recorder`)."""
+distribution actually sampled (`recorder`).
+
+May import: nothing outside entropy.
+"""
 
 from arpo_trl.entropy.estimators import (
     DEFAULT_SERVER_TOP_K,

@@ -1,3 +1,12 @@
+"""Tools and the tag format: `Tool` (`base`; the tag format's other half, finding and cutting tags in generated
+tokens: `tags`), `PythonTool` in an OS sandbox (`python`, `sandbox`, `sandbox_process`; `_sandbox_child.py` is run by
+path), `SearchTool` and `BrowseTool` (`search`, `browse`, `pages`, `condense`), plain functions (`functions`),
+forkable environments (`environments`), concurrent calls (`runner`, `training_thread`), failing-tool reports
+(`failures`).
+
+May import: data (its offline assets: `assets`, `corpora`, `models`).
+"""
+
 from arpo_trl.tools.base import Tool, ToolEnvironmentError, format_result
 from arpo_trl.tools.browse import BrowseTool
 from arpo_trl.tools.condense import ExtractiveCondenser, ModelCondenser, TokenCounter

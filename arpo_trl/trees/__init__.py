@@ -1,5 +1,8 @@
 """Rollout trees: records and their JSONL file (`records`), pictures (`render`), the entropy around tool results
-(`analysis`). The viewer is the `arpo-trl view` / `arpo-trl plot` command (`arpo_trl.commands.trees`)."""
+(`analysis`). The viewer is the `arpo-trl view` / `arpo-trl plot` command (`arpo_trl.commands.trees`).
+
+May import: nothing outside trees.
+"""
 
 from arpo_trl.trees.analysis import entropy_around_tools
 from arpo_trl.trees.records import (
