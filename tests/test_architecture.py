@@ -1,7 +1,7 @@
 """The package's shape, read from its source (docs/architecture.md): imports flow one way, from the commands down
 to the records, with no circles; every package says what it owns and may import, and keeps to it; no module imports
 its own package or a path that does not exist; no command module imports another; the top level stays small and
-modules stay small; tool results are found through the
+modules stay small; the trainer's hook table in docs/architecture.md is true; tool results are found through the
 sampler's records, never by a regex over `<result>`; no block of code is copied inside the package."""
 
 from __future__ import annotations
@@ -303,3 +303,102 @@ def test_no_copied_blocks():
             if first[0] != module or i - first[1] >= MIN_COPIED_LINES:  # elsewhere, or not overlapping itself
                 copies[f"arpo_trl.{first[0]}:{first[2]}"].add(f"arpo_trl.{module}:{lines[i][0]}")
     assert not copies, f"blocks of {MIN_COPIED_LINES}+ lines copied: {dict(copies)}"
+
+
+# ---- the trainer's hooks (docs/architecture.md#the-trainers-hooks) -------------------------------------------------
+HOOK_TABLE = PACKAGE.parent / "docs" / "architecture.md"
+TABLE_START, TABLE_END = "<!-- hook table: tests/test_architecture.py -->", "<!-- end hook table -->"
+
+
+def _class(path: Path, name: str) -> ast.ClassDef:
+    found = [n for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(n, ast.ClassDef)
+             and n.name == name]
+    assert found, f"class {name} not found in {path}"
+    return found[0]
+
+
+def _methods(cls: ast.ClassDef) -> dict[str, bool]:
+    """The methods a class defines, each with whether its body calls `super().<its own name>(...)`."""
+    def calls_super(method: ast.FunctionDef) -> bool:
+        return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == method.name
+                   and isinstance(n.func.value, ast.Call) and getattr(n.func.value.func, "id", None) == "super"
+                   for n in ast.walk(method))
+    return {n.name: calls_super(n) for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _library_source(module: str) -> Path:
+    """A library module's file, found without importing the library (`find_spec` of a top-level name)."""
+    import importlib.util
+
+    top, _, rest = module.partition(".")
+    return Path(importlib.util.find_spec(top).origin).parent.joinpath(*rest.split(".")).with_suffix(".py")
+
+
+def _trainer_mro() -> list[tuple[str, ast.ClassDef]]:
+    """ARPOTrainer's MRO as (name, class) from the sources: its bases, each a mixin without bases of its own, then
+    GRPOTrainer's chain through TRL and transformers."""
+    trainer = _class(MODULES["trainer"], "ARPOTrainer")
+    imported = {alias.asname or alias.name: node.module for node in ast.parse(MODULES["trainer"].read_text()).body
+                if isinstance(node, ast.ImportFrom) for alias in node.names}
+    mro = [("ARPOTrainer", trainer)]
+    for base in (b.id for b in trainer.bases):
+        if base == "GRPOTrainer":
+            break
+        mixin = _class(MODULES[_resolve(f"{imported[base]}.{base}")], base)
+        assert not mixin.bases, f"{base} has bases of its own; the hook table assumes ARPOTrainer's MRO is its bases"
+        mro.append((base, mixin))
+    assert trainer.bases[-1].id == "GRPOTrainer", "GRPOTrainer is no longer ARPOTrainer's last base"
+    chain = {"GRPOTrainer": "trl.trainer.grpo_trainer", "_BaseTrainer": "trl.trainer.base_trainer",
+             "Trainer": "transformers.trainer"}
+    name = "GRPOTrainer"
+    while name in chain:
+        cls = _class(_library_source(chain[name]), name)
+        mro.append((name, cls))
+        name = next((b.id for b in cls.bases if isinstance(b, ast.Name)), "")
+    return mro
+
+
+def _hook_table() -> tuple[list[str], dict[str, list[str]]]:
+    """The table in docs/architecture.md: its hook columns, and per class (first cell) its cells."""
+    text = HOOK_TABLE.read_text(encoding="utf-8")
+    lines = text[text.index(TABLE_START) + len(TABLE_START):text.index(TABLE_END)].strip().splitlines()
+    cells = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
+    hooks = [re.sub(r"`", "", cell) for cell in cells[0][1:]]
+    return hooks, {re.match(r"`(\w+)`", row[0]).group(1): row[1:] for row in cells[2:]}
+
+
+def test_trainer_hooks_table_is_true():
+    """docs/architecture.md's table of which class overrides which TRL hook: its rows are ARPOTrainer's MRO in order,
+    its columns every TRL or transformers method an ARPO class overrides, and a cell is filled exactly where the
+    class defines the hook ("super…" where the override calls `super()`, "replaces" where it does not; TRL's own
+    rows: "defines")."""
+    mro = _trainer_mro()
+    library = {name for name, cls in mro if name in ("GRPOTrainer", "_BaseTrainer", "Trainer")}
+    trl_methods = set().union(*(_methods(cls) for name, cls in mro if name in library))
+    overrides = {name: {m: s for m, s in _methods(cls).items() if m in trl_methods} for name, cls in mro
+                 if name not in library}
+    hooks, rows = _hook_table()
+    assert list(rows) == [name for name, _ in mro], f"the table's rows are not ARPOTrainer's MRO {[n for n, _ in mro]}"
+    assert set(hooks) == set().union(*overrides.values()), (
+        f"the table's hook columns {hooks} are not the hooks ARPO's classes override "
+        f"{sorted(set().union(*overrides.values()))}")
+    wrong = []
+    for name, cls in mro:
+        defined = set(_methods(cls)) if name in library else set(overrides[name])
+        for hook, cell in zip(hooks, rows[name]):
+            if bool(cell) != (hook in defined):
+                wrong.append(f"{name}.{hook}: {'defined' if hook in defined else 'not defined'}, cell {cell!r}")
+            elif cell and name not in library and ("super" in cell) != overrides[name][hook]:
+                wrong.append(f"{name}.{hook}: calls super() {overrides[name][hook]}, cell {cell!r}")
+            elif cell and name not in library and not overrides[name][hook] and "replaces" not in cell:
+                wrong.append(f"{name}.{hook}: replaces TRL's, cell {cell!r}")
+    assert not wrong, "docs/architecture.md's hook table is wrong:\n" + "\n".join(wrong)
+
+
+def test_the_update_hooks_keep_their_order():
+    """EntropyBalancedUpdate before TreePackedTraining, which comes right before GRPOTrainer: AEPO's update post-
+    processes the whole (B, T) result of the loss's forward, which the packed forward computes without `super()`
+    (reversed, packing would skip the update); and the packed forward's per-chunk `super()` calls must reach TRL's
+    unpacked forward (docs/architecture.md#the-trainers-hooks)."""
+    bases = [b.id for b in _class(MODULES["trainer"], "ARPOTrainer").bases]
+    assert bases.index("EntropyBalancedUpdate") < bases.index("TreePackedTraining") == len(bases) - 2, bases

@@ -42,6 +42,8 @@ def parameters(function) -> list[str]:
     ("GRPOTrainer._tokenize_prompts", GRPOTrainer._tokenize_prompts, ["self", "prompts"]),
     ("GRPOTrainer._generate_and_score_completions", GRPOTrainer._generate_and_score_completions, ["self", "inputs"]),
     ("GRPOTrainer._generate", GRPOTrainer._generate, ["self", "prompts"]),
+    ("GRPOTrainer._prepare_inputs", GRPOTrainer._prepare_inputs, ["self", "generation_batch"]),
+    ("GRPOTrainer.training_step", GRPOTrainer.training_step, ["self", "model", "inputs", "num_items_in_batch"]),
     ("GRPOTrainer._compute_loss", GRPOTrainer._compute_loss, ["self", "model", "inputs"]),
     ("GRPOTrainer._calculate_rewards", GRPOTrainer._calculate_rewards,
      ["self", "inputs", "prompts", "completions", "completion_ids_list"]),
