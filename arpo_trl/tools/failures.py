@@ -34,7 +34,6 @@ class ToolTally:
     traceback: str = ""  # where it raised, when it raised
 
 
-
 class ToolFailingError(RuntimeError):
     """A tool failed every call in `patience` training steps in a row."""
 

@@ -218,6 +218,7 @@ class Sandbox:
             with self._lock:
                 self._idle.append(worker)
 
+
 def _probe_namespaces(python_executable: str) -> bool:
     """Whether a namespace sandbox starts here (probed once per process; the reason for a failure is kept)."""
     global _namespaces_available, _namespaces_error

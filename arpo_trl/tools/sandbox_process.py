@@ -125,6 +125,7 @@ def collect(worker: Worker, source: str, timeout: float, max_output_bytes: int) 
     read_status(statuses.decode(errors="replace"), result)
     return result
 
+
 def send(worker: Worker, source: str, timeout: float) -> None:
     """The code, whole, then end of file: the process reads it all before it runs anything."""
     try:
@@ -140,6 +141,7 @@ def send(worker: Worker, source: str, timeout: float) -> None:
     finally:
         os.close(worker.code_fd)
         worker.code_fd = -1
+
 
 def read_status(text: str, result: SandboxResult) -> None:
     """Fill in how the run ended from the status lines of `_sandbox_child.py`; a sandbox that never became ready is a
