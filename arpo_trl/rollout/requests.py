@@ -18,10 +18,15 @@ from arpo_trl.tools.training_thread import runs_here
 
 @dataclass
 class GenerateRequest:
-    """Continue `path` (prompt + completion so far) by at most `max_new_tokens` tokens."""
+    """Continue `path` (prompt + completion so far) by at most `max_new_tokens` tokens.
+
+    A probe (the k tokens after a tool result) sets `continues_to`, its path's whole room: an engine that can
+    (`agenerate_continuing`) answers after the k tokens and decodes the segment on in the same request, which then
+    answers the path's next request (the rest of the segment) without a new one."""
 
     path: Trajectory
     max_new_tokens: int
+    continues_to: int | None = None
 
 
 @dataclass

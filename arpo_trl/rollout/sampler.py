@@ -187,7 +187,8 @@ class BranchingSampler:
         continued = False  # the request continues a segment that a short request stopped inside
         while path.active:
             room = self.max_completion_length - len(path.completion_ids)
-            request = GenerateRequest(path, min(room, self.entropy_window) if probe or short else room)
+            cap = min(room, self.entropy_window) if probe or short else room
+            request = GenerateRequest(path, cap, continues_to=room if probe else None)  # an engine may decode on
             segment = yield request
             if not continued:
                 entropy = segment_entropy(segment.entropies, self.entropy_window, self.engine.vocab_size,
