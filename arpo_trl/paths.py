@@ -112,6 +112,7 @@ class RolloutStats:
     critical_path_kind: str | None = None  # event-driven: the kind of the path that ends the longest chain
     latest_fill_up_start_tokens: int = 0  # event-driven: tokens on the chain before the latest kept fill-up started
     requests: int = 0
+    continued_probes: int = 0  # event-driven: probes whose engine request decoded the segment on
     tool_calls: int = 0
     tool_failures: int = 0
     seconds: float = 0.0  # the whole rollout

@@ -191,8 +191,8 @@ class BranchingSampler:
         continued = False  # the request continues a segment that a short request stopped inside
         while path.active:
             room = self.max_completion_length - len(path.completion_ids)
-            request = GenerateRequest(path, min(room, self.entropy_window) if probe or short else room)
-            segment = yield request
+            cap = min(room, self.entropy_window) if probe or short else room
+            segment = yield (request := GenerateRequest(path, cap, room if probe else None))
             if not continued:
                 entropy = segment_entropy(segment.entropies, self.entropy_window, self.engine.vocab_size,
                                           self.segment_statistic)

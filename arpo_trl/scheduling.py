@@ -34,10 +34,12 @@ from arpo_trl.tools.training_thread import any_runs_here, run_loop_in_thread, ru
 
 @dataclass
 class GenerateRequest:
-    """Continue `path` (prompt + completion so far) by at most `max_new_tokens` tokens."""
+    """Continue `path` (prompt + completion so far) by at most `max_new_tokens` tokens. A probe sets `continues_to`,
+    its path's room: an engine that can (`agenerate_continuing`) decodes on in the same request for the next one."""
 
     path: Trajectory
     max_new_tokens: int
+    continues_to: int | None = None
 
 
 @dataclass
@@ -273,6 +275,8 @@ class _EventRollout:
         self.started_at: dict[int, int] = {}  # path id -> tokens on its chain when it started
         self.depth: dict[int, int] = {}  # path id -> requests on its chain so far
         self.tasks: dict[int, asyncio.Task] = {}
+        self.rests: dict[int, tuple[asyncio.Task, int]] = {}  # path id -> its probe's request decoding on, its room
+        self.dropped: list[asyncio.Task] = []  # rests cancelled with their paths, awaited before the rollout ends
         self.commits: dict[int, asyncio.Event] = {}  # branches waiting for their parent's decision
         self.done: asyncio.Future | None = None
 
@@ -322,6 +326,9 @@ class _EventRollout:
         except Exception as error:
             error.add_note(_path_context([path]))
             raise
+        finally:
+            if (rest := self.rests.pop(path.id, None)) is not None:  # the path ended before asking for it
+                rest[0].cancel(), self.dropped.append(rest[0])
 
     async def _advance(self, path: Trajectory) -> None:
         """Run `path`'s program: send each answer back and await its next request."""
@@ -338,11 +345,8 @@ class _EventRollout:
                 stats.overhead_seconds += time.perf_counter() - start
             if isinstance(request, GenerateRequest):
                 with self.activity.busy("generating"):
-                    answer = await sampler.engine.agenerate(path.prompt_ids + path.completion_ids,
-                                                            request.max_new_tokens, sampler.call_format.stop_strings)
+                    answer = await self._generate(path, request)
                 self.clock[path.id] += len(answer.token_ids)
-                self.depth[path.id] += 1
-                stats.requests += 1
             elif isinstance(request, CommitRequest):
                 answer = await self.commits.setdefault(path.id, asyncio.Event()).wait()
             elif request.call.error is not None:
@@ -351,11 +355,33 @@ class _EventRollout:
                 with self.activity.busy("calling"):
                     answer = await asyncio.wrap_future(self.runner.submit(*_bind(request.call)))
 
+    async def _generate(self, path: Trajectory, request: GenerateRequest):
+        """The segment `request` asks for: a new engine request, or the rest of the one the path's probe left
+        decoding (`GenerateRequest.continues_to`)."""
+        engine, stops = self.sampler.engine, self.sampler.call_format.stop_strings
+        if (rest := self.rests.pop(path.id, None)) is not None:
+            task, room = rest
+            if request.max_new_tokens != room:
+                task.cancel()
+                raise RuntimeError(f"path {path.id} asked {request.max_new_tokens} tokens after its probe, not {room}.")
+            self.stats.continued_probes += 1
+            return await task
+        self.depth[path.id] += 1
+        self.stats.requests += 1
+        prefix = path.prompt_ids + path.completion_ids
+        if (room := request.continues_to) is not None and callable(getattr(engine, "agenerate_continuing", None)):
+            probe, task = await engine.agenerate_continuing(prefix, request.max_new_tokens, room, stops)
+            if task is not None:
+                self.rests[path.id] = task, room - len(probe.token_ids)
+            return probe
+        return await engine.agenerate(prefix, request.max_new_tokens, stops)
+
     async def _close(self) -> None:
         self.runner.close()
         for task in list(self.tasks.values()):
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await asyncio.gather(*self.dropped, return_exceptions=True)  # rests cancelled as their paths ended
         if self.done.done() and not self.done.cancelled():
             self.done.exception()  # retrieved: the rollout was cancelled after a path had failed
         close = getattr(self.sampler.engine, "aclose", None)

@@ -94,7 +94,7 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
     groups, stats = len(result.groups), result.stats
     run = {"wall_s": round(wall, 2), "tokens_generated": generated, "tokens_per_s": round(generated / wall, 1),
            "forks_per_group": stats.forks / groups, "tool_calls_per_group": stats.tool_calls / groups,
-           "fill_ups_per_group": stats.fill_ups / groups,
+           "fill_ups_per_group": stats.fill_ups / groups, "continued_probes_per_group": stats.continued_probes / groups,
            "speculative_fill_ups_per_group": stats.speculative_fill_ups / groups,
            "waves": stats.waves, "critical_path_tokens": stats.critical_path_tokens,
            "discarded_tokens": stats.discarded_tokens, "sampler_overhead_s": round(stats.overhead_seconds, 2),

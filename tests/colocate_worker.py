@@ -59,6 +59,7 @@ class RecordingTrainer(ARPOTrainer):
                          "prefix_key": hash(tuple(t.prompt_ids + t.completion_ids[: t.fork_position or 0]))}
                          for t in group] for group in result.groups],
             "requests": self.engine.counters.log[start:],
+            "continued_probes": result.stats.continued_probes, "engine_requests": result.stats.requests,
         })
         return output
 

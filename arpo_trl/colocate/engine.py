@@ -2,7 +2,8 @@
 
 TRL's colocate mode calls `LLM.generate` once per tool turn, every path in lockstep. Here each path segment is one
 request added to the running engine as soon as its path is ready (`arpo_trl.scheduling.EventScheduler` drives the
-paths): a probe, a fork or a continuation is a new request whose prefix vLLM's prefix cache already holds, tools run
+paths): a fork or a continuation is a new request whose prefix vLLM's prefix cache already holds, a probe is the first
+k tokens of its segment's request, which decodes on while the fork is decided (`agenerate_continuing`), tools run
 while other paths decode, and vLLM's scheduler batches whatever is running. The engine's steps run on one thread of
 their own, so the paths' Python (tag cutting, fork decisions, tool calls) overlaps the model's forward passes; every
 call into vLLM goes through that thread, so vLLM is never entered from two threads.
@@ -19,8 +20,9 @@ from typing import Any
 
 import torch
 
-from arpo_trl.colocate.outputs import WHERE, cached_tokens, completion_body
+from arpo_trl.colocate.outputs import WHERE, cached_tokens, completion_body, first_tokens, generated_tokens
 from arpo_trl.engines import SamplingSettings, Segment, _check_budgets
+from arpo_trl.server.responses import VLLMServerError
 from arpo_trl.server.segments import SegmentReader
 
 
@@ -50,30 +52,59 @@ class PrefixCacheCounters:
 
 class _LoopDriver:
     """Steps the engine for one event loop (a rollout): requests queue here and join the engine before its next
-    step; each finished output resolves its request's future. A cancelled request is aborted in the engine."""
+    step; each finished output resolves its request's future, and a probed request's first k tokens its probe's
+    future. A cancelled request is aborted in the engine."""
 
     def __init__(self, owner: ColocatedVLLMEngine):
         self.owner, self.loop = owner, asyncio.get_running_loop()
         self.waiting: dict[str, asyncio.Future] = {}
+        self.probes: dict[str, tuple[int, asyncio.Future]] = {}  # request id -> (k, the future of its first k tokens)
         self.adds: list[tuple[str, list[int], Any]] = []
         self.aborts: list[str] = []
         self.task: asyncio.Task | None = None
 
     async def submit(self, request_id: str, prompt: list[int], params) -> Any:
-        future = self.loop.create_future()
-        self.waiting[request_id] = future
+        return await self._wait(request_id, self._enqueue(request_id, prompt, params))
+
+    async def submit_probed(self, request_id: str, prompt: list[int], params,
+                            k: int) -> tuple[Any, asyncio.Task | None]:
+        """The request's output once its first `k` tokens are out (cut to them), and a task giving its final output;
+        (the final output, None) if it finished first."""
+        final = self._enqueue(request_id, prompt, params)
+        probe = self.loop.create_future()
+        self.probes[request_id] = k, probe
+        try:
+            first = await probe
+        except asyncio.CancelledError:
+            self._cancel(request_id)
+            raise
+        if final.done():
+            return first, None
+        rest = self.loop.create_task(self._wait(request_id, final))
+        rest.add_done_callback(lambda task: task.cancelled() and self._cancel(request_id))  # also if it never ran
+        return first, rest
+
+    def _enqueue(self, request_id: str, prompt: list[int], params) -> asyncio.Future:
+        future = self.waiting[request_id] = self.loop.create_future()
         self.adds.append((request_id, prompt, params))
         if self.task is None or self.task.done():
             self.task = self.loop.create_task(self._run())
+        return future
+
+    async def _wait(self, request_id: str, future: asyncio.Future) -> Any:
         try:
             return await future
         except asyncio.CancelledError:
-            if self.waiting.pop(request_id, None) is not None:
-                queued = len(self.adds)
-                self.adds = [add for add in self.adds if add[0] != request_id]
-                if len(self.adds) == queued:  # already in the engine
-                    self.aborts.append(request_id)
+            self._cancel(request_id)
             raise
+
+    def _cancel(self, request_id: str) -> None:
+        self.probes.pop(request_id, None)
+        if self.waiting.pop(request_id, None) is not None:
+            queued = len(self.adds)
+            self.adds = [add for add in self.adds if add[0] != request_id]
+            if len(self.adds) == queued:  # already in the engine
+                self.aborts.append(request_id)
 
     async def _run(self) -> None:
         try:
@@ -81,25 +112,34 @@ class _LoopDriver:
                 adds, aborts, self.adds, self.aborts = self.adds, self.aborts, [], []
                 outputs = await self.loop.run_in_executor(self.owner.thread, self.owner.step, adds, aborts)
                 for output in outputs:
-                    future = self.waiting.pop(output.request_id, None)
-                    if future is not None and not future.done():
-                        future.set_result(output)
+                    self._answer(output)
                 await asyncio.sleep(0)  # the paths just answered send their next requests before the next step
         except BaseException as error:
-            for future in self.waiting.values():
+            for future in [*self.waiting.values(), *(probe for _, probe in self.probes.values())]:
                 if not future.done():
                     future.set_exception(error) if isinstance(error, Exception) else future.cancel()
-            self.waiting.clear()
+            self.waiting.clear(), self.probes.clear()
             raise
+
+    def _answer(self, output) -> None:
+        finished = getattr(output, "finished", False)
+        if (probe := self.probes.get(output.request_id)) is not None:
+            k, future = probe
+            if finished or generated_tokens(output) >= k:  # a malformed output waits for the end, refused there
+                del self.probes[output.request_id]
+                if not future.done():
+                    future.set_result(output if finished else first_tokens(output, k))
+        if finished and (future := self.waiting.pop(output.request_id, None)) is not None and not future.done():
+            future.set_result(output)
 
     async def close(self) -> None:
         """Abort what is still running (a failed or cancelled rollout) and stop stepping."""
-        if self.task is not None and not self.task.done():
+        if self.task is not None:
             self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+            await asyncio.gather(self.task, return_exceptions=True)  # its failure, if any, reached every waiter
         unsent = {request_id for request_id, _, _ in self.adds}
         leftover = [*(request_id for request_id in self.waiting if request_id not in unsent), *self.aborts]
-        self.waiting.clear(), self.adds.clear(), self.aborts.clear()
+        self.waiting.clear(), self.probes.clear(), self.adds.clear(), self.aborts.clear()
         if leftover:
             await self.loop.run_in_executor(self.owner.thread, self.owner.step, [], leftover, False)
 
@@ -124,11 +164,12 @@ class ColocatedVLLMEngine:
         self.entropy_estimator, self.entropy_top_k = reader.estimator, reader.top_k
         eos = reader.eos_token_ids
         extra = dict(sampling.generation_kwargs or {})
-        self._params = lambda budget, stop: SamplingParams(
+        self._params = lambda budget, stop, kind=RequestOutputKind.FINAL_ONLY: SamplingParams(
             n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0,
             min_p=sampling.min_p or 0.0, repetition_penalty=sampling.repetition_penalty, stop_token_ids=eos,
             logprobs=self.entropy_top_k, include_stop_str_in_output=True, skip_special_tokens=False,
-            output_kind=RequestOutputKind.FINAL_ONLY, max_tokens=budget, stop=list(stop) or None, **extra)
+            output_kind=kind, max_tokens=budget, stop=list(stop) or None, **extra)
+        self._cumulative = RequestOutputKind.CUMULATIVE
         self._params(1, [])  # vLLM checks the settings (generation_kwargs included) now, not mid-rollout
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-colocate")
         self.counters = PrefixCacheCounters()
@@ -138,15 +179,15 @@ class ColocatedVLLMEngine:
 
     # --- the engine's thread -------------------------------------------------------------------------------------
     def step(self, adds: list, aborts: list[str], run: bool = True) -> list:
-        """On the engine's thread: add new requests, abort cancelled ones, then one engine step; the finished
-        outputs."""
+        """On the engine's thread: add new requests, abort cancelled ones, then one engine step; its outputs (the
+        finished requests', and each step's of a probed request)."""
         for request_id, prompt, params in adds:
             self.llm.add_request(request_id, {"prompt_token_ids": prompt}, params)
         if aborts:
             self.llm.abort_request(aborts)
         if not run or not self.llm.has_unfinished_requests():
             return []
-        return [output for output in self.llm.step() if output.finished]
+        return self.llm.step()
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine's thread and wait for it (weight loads, cache resets, sleep)."""
@@ -155,10 +196,38 @@ class ColocatedVLLMEngine:
     # --- generation ----------------------------------------------------------------------------------------------
     async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
         _check_budgets([prefix], [max_new_tokens])
-        loop = asyncio.get_running_loop()
-        driver = self._drivers.get(loop) or self._drivers.setdefault(loop, _LoopDriver(self))
-        output = await driver.submit(self._new_id(), list(prefix), self._params(max_new_tokens, stop))
+        output = await self._driver().submit(self._new_id(), list(prefix), self._params(max_new_tokens, stop))
         return self._segment(output, prefix, max_new_tokens, stop)
+
+    async def agenerate_continuing(self, prefix: Sequence[int], probe_tokens: int, max_new_tokens: int,
+                                   stop: Sequence[str]) -> tuple[Segment, asyncio.Task | None]:
+        """A probe that goes on: one request of up to `max_new_tokens`, answered with its first `probe_tokens` as
+        soon as they are out, while it decodes on; the task gives the rest of the segment (None: it ended within
+        them). The probe's continuation then needs no new request, so nothing of its prefix is computed again."""
+        if max_new_tokens <= probe_tokens:
+            return await self.agenerate(prefix, max_new_tokens, stop), None
+        _check_budgets([prefix], [max_new_tokens])
+        params = self._params(max_new_tokens, stop, self._cumulative)  # each step's output: the tokens so far
+        first, final = await self._driver().submit_probed(self._new_id(), list(prefix), params, probe_tokens)
+        if final is None:  # it ended within the probe's k tokens
+            return self._segment(first, prefix, probe_tokens, stop), None
+        try:
+            probe = self.reader.read(completion_body(first), probe_tokens, stop)
+        except BaseException:
+            final.cancel()  # a malformed answer: the request is aborted, the error goes to the path
+            raise
+        rest = asyncio.get_running_loop().create_task(self._rest(final, prefix, probe, max_new_tokens, stop))
+        rest.add_done_callback(lambda task: task.cancelled() and final.cancel())  # the request is aborted
+        return probe, rest
+
+    async def _rest(self, final: asyncio.Task, prefix: Sequence[int], probe: Segment, budget: int,
+                    stop: Sequence[str]) -> Segment:
+        whole, k = self._segment(await final, prefix, budget, stop), len(probe.token_ids)
+        if whole.token_ids[:k] != probe.token_ids:
+            raise VLLMServerError(f"The colocated vLLM engine's final output does not begin with the {k} tokens it "
+                                  "reported first for the same request.", base_url=WHERE.base_url,
+                                  endpoint=WHERE.endpoint, field="outputs[0].token_ids")
+        return Segment(whole.token_ids[k:], whole.logprobs[k:], whole.entropies[k:], whole.finish_reason)
 
     def generate(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                  stop: Sequence[str]) -> list[Segment]:
@@ -171,9 +240,9 @@ class ColocatedVLLMEngine:
     def _run_batch(self, requests: list) -> dict[str, Any]:
         finished: dict[str, Any] = {}
         try:
-            finished.update((o.request_id, o) for o in self.step(requests, []))
+            finished.update((o.request_id, o) for o in self.step(requests, []) if o.finished)
             while len(finished) < len(requests):
-                finished.update((o.request_id, o) for o in self.step([], []))
+                finished.update((o.request_id, o) for o in self.step([], []) if o.finished)
         except BaseException:
             self.step([], [rid for rid, _, _ in requests if rid not in finished], run=False)
             raise
@@ -187,6 +256,10 @@ class ColocatedVLLMEngine:
 
     def close(self) -> None:
         self.thread.shutdown(wait=True, cancel_futures=True)
+
+    def _driver(self) -> _LoopDriver:
+        loop = asyncio.get_running_loop()
+        return self._drivers.get(loop) or self._drivers.setdefault(loop, _LoopDriver(self))
 
     def _new_id(self) -> str:
         return f"arpo-{next(self._ids)}"

@@ -4,6 +4,7 @@ so that the in-process and the server paths cannot drift apart in what they let 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from arpo_trl.server.responses import VLLMServerError, Where, violation
@@ -48,3 +49,21 @@ def cached_tokens(output: Any) -> int:
                               f"{len(prompt)} (expected an integer in [0, {len(prompt)}]).",
                               base_url=WHERE.base_url, endpoint=WHERE.endpoint, field="num_cached_tokens")
     return value
+
+
+def generated_tokens(output: Any) -> int:
+    """How many tokens an unfinished (cumulative) output holds so far; -1 if it is not shaped like one."""
+    choices = getattr(output, "outputs", None)
+    ids = getattr(choices[0], "token_ids", None) if isinstance(choices, list) and len(choices) == 1 else None
+    return len(ids) if isinstance(ids, list | tuple) else -1
+
+
+def first_tokens(output: Any, k: int) -> SimpleNamespace:
+    """An unfinished output cut to its first `k` tokens, as a request of `max_tokens=k` would have finished ('length'):
+    a probe's answer while its request decodes on. Copied now: vLLM extends the lists it returned at later steps."""
+    choice = output.outputs[0]
+    rows = None if choice.logprobs is None else list(choice.logprobs[:k])
+    cut = SimpleNamespace(token_ids=list(choice.token_ids[:k]), logprobs=rows,
+                          finish_reason="length", stop_reason=None)
+    return SimpleNamespace(request_id=output.request_id, outputs=[cut], finished=False,
+                           prompt_token_ids=output.prompt_token_ids, num_cached_tokens=output.num_cached_tokens)
