@@ -35,8 +35,9 @@ Each comparison (arpo/grpo, arpo_chat/trl_grpo, arpo/trl_grpo, aepo/grpo, aepo/a
 against arpo and grpo, and each method against its cold start) gets a 95 % two-level paired bootstrap interval
 (`arpo_trl.eval_metrics.paired_bootstrap`: seeds, then the steps or questions within them): cost ratios per training
 step (executed tool calls, unique generated tokens, rollout and step seconds) and differences of reward per step and of
-held-out pass@1 per question (across call formats also of the gain over each one's cold start). Writes `<out>/results.json` (commit, machine load,
-each run's seed and steps), `<out>/results.md` and `<out>/*.png`, and copies them to `--results`.
+held-out pass@1 per question (across call formats also of the gain over each one's cold start). Writes
+`<out>/results.json` (commit, machine load, each run's seed and steps), `<out>/results.md` and `<out>/*.png`, and
+copies them to `--results`.
 """
 
 from __future__ import annotations
