@@ -62,8 +62,8 @@ def test_colocated_vllm_grows_trees_with_forks_served_from_the_prefix_cache(colo
             # the parent's probe computed this prefix: every full KV block of it is served from the cache
             assert max(served) >= (branch["prefix"] - 1) // block * block, (branch, served, block)
             long_forks += branch["prefix"] > block
-        # each probe's request decoded its segment on: one engine request per segment less
-        assert rollout["continued_probes"] > 0 and len(rollout["requests"]) == rollout["engine_requests"]
+        # probes went on as their segments' requests (a request dropped midway finishes in no log entry)
+        assert rollout["continued_probes"] > 0 and len(rollout["requests"]) <= rollout["engine_requests"]
     assert forks > 0 and long_forks > 0, (forks, long_forks)
     for step in result["steps"]:
         assert 0 < step["arpo/prefix_cache_hit_rate"] <= 1 and step["arpo/weight_sync_seconds"] > 0
