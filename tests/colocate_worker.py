@@ -65,8 +65,9 @@ class RecordingTrainer(ARPOTrainer):
 
 
 def forks(model_dir: str, out: dict) -> None:
+    # k = 4: a probe shorter than the tool model's answers, so that probes go on as their segments' requests
     args = _args(out["dir"], branch_threshold=1.0, num_generations=8, initial_rollouts=2, log_trees=True,
-                 per_device_train_batch_size=16)
+                 per_device_train_batch_size=16, entropy_window=4)
     trainer = RecordingTrainer(model=model_dir, reward_funcs=[arpo_math_reward, length_reward], args=args,
                                train_dataset=Dataset.from_list(_addition_rows(16)), tools=[PythonTool(timeout=5)],
                                peft_config=LORA)
