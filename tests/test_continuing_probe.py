@@ -10,6 +10,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from test_colocate import _FakeLLM
 from test_rollout import AsyncScriptedEngine, _prompts, calls_then_answers
 
 from arpo_trl.colocate.engine import ColocatedVLLMEngine, _LoopDriver
@@ -102,26 +103,19 @@ class _Logprob:
         self.logprob = value
 
 
-class _StreamingLLM:
+class _StreamingLLM(_FakeLLM):
     """Exact stand-in for vLLM's `LLMEngine` as the driver calls it: one token per request per step; a request of
     `n` tokens finishes at its n-th step. Every step returns each running request's cumulative output (as vLLM does
     for `RequestOutputKind.CUMULATIVE`), extending the lists it returned before, as vLLM's detokenizer does."""
 
     def __init__(self, lengths: dict[str, int]):
-        self.lengths, self.running, self.added, self.aborted = lengths, {}, [], []
+        super().__init__()
+        self.lengths = lengths
 
     def add_request(self, request_id, prompt, params):
         self.added.append(request_id)
         self.running[request_id] = type("Choice", (), {"token_ids": [], "logprobs": [], "finish_reason": None,
                                                         "stop_reason": None})()
-
-    def abort_request(self, ids):
-        self.aborted.extend(ids)
-        for request_id in ids:
-            self.running.pop(request_id, None)
-
-    def has_unfinished_requests(self):
-        return bool(self.running)
 
     def step(self):
         outputs = []

@@ -78,6 +78,10 @@ class _LoopDriver:
         except asyncio.CancelledError:
             self._cancel(request_id)
             raise
+        except Exception:
+            if final.done() and not final.cancelled():
+                final.exception()  # the same failure, heard here: not logged again as never retrieved
+            raise
         if final.done():
             return first, None
         rest = self.loop.create_task(self._wait(request_id, final))
