@@ -17,6 +17,8 @@ the same model, data, reward, M, token and call budgets, LoRA and seed:
     aepo       ARPOTrainer, tag calls, AEPO (docs/aepo.md): branch_policy=aepo (entropy pre-monitoring sets the global
                samples, branch penalty) with stop-gradient clipping and the entropy-aware advantage (a = 0.2)
     random     ARPOTrainer, tag calls, random branching (not in the default run)
+    arpo_*     ARPO with one setting changed (`ABLATIONS`: τ, β, hard attribution, N), each a test of an obvious
+               explanation when ARPO does not beat GRPO (not in the default run)
 
 Settings are M:N pairs (default 16:8, the paper's; later ones run `--second-row-methods`). Every run is a fresh
 process; the methods of a seed run back to back so they share the machine's state, and `--reuse` keeps every run and
@@ -29,8 +31,8 @@ engine (what GRPOTrainer does), `packed` adds tree-packed training, `packed_cach
 a prefix KV cache; `default` (the default) takes the recipe's settings. Besides the rollout's costs, each run logs its
 training-phase seconds, tokens forwarded and prefilled per group, and its process's peak resident memory.
 
-Each comparison (arpo/grpo, arpo_chat/trl_grpo, arpo/trl_grpo, aepo/grpo, aepo/arpo, random/grpo, and each method
-against its cold start) gets a 95 % two-level paired bootstrap interval
+Each comparison (arpo/grpo, arpo_chat/trl_grpo, arpo/trl_grpo, aepo/grpo, aepo/arpo, random/grpo, each ablation
+against arpo and grpo, and each method against its cold start) gets a 95 % two-level paired bootstrap interval
 (`arpo_trl.rewards.eval_metrics.paired_bootstrap`: seeds, then the steps or questions within them): cost ratios per
 training step (executed tool calls, unique generated tokens, rollout and step seconds) and differences of reward per
 step and of held-out pass@1 per question (across call formats also of the gain over each one's cold start). Writes
@@ -56,11 +58,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# ARPO with one setting changed, after the recipe's (the last flag wins): each tests an explanation of ARPO not beating
+# GRPO. τ = 1: fork at every tool result the budget allows; β = 1: the fork rule reads entropy 5× more (with ΔH over
+# ln|V|, β = 0.2 moves P by a few hundredths); hard attribution: a shared prefix trained once, at its paths' mean
+# advantage; N = 4: half the budget more to forks.
+ABLATIONS = {"arpo_tau1": ["--branch_threshold", "1.0"], "arpo_beta1": ["--entropy_weight", "1.0"],
+             "arpo_hard": ["--advantage_attribution", "hard"], "arpo_n4": ["--initial_rollouts", "4"]}
 METHODS = {"arpo": ("tags", "entropy"), "grpo": ("tags", "none"), "arpo_chat": ("chat_template", "entropy"),
-           "trl_grpo": ("chat_template", "trl"), "aepo": ("tags", "aepo"), "random": ("tags", "random")}
+           "trl_grpo": ("chat_template", "trl"), "aepo": ("tags", "aepo"), "random": ("tags", "random"),
+           **{name: ("tags", "entropy") for name in ABLATIONS}}
 AEPO_UPDATE = ["--entropy_balanced_clipping", "true", "--entropy_advantage_weight", "0.2"]  # the authors' a
 PAIRS = (("arpo", "grpo"), ("arpo_chat", "trl_grpo"), ("arpo", "trl_grpo"), ("aepo", "grpo"), ("aepo", "arpo"),
-         ("random", "grpo"))
+         ("random", "grpo"), *((name, base) for name in ABLATIONS for base in ("arpo", "grpo")))
 # The cold-start models (one SFT recipe per call format, trained first when missing). `headroom` (10 SFT steps) leaves
 # RL room to learn: held-out pass@1 0.23 and all 8 of 8 samples distinct (benchmarks/regime_candidates.py); `peaked`
 # (24 steps) already scores 0.89 with about 2 distinct samples in 8, the regime of the earlier results; `recipe` takes
@@ -224,7 +233,7 @@ def train(args: argparse.Namespace, method: str, setting: tuple[int, int], seed:
     else:
         resources = run("-m", "arpo_trl.cli", "train", *common, "--branch_policy", policy, "--initial_rollouts",
                         str(m if policy == "none" else n), *(AEPO_UPDATE if policy == "aepo" else []),
-                        log=run_dir / "train.log")
+                        *ABLATIONS.get(method, []), log=run_dir / "train.log")
     (run_dir / RESOURCES).write_text(json.dumps(resources | {"commit": git_commit()}))  # the code that trained it
     return run_dir
 

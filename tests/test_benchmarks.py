@@ -328,3 +328,29 @@ def test_arpo_vs_grpo_curves_smooth_with_a_trailing_mean():
     bench = load("arpo_vs_grpo")
     assert bench.trailing_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert bench.trailing_mean([], 10) == []
+
+
+def test_each_ablation_trains_arpo_with_its_one_setting_changed(tmp_path, monkeypatch):
+    """`arpo_*` methods: the recipe's ARPO with one flag after the others; the train command's parser keeps the last."""
+    from arpo_trl.commands.train import parse_train_args
+
+    bench = load("arpo_vs_grpo")
+    sent = []
+
+    def run(*argv, log):  # the command it would run, instead of running it
+        sent.append(argv[3:])
+        log.parent.mkdir(parents=True, exist_ok=True)
+        return {}
+
+    monkeypatch.setattr(bench, "run", run)
+    monkeypatch.setattr(bench, "cold_start_model", lambda args, fmt: "model")
+    args = bench.parse_args(["--cold-start", "recipe", "--out", str(tmp_path)])
+    expected = {"arpo_tau1": ("branch_threshold", 1.0), "arpo_beta1": ("entropy_weight", 1.0),
+                "arpo_hard": ("advantage_attribution", "hard"), "arpo_n4": ("initial_rollouts", 4)}
+    assert set(expected) == set(bench.ABLATIONS) and all(bench.METHODS[m] == ("tags", "entropy") for m in expected)
+    for method, (field, value) in expected.items():
+        bench.train(args, method, (16, 8), 0)
+        _, training_args, _ = parse_train_args(list(sent[-1]))
+        assert getattr(training_args, field) == value and training_args.branch_policy == "entropy"
+        assert training_args.num_generations == 16 and (method == "arpo_n4" or training_args.initial_rollouts == 8)
+    assert ("arpo_hard", "grpo") in bench.PAIRS and ("arpo_hard", "arpo") in bench.PAIRS
