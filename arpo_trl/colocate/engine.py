@@ -67,26 +67,28 @@ class _LoopDriver:
         return await self._wait(request_id, self._enqueue(request_id, prompt, params))
 
     async def submit_probed(self, request_id: str, prompt: list[int], params,
-                            k: int) -> tuple[Any, asyncio.Task | None]:
-        """The request's output once its first `k` tokens are out (cut to them), and a task giving its final output;
-        (the final output, None) if it finished first."""
+                            k: int) -> tuple[Any, asyncio.Future | None]:
+        """The request's output once its first `k` tokens are out (cut to them), and the future of its final output,
+        which the caller awaits or hands to `drop`; (the final output, None) if it finished first."""
         final = self._enqueue(request_id, prompt, params)
         probe = self.loop.create_future()
         self.probes[request_id] = k, probe
         try:
             first = await probe
-        except asyncio.CancelledError:
-            self._cancel(request_id)
+        except BaseException:
+            self.drop(request_id, final)
             raise
-        except Exception:
-            if final.done() and not final.cancelled():
-                final.exception()  # the same failure, heard here: not logged again as never retrieved
-            raise
+        return first, (None if final.done() else final)
+
+    def drop(self, request_id: str, final: asyncio.Future) -> None:
+        """Nobody will await `final`, the final output of `request_id`: the request is aborted if it still runs,
+        and a failure it already had counts as heard (not logged again at garbage collection)."""
         if final.done():
-            return first, None
-        rest = self.loop.create_task(self._wait(request_id, final))
-        rest.add_done_callback(lambda task: task.cancelled() and self._cancel(request_id))  # also if it never ran
-        return first, rest
+            if not final.cancelled():
+                final.exception()
+            return
+        self._cancel(request_id)
+        final.cancel()
 
     def _enqueue(self, request_id: str, prompt: list[int], params) -> asyncio.Future:
         future = self.waiting[request_id] = self.loop.create_future()
@@ -212,19 +214,20 @@ class ColocatedVLLMEngine:
             return await self.agenerate(prefix, max_new_tokens, stop), None
         check_budgets([prefix], [max_new_tokens])
         params = self._params(max_new_tokens, stop, self._cumulative)  # each step's output: the tokens so far
-        first, final = await self._driver().submit_probed(self._new_id(), list(prefix), params, probe_tokens)
+        driver, request_id = self._driver(), self._new_id()
+        first, final = await driver.submit_probed(request_id, list(prefix), params, probe_tokens)
         if final is None:  # it ended within the probe's k tokens
             return self._segment(first, prefix, probe_tokens, stop), None
         try:
             probe = self.reader.read(completion_body(first), probe_tokens, stop)
         except BaseException:
-            final.cancel()  # a malformed answer: the request is aborted, the error goes to the path
+            driver.drop(request_id, final)  # a malformed answer: the request is aborted, the error goes to the path
             raise
         rest = asyncio.get_running_loop().create_task(self._rest(final, prefix, probe, max_new_tokens, stop))
-        rest.add_done_callback(lambda task: task.cancelled() and final.cancel())  # the request is aborted
+        rest.add_done_callback(lambda task: task.cancelled() and driver.drop(request_id, final))  # even unstarted
         return probe, rest
 
-    async def _rest(self, final: asyncio.Task, prefix: Sequence[int], probe: Segment, budget: int,
+    async def _rest(self, final: asyncio.Future, prefix: Sequence[int], probe: Segment, budget: int,
                     stop: Sequence[str]) -> Segment:
         whole, k = self._segment(await final, prefix, budget, stop), len(probe.token_ids)
         if whole.token_ids[:k] != probe.token_ids:
