@@ -140,7 +140,7 @@ class _Owner:
 
 
 def test_the_driver_answers_a_probe_with_its_first_k_tokens_and_the_rest_when_the_request_ends():
-    owner = _Owner({"long": 7, "short": 2, "plain": 3, "dropped": 9})
+    owner = _Owner({"long": 7, "short": 2, "plain": 3, "dropped": 9, "awaited": 9})
 
     async def scenario():
         driver = _LoopDriver(owner)
@@ -157,11 +157,22 @@ def test_the_driver_answers_a_probe_with_its_first_k_tokens_and_the_rest_when_th
         _, rest = await driver.submit_probed("dropped", [1], None, 2)
         driver.drop("dropped", rest)  # the path ended before asking for its rest: the request is aborted in the engine
         assert rest.cancelled()
+        _, final = await driver.submit_probed("awaited", [1], None, 2)
+
+        async def rest_task():
+            return await final
+
+        waiter = asyncio.create_task(rest_task())  # as the engine's: cancelling it, as it awaits, cancels `final` too
+        waiter.add_done_callback(lambda task: task.cancelled() and driver.drop("awaited", final))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        assert final.cancelled()
         await driver.close()
         return driver
 
     driver = asyncio.run(scenario())
-    assert owner.llm.aborted == ["dropped"] and not owner.llm.running
+    assert owner.llm.aborted == ["dropped", "awaited"] and not owner.llm.running
     assert not driver.waiting and not driver.probes and not driver.adds
 
 

@@ -81,11 +81,11 @@ class _LoopDriver:
         return first, (None if final.done() else final)
 
     def drop(self, request_id: str, final: asyncio.Future) -> None:
-        """Nobody will await `final`, the final output of `request_id`: the request is aborted if it still runs,
-        and a failure it already had counts as heard (not logged again at garbage collection)."""
-        if final.done():
-            if not final.cancelled():
-                final.exception()
+        """Nobody will await `final`, the final output of `request_id`: the request is aborted if it still runs
+        (`final` may already be cancelled: a task cancelled while awaiting it cancels it), and a failure it already
+        had counts as heard (not logged again at garbage collection)."""
+        if final.done() and not final.cancelled():
+            final.exception()
             return
         self._cancel(request_id)
         final.cancel()
