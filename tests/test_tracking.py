@@ -83,3 +83,22 @@ def test_curves_summary_and_plot_from_a_metrics_file(tmp_path):
     assert "| step | reward | arpo/tool_calls_per_trajectory | arpo/forks_per_group |" in summary
     assert "| 3 | 0.300 |  | 1.000 | -0.700 |" in summary and str(tmp_path / "metrics.jsonl") in summary
     assert plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_keep_rows_drops_a_cut_last_line_and_refuses_any_other_bad_one(tmp_path):
+    from arpo_trl.training.tracking import keep_rows
+
+    path = tmp_path / "metrics.jsonl"
+    keep_rows(path, lambda row: True)  # no file yet: nothing to do
+    assert not path.exists()
+    rows = [json.dumps({"step": s, "reward": s / 10}) for s in range(1, 5)]
+    path.write_text("\n".join(rows) + '\n{"step": 5, "rew')  # a killed run's last write
+    keep_rows(path, lambda row: row["step"] <= 2)
+    assert path.read_text() == rows[0] + "\n" + rows[1] + "\n"
+    path.write_text(rows[0] + "\nnot json\n" + rows[1] + "\n")
+    with pytest.raises(ValueError, match="metrics.jsonl, line 2: not JSON"):
+        keep_rows(path, lambda row: True)
+    path.write_text(rows[0] + '\n{"reward": 1}\n' + rows[1] + "\n")
+    with pytest.raises(ValueError, match="line 2: expected an object with an integer 'step'"):
+        keep_rows(path, lambda row: True)
+    assert path.read_text() == rows[0] + '\n{"reward": 1}\n' + rows[1] + "\n"  # refused: the file is untouched

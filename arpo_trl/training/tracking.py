@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -35,7 +36,13 @@ CURVE_KEYS = ("reward", "arpo/tool_calls_per_trajectory", "arpo/forks_per_group"
 
 class TreePictures(TrainerCallback):
     """At the end of training, draw the last step's trees and the entropy-around-tools plot into
-    `<output_dir>/trees/` (as `arpo-trl plot <output_dir>/trees.jsonl --out <output_dir>/trees` does)."""
+    `<output_dir>/trees/` (as `arpo-trl plot <output_dir>/trees.jsonl --out <output_dir>/trees` does); at its start,
+    drop the records a rerun in the folder would repeat (`keep_rows`)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # A rollout's records carry the step it trained (0-based): those of a resumed checkpoint's steps stay.
+        if state.is_world_process_zero:
+            keep_rows(os.path.join(args.output_dir, TREES_FILE), lambda record: record["step"] < state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         trees = os.path.join(args.output_dir, TREES_FILE)
@@ -99,7 +106,13 @@ def write_trees(records: list[dict], output_dir: str, report_to: list[str] | Non
 
 
 class MetricsFile(TrainerCallback):
-    """Append each log to `<output_dir>/metrics.jsonl`; draw `reward_curve.png` at the end of training."""
+    """Append each log to `<output_dir>/metrics.jsonl` (at the start, dropping the rows a rerun in the folder would
+    repeat: `keep_rows`); draw `reward_curve.png` at the end of training."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # A log carries the step count after it (1 for the first step): those up to a resumed checkpoint's stay.
+        if state.is_world_process_zero:
+            keep_rows(os.path.join(args.output_dir, METRICS_FILE), lambda row: row["step"] <= state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
@@ -111,6 +124,30 @@ class MetricsFile(TrainerCallback):
         metrics = os.path.join(args.output_dir, METRICS_FILE)
         if state.is_world_process_zero and os.path.exists(metrics):
             plot_curves(metrics, os.path.join(args.output_dir, "reward_curve.png"))
+
+
+def keep_rows(path: str | os.PathLike, keep: Callable[[dict], bool]) -> None:
+    """Rewrite a JSON-lines file with the rows `keep` accepts. A run started again in the same output folder appends
+    to the files of the run before it: without this, a rerun's steps would follow the earlier run's in one file
+    (their curves and per-step statistics mixed), and a resumed run's would repeat the steps after its checkpoint.
+    A last line that is not JSON is a write cut short by a killed run, and goes; any other is an error."""
+    if not os.path.exists(path):
+        return
+    lines = Path(path).read_text().splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}, line {number}: not JSON ({error}); move the file to start afresh") from error
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}, line {number}: expected an object with an integer 'step'")
+        if keep(row):
+            kept.append(line)
+    if len(kept) < len(lines):
+        Path(path).write_text("".join(line + "\n" for line in kept))
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
