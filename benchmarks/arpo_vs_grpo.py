@@ -339,7 +339,8 @@ def read_eval(path: Path) -> dict:
     per_question = [record["num_correct"] / len(record["completions"]) for record in results["records"]]
     calls = [c["tool_calls"] for record in results["records"] for c in record["completions"]]
     return {"pass@1": statistics.fmean(per_question), "per_question": per_question,
-            "calls_per_trajectory": statistics.fmean(calls)}
+            "calls_per_trajectory": statistics.fmean(calls),
+            "format_valid_rate": results["summary"]["format_valid_rate"]["mean"]}  # answers the reward can score
 
 
 def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int, cold_start: dict) -> dict:

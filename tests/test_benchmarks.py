@@ -130,8 +130,10 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
         if run["setting"] == "M2N1":  # only the main row is evaluated
             assert "eval" not in run and not (run_dir / "eval").exists()
             continue
-        records = json.loads((run_dir / "eval" / "eval_results.json").read_text())["records"]
+        evaluation = json.loads((run_dir / "eval" / "eval_results.json").read_text())
+        records = evaluation["records"]
         assert [len(r["completions"]) for r in records] == [2, 2, 2]
+        assert run["eval"]["format_valid_rate"] == evaluation["summary"]["format_valid_rate"]["mean"]
         assert run["eval"]["pass@1"] == pytest.approx(sum(r["num_correct"] for r in records) / 6)
     arpo_tags = [r for r in report["runs"] if r["method"] == "arpo"]
     assert any(r["mean"]["forks_per_group"] > 0 for r in arpo_tags)  # the tiny tool model called <python>
