@@ -456,7 +456,7 @@ def heldout_panel(ax, evaluated: list[dict], cold_start: dict, setting: str, col
     for x, (label, values) in enumerate(bars):
         ax.bar(x, statistics.fmean(values), color=colors.get(label, "lightgray"))
         ax.plot([x] * len(values), values, "k.", markersize=5)
-    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=7)
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=7, rotation=35, ha="right")
     ax.set(ylabel="held-out pass@1", title=f"{setting}: held-out pass@1, before and after RL", ylim=(0, 1))
 
 
