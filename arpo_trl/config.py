@@ -240,7 +240,8 @@ class ARPOConfig(GRPOConfig):
             "are certain to be needed, as many as forking is expected not to fill; a fork takes their slot back and "
             "they are confirmed oldest first, so the trees are unchanged. Shortens the rollout's critical path for "
             "some discarded tokens. On the cached in-process engine, event-driven, they wait for the prompt's first "
-            "fork decision (that engine drafts a late path's first segment from its siblings' text in a few steps). "
+            "fork decision (that engine drafts a late path's first segment from its siblings' text in a few steps), "
+            "and so they do on colocated vLLM on a CPU, where every row costs compute and a dropped one is time lost. "
             "False: fill-ups start only once certain.",
         },
     )

@@ -57,19 +57,33 @@ IN_PROCESS_ENGINES = {
 
 
 def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") -> BranchingSampler:
-    """`policy`: a branch policy, optionally with ':speculative' or ':deferred' (an uncertain fork's copies start
-    beside the probe, or once it keeps them; the sampler's default otherwise), ':certain-fills' (fill-ups start
-    only once certain: `speculative_fill_ups=False`) or ':early-fills' (speculative fill-ups from the rollout's start
-    even on an engine that drafts late paths)."""
-    policy, _, variant = policy.partition(":")
+    """`policy`: a branch policy, optionally with variants joined by '+' after a ':': 'speculative' or 'deferred' (an
+    uncertain fork's copies start beside the probe, or once it keeps them; the sampler's default otherwise),
+    'certain-fills' (fill-ups start only once certain: `speculative_fill_ups=False`), 'early-fills' (speculative
+    fill-ups from the rollout's start even on an engine that drafts late paths), 'late-fills' (speculative fill-ups
+    wait for the prompt's first fork decision on every engine), 'mean-fills' (as many speculative fill-ups as forking
+    is expected not to fill: `fill_up_hedge=None`), 'hedge=P' (`fill_up_hedge=P`)."""
+    policy, _, variants = policy.partition(":")
+    variants = set(filter(None, variants.split("+")))
+    hedges = {variant for variant in variants if variant.startswith("hedge=")}
+    variants -= hedges
+    if unknown := variants - {"speculative", "deferred", "certain-fills", "early-fills", "late-fills", "mean-fills"}:
+        raise ValueError(f"--policies: unknown variants {sorted(unknown)} in {policy!r}")
     n = args.num_generations if policy == "none" else args.initial_rollouts
-    mode = {"speculative": {"speculative_branches": True}, "deferred": {"speculative_branches": False},
-            "certain-fills": {"speculative_fill_ups": False}}.get(variant, {})
+    mode = {}
+    if variants & {"speculative", "deferred"}:
+        mode["speculative_branches"] = "speculative" in variants
+    if "certain-fills" in variants:
+        mode["speculative_fill_ups"] = False
+    if "mean-fills" in variants:
+        mode["fill_up_hedge"] = None
+    for hedge in hedges:
+        mode["fill_up_hedge"] = float(hedge.removeprefix("hedge="))
     sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
                                initial_rollouts=n, max_completion_length=args.max_tokens, branch_policy=policy,
                                seed=args.seed, scheduler=scheduler, **mode)
-    if variant == "early-fills":  # speculative fill-ups from the start, as for engines that do not draft late paths
-        sampler.fill_ups.after_first_decision = False
+    if variants & {"early-fills", "late-fills"}:  # when speculative fill-ups start, whatever the engine drafts
+        sampler.fill_ups.after_first_decision = "late-fills" in variants
     return sampler
 
 

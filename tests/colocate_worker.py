@@ -74,7 +74,8 @@ def forks(model_dir: str, out: dict) -> None:
     trainer.rollouts, trainer.engine.counters.keep_log = [], True
     trainer.train()
     out.update(steps=_steps(trainer), rollouts=trainer.rollouts, block_size=trainer.engine.llm.vllm_config
-               .cache_config.block_size, weight_syncs=trainer._trl.weight_sync.syncs)
+               .cache_config.block_size, weight_syncs=trainer._trl.weight_sync.syncs,
+               compute_bound=trainer.engine.compute_bound, fill_ups_wait=trainer.sampler.fill_ups.after_first_decision)
 
 
 def _vllm_logprobs(engine, ids: list[int]) -> list[float]:

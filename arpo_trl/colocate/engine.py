@@ -179,6 +179,10 @@ class ColocatedVLLMEngine:
         self._params(1, [])  # vLLM checks the settings (generation_kwargs included) now, not mid-rollout
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-colocate")
         self.counters = PrefixCacheCounters()
+        # on a CPU every running row costs a forward pass its share of compute, so a speculative fill-up that a fork
+        # later drops is time lost; on a GPU a decode step costs about the same for 64 rows or 128 (the sampler reads
+        # this to let such fill-ups wait for the prompt's first fork decision)
+        self.compute_bound = llm_engine.vllm_config.device_config.device_type == "cpu"
         self._sleeping: set[str] = set()  # what vLLM's sleep mode has freed
         self._ids = itertools.count()
         self._drivers: dict[asyncio.AbstractEventLoop, _LoopDriver] = {}

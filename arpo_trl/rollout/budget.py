@@ -6,9 +6,10 @@ at every tool result it may still reach; those start (or are confirmed) at once.
 fill-ups run as forking is expected not to fill, from the rates seen so far, or, with `hedge`, as many as are needed
 with that probability when that is more; a fork takes a speculative fill-up's slot back (the youngest is dropped),
 and they are confirmed oldest first once certain. On an engine that drafts a late
-path from its siblings' text they start at the prompt's first fork decision or the end of its first path
-(`after_first_decision`), when the estimate knows more and their first segment costs a few steps; before that, only
-those the rates make near-certain start (all of them for a model that calls no tool). Forks never wait for fill-ups and
+path from its siblings' text, or one where every running row costs compute (a CPU: a dropped fill-up is time lost),
+they start at the prompt's first fork decision or the end of its first path (`after_first_decision`), when the
+estimate knows more (and, drafted, their first segment costs a few steps); before that, only those the rates make
+near-certain start (all of them for a model that calls no tool). Forks never wait for fill-ups and
 confirmation never looks at a fill-up's content, so the trees are those of the certain rule, only sooner
 (docs/differences.md).
 """
@@ -75,7 +76,8 @@ class FillUps:
         self._rates_seen: tuple | None = None  # (what the rates depend on..., c, p)
         self._lines: tuple | None = None  # (rollout, g, `live_lines`, each path's terms) while `update` runs
         # speculative fill-ups wait for the prompt's first fork decision: for an engine that drafts a late path from
-        # its siblings' text (the cached engine), which writes their first segment in a few steps
+        # its siblings' text (the cached engine), which writes their first segment in a few steps, and for one whose
+        # rows each cost compute (vLLM on a CPU), where the fill-ups that forks would drop cost time
         self.after_first_decision = after_first_decision
         self.call_rate, self.fork_rate = 0.5, branch_threshold  # priors, learned from each rollout
         self.shares = ForkShares(rng or random.Random(0))

@@ -140,8 +140,9 @@ class BranchingSampler:
         self.tool_timeout, self.max_tool_workers = tool_timeout, max_tool_workers
         self.rng = random.Random(seed)
         self.speculative_branches, self.scheduler = speculative_branches, make_scheduler(scheduler, engine)
-        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups, self.rng, (
-            getattr(engine, "drafts_late_paths", False) and self.scheduler.event_driven), fill_up_hedge)
+        wait_for_a_decision = getattr(engine, "drafts_late_paths", False) or getattr(engine, "compute_bound", False)
+        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups, self.rng,
+                                wait_for_a_decision and self.scheduler.event_driven, fill_up_hedge)
         eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
         self.eos_token_id = eos[0]
         self.writer = PathWriter(tokenizer, self.call_format, self.eos_token_id, max_completion_length, max_tool_calls,
