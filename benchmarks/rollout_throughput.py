@@ -96,6 +96,8 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
     counters = getattr(engine, "counters", None)
     cache = counters if hasattr(counters, "cached_tokens") else None  # the colocated engine's prefix-cache counts
     cache_before = (cache.prompt_tokens, cache.cached_tokens) if cache else None
+    load = getattr(engine, "load", None)  # the colocated engine's steps and their rows
+    load_before = (load.steps, load.rows) if load else None
     counters = counters if hasattr(counters, "prefill_tokens") else None  # an in-process engine's positions
     names = ("prefill_tokens", "decode_tokens", "prefill_forwards", "drafted_tokens", "accepted_tokens", "decode_steps")
     before_counts = {name: getattr(counters, name) for name in names} if counters else {}
@@ -132,6 +134,13 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
     if cache:  # prompt tokens the colocated engine's prefix cache served, of those its requests sent
         sent, cached = cache.prompt_tokens - cache_before[0], cache.cached_tokens - cache_before[1]
         run["prefix_cache_hit_rate"] = round(cached / max(sent, 1), 3)
+        run["prompt_tokens_computed"] = sent - cached  # on a CPU each costs about what a decoded token does
+        # what the engine computed (at least: a request aborted midway reports nothing): kept and discarded decoded
+        # tokens, and the prompt tokens its cache did not serve
+        run["tokens_computed"] = generated + stats.discarded_tokens + sent - cached
+    if load:  # on a CPU a step costs a fixed part plus a part per row: steps (the longest chain) and rows count
+        steps = load.steps - load_before[0]
+        run["engine_steps"], run["rows_per_step"] = steps, round((load.rows - load_before[1]) / max(steps, 1), 1)
     if client:  # the server's own count: every token it generated, aborted requests included
         after = client.metrics()
         run["prefix_cache_hit_tokens"] = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
@@ -306,7 +315,8 @@ def main() -> None:
         backend + ("" if policy == "entropy" else f" ({policy})"):
             {key: round(runs[f"{backend}/{policy}"][key] / runs[f"{backend}/none"][key], 3)
              if runs[f"{backend}/none"][key] else None
-             for key in ("wall_s", "critical_path_tokens", "tokens_generated", "tool_calls_per_group",
+             for key in ("wall_s", "critical_path_tokens", "tokens_generated", "tool_calls_per_group", "engine_steps",
+                         "prompt_tokens_computed", "tokens_computed",
                          "decoded_positions_per_group", "decode_steps", "admit_s", "sample_s", "decode_s")
              if key in runs[f"{backend}/none"]}
         for backend in {name.split("/")[0] for name in runs} for policy in policies

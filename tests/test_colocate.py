@@ -17,7 +17,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from arpo_trl import ARPOConfig
-from arpo_trl.colocate.engine import ColocatedVLLMEngine, PrefixCacheCounters, _LoopDriver
+from arpo_trl.colocate.engine import ColocatedVLLMEngine, EngineSteps, PrefixCacheCounters, _LoopDriver
 from arpo_trl.colocate.engine_args import ColocateSettings, engine_kwargs
 from arpo_trl.colocate.outputs import completion_body
 from arpo_trl.colocate.weight_sync import policy_weights
@@ -244,6 +244,9 @@ class _FakeLLM:
     def has_unfinished_requests(self):
         return bool(self.running)
 
+    def get_num_unfinished_requests(self):
+        return len(self.running)
+
     def step(self):
         self.gate.wait()  # a forward pass, as long as the test holds it: the event loop goes on meanwhile
         done = []
@@ -262,6 +265,7 @@ class _Owner:
 
     def __init__(self):
         self.llm, self.thread = _FakeLLM(), ThreadPoolExecutor(1)
+        self.load = EngineSteps()
 
 
 def test_the_driver_answers_each_request_and_aborts_only_what_reached_the_engine():
@@ -286,4 +290,5 @@ def test_the_driver_answers_each_request_and_aborts_only_what_reached_the_engine
 
     driver = asyncio.run(scenario())
     assert owner.llm.added == ["a", "b"] and owner.llm.aborted == ["b"] and not owner.llm.running
+    assert (owner.load.steps, owner.load.rows) == (2, 3)  # a and b in the first step, a alone after b's abort
     assert not driver.waiting and not driver.adds and not driver.aborts

@@ -13,7 +13,7 @@ import pytest
 from test_colocate import _FakeLLM
 from test_rollout import AsyncScriptedEngine, _prompts, calls_then_answers
 
-from arpo_trl.colocate.engine import ColocatedVLLMEngine, _LoopDriver
+from arpo_trl.colocate.engine import ColocatedVLLMEngine, EngineSteps, _LoopDriver
 from arpo_trl.colocate.outputs import first_tokens, generated_tokens
 from arpo_trl.generation.engine import Segment
 from arpo_trl.rollout import BranchingSampler
@@ -137,6 +137,7 @@ class _Owner:
 
     def __init__(self, lengths):
         self.llm, self.thread = _StreamingLLM(lengths), ThreadPoolExecutor(1)
+        self.load = EngineSteps()
 
 
 def test_the_driver_answers_a_probe_with_its_first_k_tokens_and_the_rest_when_the_request_ends():

@@ -50,6 +50,19 @@ class PrefixCacheCounters:
         return self.cached_tokens / max(self.prompt_tokens, 1)
 
 
+@dataclass
+class EngineSteps:
+    """vLLM engine steps taken and the requests each held (its rows, summed): on a CPU a step costs a fixed part
+    plus a part per row, so a rollout's seconds follow both its tokens and its number of steps (its longest chain)."""
+
+    steps: int = 0
+    rows: int = 0
+
+    def record(self, rows: int) -> None:
+        self.steps += 1
+        self.rows += rows
+
+
 class _LoopDriver:
     """Steps the engine for one event loop (a rollout): requests queue here and join the engine before its next
     step; each finished output resolves its request's future, and a probed request's first k tokens its probe's
@@ -155,8 +168,8 @@ class ColocatedVLLMEngine:
 
     Per-token entropy comes from vLLM's top-`entropy_top_k` processed logprobs (`arpo_trl.entropy`, as in server
     mode); sampled-token logprobs are vLLM's own, for TRL's importance-sampling correction. `counters` holds the
-    prefix cache's hits. `load_weights`, `reset_prefix_cache`, `sleep` and `wake_up` serve the weight sync
-    (`arpo_trl.colocate.weight_sync`).
+    prefix cache's hits, `load` the engine steps and their rows. `load_weights`, `reset_prefix_cache`, `sleep` and
+    `wake_up` serve the weight sync (`arpo_trl.colocate.weight_sync`).
     """
 
     def __init__(self, llm_engine, tokenizer, *, sampling: SamplingSettings = SamplingSettings(),
@@ -178,7 +191,7 @@ class ColocatedVLLMEngine:
         self._cumulative = RequestOutputKind.CUMULATIVE
         self._params(1, [])  # vLLM checks the settings (generation_kwargs included) now, not mid-rollout
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-colocate")
-        self.counters = PrefixCacheCounters()
+        self.counters, self.load = PrefixCacheCounters(), EngineSteps()
         # on a CPU every running row costs a forward pass its share of compute, so a speculative fill-up that a fork
         # later drops is time lost; on a GPU a decode step costs about the same for 64 rows or 128 (the sampler reads
         # this to let such fill-ups wait for the prompt's first fork decision)
@@ -197,6 +210,7 @@ class ColocatedVLLMEngine:
             self.llm.abort_request(aborts)
         if not run or not self.llm.has_unfinished_requests():
             return []
+        self.load.record(self.llm.get_num_unfinished_requests())
         return self.llm.step()
 
     def call(self, fn: Callable[[], Any]) -> Any:
