@@ -102,6 +102,8 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
     names = ("prefill_tokens", "decode_tokens", "prefill_forwards", "drafted_tokens", "accepted_tokens", "decode_steps")
     before_counts = {name: getattr(counters, name) for name in names} if counters else {}
     before_seconds = dict(counters.seconds) if counters else {}
+    if load:  # as in training, where each rollout follows a weight sync: no KV of an earlier rollout serves this one
+        engine.reset_prefix_cache()  # (else the policy run first pays alone for computing the prompts)
     torch.manual_seed(seed)
     start = time.perf_counter()
     result = sampler.sample(prompts)
