@@ -102,3 +102,9 @@ def test_keep_rows_drops_a_cut_last_line_and_refuses_any_other_bad_one(tmp_path)
     with pytest.raises(ValueError, match="line 2: expected an object with an integer 'step'"):
         keep_rows(path, lambda row: True)
     assert path.read_text() == rows[0] + '\n{"reward": 1}\n' + rows[1] + "\n"  # refused: the file is untouched
+    path.write_text(rows[0] + "\n\n" + rows[1] + "\n  \n" + rows[2] + "\n")  # blank lines, as the readers skip them
+    keep_rows(path, lambda row: row["step"] <= 2)
+    assert path.read_text() == rows[0] + "\n" + rows[1] + "\n"
+    path.write_text(rows[0] + '\n{"step": 2, "rew\n\n')  # the cut line is the last that is not blank
+    keep_rows(path, lambda row: True)
+    assert path.read_text() == rows[0] + "\n"

@@ -130,16 +130,20 @@ def keep_rows(path: str | os.PathLike, keep: Callable[[dict], bool]) -> None:
     """Rewrite a JSON-lines file with the rows `keep` accepts. A run started again in the same output folder appends
     to the files of the run before it: without this, a rerun's steps would follow the earlier run's in one file
     (their curves and per-step statistics mixed), and a resumed run's would repeat the steps after its checkpoint.
-    A last line that is not JSON is a write cut short by a killed run, and goes; any other is an error."""
+    A last line that is not JSON is a write cut short by a killed run, and goes; any other is an error. Blank lines are
+    skipped (and go), as the readers skip them (`read_metrics`, `arpo_trl.trees.iter_jsonl`)."""
     if not os.path.exists(path):
         return
     lines = Path(path).read_text().splitlines()
+    last = max((number for number, line in enumerate(lines, 1) if line.strip()), default=0)
     kept = []
     for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
-            if number == len(lines):
+            if number == last:
                 break
             raise ValueError(f"{path}, line {number}: not JSON ({error}); move the file to start afresh") from error
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
