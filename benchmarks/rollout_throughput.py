@@ -63,12 +63,18 @@ def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") 
     fill-ups from the rollout's start even on an engine that drafts late paths), 'late-fills' (speculative fill-ups
     wait for the prompt's first fork decision on every engine), 'mean-fills' (as many speculative fill-ups as forking
     is expected not to fill: `fill_up_hedge=None`), 'hedge=P' (`fill_up_hedge=P`)."""
+    given = policy
     policy, _, variants = policy.partition(":")
     variants = set(filter(None, variants.split("+")))
     hedges = {variant for variant in variants if variant.startswith("hedge=")}
+    if unknown := variants - hedges - {"speculative", "deferred", "certain-fills", "early-fills", "late-fills",
+                                       "mean-fills"}:
+        raise ValueError(f"--policies: unknown variants {sorted(unknown)} in {given!r}")
+    for rivals in ({"speculative", "deferred"}, {"early-fills", "late-fills"}, {"mean-fills", *hedges}):
+        if len(rivals & variants) > 1:
+            clash = " and ".join(sorted(rivals & variants))
+            raise ValueError(f"--policies: {clash} contradict each other in {given!r}")
     variants -= hedges
-    if unknown := variants - {"speculative", "deferred", "certain-fills", "early-fills", "late-fills", "mean-fills"}:
-        raise ValueError(f"--policies: unknown variants {sorted(unknown)} in {policy!r}")
     n = args.num_generations if policy == "none" else args.initial_rollouts
     mode = {}
     if variants & {"speculative", "deferred"}:
@@ -96,14 +102,14 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
     counters = getattr(engine, "counters", None)
     cache = counters if hasattr(counters, "cached_tokens") else None  # the colocated engine's prefix-cache counts
     cache_before = (cache.prompt_tokens, cache.cached_tokens) if cache else None
-    load = getattr(engine, "load", None)  # the colocated engine's steps and their rows
+    load = getattr(engine, "load", None)  # the colocated engine's steps and the requests it held at each
     load_before = (load.steps, load.rows) if load else None
     counters = counters if hasattr(counters, "prefill_tokens") else None  # an in-process engine's positions
     names = ("prefill_tokens", "decode_tokens", "prefill_forwards", "drafted_tokens", "accepted_tokens", "decode_steps")
     before_counts = {name: getattr(counters, name) for name in names} if counters else {}
     before_seconds = dict(counters.seconds) if counters else {}
-    if load:  # as in training, where each rollout follows a weight sync: no KV of an earlier rollout serves this one
-        engine.reset_prefix_cache()  # (else the policy run first pays alone for computing the prompts)
+    if load or client:  # as in training, where a weight sync precedes each rollout: no KV of an earlier one serves
+        (client or engine).reset_prefix_cache()  # it (else the policy run first pays alone for computing the prompts)
     torch.manual_seed(seed)
     start = time.perf_counter()
     result = sampler.sample(prompts)
@@ -141,6 +147,7 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
         # tokens, and the prompt tokens its cache did not serve
         run["tokens_computed"] = generated + stats.discarded_tokens + sent - cached
     if load:  # on a CPU a step costs a fixed part plus a part per row: steps (the longest chain) and rows count
+        # (rows_per_step: the requests the engine held, those its scheduler kept waiting included)
         steps = load.steps - load_before[0]
         run["engine_steps"], run["rows_per_step"] = steps, round((load.rows - load_before[1]) / max(steps, 1), 1)
     if client:  # the server's own count: every token it generated, aborted requests included
@@ -263,7 +270,8 @@ def main() -> None:
     parser.add_argument("--policies", default="entropy,none",
                         help="branch policies to run: 'entropy' (ARPO, N of M global) and/or 'none' (all M at once); "
                         "'entropy:speculative' / 'entropy:deferred': ARPO whose uncertain forks' copies start beside "
-                        "the probe / once it keeps them (default: the sampler's)")
+                        "the probe / once it keeps them (default: the sampler's); more variants, joined by '+': "
+                        "certain-fills, early-fills, late-fills, mean-fills, hedge=P (`make_sampler`)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
     parser.add_argument("--vllm-runs", default="events,waves,lora",

@@ -9,7 +9,7 @@ import statistics
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import yaml
@@ -356,3 +356,24 @@ def test_each_ablation_trains_arpo_with_its_one_setting_changed(tmp_path, monkey
         assert getattr(training_args, field) == value and training_args.branch_policy == "entropy"
         assert training_args.num_generations == 16 and (method == "arpo_n4" or training_args.initial_rollouts == 8)
     assert ("arpo_hard", "grpo") in bench.PAIRS and ("arpo_hard", "arpo") in bench.PAIRS
+
+
+def test_rollout_throughput_policy_variants_set_the_sampler_and_refuse_contradictions(tokenizer):
+    from test_rollout import AsyncScriptedEngine
+
+    make = load("rollout_throughput").make_sampler
+    args = SimpleNamespace(num_generations=8, initial_rollouts=4, max_tokens=32, seed=0)
+    engine = AsyncScriptedEngine(tokenizer, lambda text, rng: ("", 0.0, "stop"))
+    sampler = make(engine, tokenizer, args, "entropy:late-fills+hedge=0.97+speculative")
+    fills = sampler.fill_ups
+    assert fills.after_first_decision and fills.hedge == 0.97 and fills.speculative and sampler.speculative_branches
+    sampler = make(engine, tokenizer, args, "entropy:certain-fills+mean-fills")
+    assert not sampler.fill_ups.speculative and sampler.fill_ups.hedge is None
+    assert not sampler.fill_ups.after_first_decision  # this engine is neither compute-bound nor drafting
+    assert make(engine, tokenizer, args, "none").initial_rollouts == 8
+    for policy, message in [("entropy:early-fills+late-fills", "early-fills and late-fills contradict"),
+                            ("entropy:hedge=0.9+hedge=0.8", "hedge=0.8 and hedge=0.9 contradict"),
+                            ("entropy:mean-fills+hedge=0.9", "hedge=0.9 and mean-fills contradict"),
+                            ("entropy:fast", r"unknown variants \['fast'\] in 'entropy:fast'")]:
+        with pytest.raises(ValueError, match=message):
+            make(engine, tokenizer, args, policy)

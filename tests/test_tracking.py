@@ -108,3 +108,7 @@ def test_keep_rows_drops_a_cut_last_line_and_refuses_any_other_bad_one(tmp_path)
     path.write_text(rows[0] + '\n{"step": 2, "rew\n\n')  # the cut line is the last that is not blank
     keep_rows(path, lambda row: True)
     assert path.read_text() == rows[0] + "\n"
+    text = json.dumps({"step": 1, "completion": "a\u2028b\x85c"}, ensure_ascii=False)  # as trees.jsonl holds text
+    path.write_text(text + "\n" + rows[1] + "\n", encoding="utf-8")
+    keep_rows(path, lambda row: row["step"] == 1)  # one row per newline, whatever else the text holds
+    assert path.read_text(encoding="utf-8") == text + "\n"

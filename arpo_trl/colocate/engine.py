@@ -52,8 +52,9 @@ class PrefixCacheCounters:
 
 @dataclass
 class EngineSteps:
-    """vLLM engine steps taken and the requests each held (its rows, summed): on a CPU a step costs a fixed part
-    plus a part per row, so a rollout's seconds follow both its tokens and its number of steps (its longest chain)."""
+    """vLLM engine steps taken and the requests the engine held at each (summed; those its scheduler keeps waiting
+    included, so an upper bound on a step's rows): on a CPU a step costs a fixed part plus a part per row, so a
+    rollout's seconds follow both its tokens and its number of steps (its longest chain)."""
 
     steps: int = 0
     rows: int = 0

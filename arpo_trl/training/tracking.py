@@ -134,7 +134,9 @@ def keep_rows(path: str | os.PathLike, keep: Callable[[dict], bool]) -> None:
     skipped (and go), as the readers skip them (`read_metrics`, `arpo_trl.trees.iter_jsonl`)."""
     if not os.path.exists(path):
         return
-    lines = Path(path).read_text().splitlines()
+    # split at newlines only: trees.jsonl holds model text as written (UTF-8, not escaped), which may contain U+2028
+    # and other characters `splitlines` would also split at
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
     last = max((number for number, line in enumerate(lines, 1) if line.strip()), default=0)
     kept = []
     for number, line in enumerate(lines, 1):
@@ -150,12 +152,12 @@ def keep_rows(path: str | os.PathLike, keep: Callable[[dict], bool]) -> None:
             raise ValueError(f"{path}, line {number}: expected an object with an integer 'step'")
         if keep(row):
             kept.append(line)
-    if len(kept) < len(lines):
-        Path(path).write_text("".join(line + "\n" for line in kept))
+    if len(kept) < sum(1 for line in lines if line.strip()):
+        Path(path).write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
 def curves(rows: list[dict], keys: tuple[str, ...] = CURVE_KEYS) -> dict[str, list[tuple[int, float]]]:
