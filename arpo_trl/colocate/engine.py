@@ -169,8 +169,8 @@ class ColocatedVLLMEngine:
 
     Per-token entropy comes from vLLM's top-`entropy_top_k` processed logprobs (`arpo_trl.entropy`, as in server
     mode); sampled-token logprobs are vLLM's own, for TRL's importance-sampling correction. `counters` holds the
-    prefix cache's hits, `load` the engine steps and their rows. `load_weights`, `reset_prefix_cache`, `sleep` and
-    `wake_up` serve the weight sync (`arpo_trl.colocate.weight_sync`).
+    prefix cache's hits, `load` the engine's steps and the requests it held at each. `load_weights`,
+    `reset_prefix_cache`, `sleep` and `wake_up` serve the weight sync (`arpo_trl.colocate.weight_sync`).
     """
 
     def __init__(self, llm_engine, tokenizer, *, sampling: SamplingSettings = SamplingSettings(),

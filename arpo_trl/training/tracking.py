@@ -136,23 +136,21 @@ def keep_rows(path: str | os.PathLike, keep: Callable[[dict], bool]) -> None:
         return
     # split at newlines only: trees.jsonl holds model text as written (UTF-8, not escaped), which may contain U+2028
     # and other characters `splitlines` would also split at
-    lines = Path(path).read_text(encoding="utf-8").split("\n")
-    last = max((number for number, line in enumerate(lines, 1) if line.strip()), default=0)
+    lines = [(number, line) for number, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), 1)
+             if line.strip()]
     kept = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for number, line in lines:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
-            if number == last:
+            if number == lines[-1][0]:
                 break
             raise ValueError(f"{path}, line {number}: not JSON ({error}); move the file to start afresh") from error
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             raise ValueError(f"{path}, line {number}: expected an object with an integer 'step'")
         if keep(row):
             kept.append(line)
-    if len(kept) < sum(1 for line in lines if line.strip()):
+    if len(kept) < len(lines):
         Path(path).write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
