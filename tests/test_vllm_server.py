@@ -372,25 +372,36 @@ def test_event_driven_rollout_on_server_is_complete_and_cancellable(vllm_server,
     assert [len(g) for g in result.groups] == [4] * 6 and result.stats.requests > 6
     assert result.stats.critical_path_tokens > 0 and result.stats.waves >= 1
 
-    long = VLLMServerEngine(client, tokenizer, sampling=SamplingSettings(generation_kwargs={"ignore_eos": True}))
+    # min_tokens: every path generates ≥ 900 tokens (EOS is a stop token id, which ignore_eos does not lift), so the
+    # rollout outlasts the interrupt by far on any machine; 128 requests, 64 at a time (the client's pool)
+    long = VLLMServerEngine(client, tokenizer, sampling=SamplingSettings(generation_kwargs={"min_tokens": 900}))
     sampler = BranchingSampler(long, tokenizer, [], num_generations=4, branch_policy="none",
-                               max_completion_length=1000, seed=0)
+                               max_completion_length=950, seed=0)
+    ended, lock, interrupted = threading.Event(), threading.Lock(), []
+
     def ctrl_c_once_the_server_generates() -> None:  # mid-rollout by the server's own count, not by a guessed delay
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while client.metrics().get("vllm:num_requests_running", 0) < 8 and time.monotonic() < deadline:
             time.sleep(0.05)
-        interrupted.append(time.monotonic())
-        os.kill(os.getpid(), signal.SIGINT)
+        with lock:  # never after the rollout: a late SIGINT would stop whichever test runs then
+            if not ended.is_set():
+                interrupted.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGINT)
 
-    interrupted: list[float] = []
+    before = client.metrics()
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C, whatever ran before
     try:
         threading.Thread(target=ctrl_c_once_the_server_generates, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
-            sampler.sample([_prompt(tokenizer, a, a) for a in range(32)])  # 128 × 1000 tokens take far longer
+            try:
+                sampler.sample([_prompt(tokenizer, a, a) for a in range(32)])
+            finally:
+                with lock:
+                    ended.set()
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert time.monotonic() - interrupted[0] < 20  # at once, not after 128 × 1000 tokens
+    assert interrupted, "the interrupt did not come while the server was generating"
+    assert time.monotonic() - interrupted[0] < 20  # at once, not after 128 × 900 tokens
     running, deadline = float("inf"), time.monotonic() + 60
     while time.monotonic() < deadline:  # the server notices the closed connections within a moment
         running = client.metrics().get("vllm:num_requests_running", 0) + client.metrics().get(
@@ -399,6 +410,8 @@ def test_event_driven_rollout_on_server_is_complete_and_cancellable(vllm_server,
             break
         time.sleep(0.2)
     assert running == 0, "the server kept generating the cancelled requests"
+    finished = client.metrics()["vllm:request_success_total"] - before["vllm:request_success_total"]
+    assert finished <= 128 - 8, f"{finished:.0f} of the 128 requests ran to their end: the interrupt aborted none"
 
 
 def test_server_killed_during_an_event_driven_rollout_fails_fast(tool_model_dir, tokenizer, tmp_path):
