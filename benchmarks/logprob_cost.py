@@ -1,0 +1,131 @@
+"""Colocated vLLM: what the entropy's top-k logprobs cost per generated token. ARPO asks vLLM for each token's top-k
+(`entropy_top_k`, 20) processed logprobs, to read the entropy that decides its forks; TRL's GRPO asks for `logprobs=0`
+(the sampled token's logprob, for its importance-sampling correction); `none` asks for no logprobs at all.
+
+The same requests (`--rows` prompts of `--tokens` tokens each, all at once, temperature 1, `min_tokens` = `max_tokens`
+so every mode generates exactly as many tokens) run in each mode, alternated, `--repeats` times, with the prefix cache
+reset before each; a mode's time is its fastest repeat. Also arpo-trl's own read of the top-k outputs (the
+`/v1/completions` contract and the entropies, `ColocatedVLLMEngine._segment`) per token. Run it with the colocate
+environment's python (`python -m arpo_trl.server setup --colocate`):
+
+    PY=$(python -m arpo_trl.server setup --colocate | tail -n 1)
+    $PY benchmarks/logprob_cost.py                     # SmolLM2-135M on this machine's CPU
+    $PY benchmarks/logprob_cost.py --model PATH --dtype bfloat16 --rows 256 --tokens 512   # on a GPU
+
+Prints one JSON object, then a table; writes benchmarks/results/logprob_cost_<device>.json with the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODES = {"none": None, "sampled": 0}  # and "top<k>" for the entropy's top-k
+
+
+def _engine(args):
+    import torch
+
+    from arpo_trl.colocate.engine_args import ColocateSettings, start_llm_engine
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    settings = ColocateSettings(model=args.model, dtype=args.dtype, max_model_len=args.tokens + 64,
+                                gpu_memory_utilization=0.8, enable_sleep_mode=False, seed=0, device=device,
+                                cpu_kv_cache_gib=2.0)
+    return start_llm_engine(settings), device
+
+
+def _run(llm, prompts: list[list[int]], tokens: int, logprobs: int | None, tag: str) -> tuple[float, list]:
+    """All requests at once until every one has finished: (seconds, finished outputs)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=tokens, min_tokens=tokens, logprobs=logprobs)
+    llm.reset_prefix_cache()
+    for i, prompt in enumerate(prompts):
+        llm.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    start, finished = time.perf_counter(), []
+    while llm.has_unfinished_requests():
+        finished += [output for output in llm.step() if output.finished]
+    return time.perf_counter() - start, finished
+
+
+def _read_seconds(outputs: list, tokenizer, top_k: int, tokens: int) -> float:
+    """arpo-trl's read of top-k outputs, as the colocated engine reads each finished request."""
+    from arpo_trl.colocate.outputs import WHERE, completion_body
+    from arpo_trl.generation.engine import SamplingSettings
+    from arpo_trl.server.segments import SegmentReader
+
+    reader = SegmentReader(tokenizer, SamplingSettings(entropy_top_k=top_k), WHERE, "benchmark", "colocated vLLM")
+    start = time.perf_counter()
+    for output in outputs:
+        reader.read(completion_body(output), tokens, [])
+    return time.perf_counter() - start
+
+
+def measure(args) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    llm, device = _engine(args)
+    modes = {**MODES, f"top{args.top_k}": args.top_k}
+    prompts = [tokenizer.encode(f"Question {i}: what is {i} + {2 * i}?") for i in range(args.rows)]
+    for name, logprobs in modes.items():  # warm-up, not timed
+        _run(llm, prompts[:4], 8, logprobs, f"warm-{name}")
+    runs: dict[str, list[float]] = {name: [] for name in modes}
+    read: list[float] = []
+    for repeat in range(args.repeats):
+        for name, logprobs in modes.items():
+            seconds, outputs = _run(llm, prompts, args.tokens, logprobs, f"{name}-{repeat}")
+            if sum(len(o.outputs[0].token_ids) for o in outputs) != args.rows * args.tokens:
+                raise RuntimeError(f"mode {name}: the requests did not generate {args.tokens} tokens each")
+            runs[name].append(round(seconds, 3))
+            if logprobs:
+                read.append(_read_seconds(outputs, tokenizer, args.top_k, args.tokens))
+    generated = args.rows * args.tokens
+    us = {name: 1e6 * min(seconds) / generated for name, seconds in runs.items()}
+    top = f"top{args.top_k}"
+    return {
+        "model": args.model, "dtype": args.dtype, "device": device, "rows": args.rows, "tokens": args.tokens,
+        "repeats": args.repeats, "seconds": runs, "us_per_token": {k: round(v, 1) for k, v in us.items()},
+        "top_k_vs_sampled": round(us[top] / us["sampled"], 3), "top_k_vs_none": round(us[top] / us["none"], 3),
+        "arpo_read_us_per_token": round(1e6 * min(read) / generated, 1),
+        "torch_threads": __import__("torch").get_num_threads(),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                 cwd=Path(__file__).parent).stdout.strip(),
+        "command": " ".join(["$PY", *sys.argv]), "machine": args.machine,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M-Instruct, offline)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=20, help="ARPO's entropy_top_k")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--machine", default="", help="what else ran on the machine, for the results file")
+    parser.add_argument("--out", default=None, help="results file (default: results/logprob_cost_<device>.json)")
+    args = parser.parse_args()
+    if args.model is None:
+        from arpo_trl.data.models import smollm2_path
+
+        args.model = str(smollm2_path())
+    result = measure(args)
+    out = Path(args.out or Path(__file__).parent / "results" / f"logprob_cost_{result['device']}.json")
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    print(f"\n{'logprobs':<10}{'µs/token':>10}   fastest of {args.repeats} ({args.rows} rows × {args.tokens} tokens)")
+    for name, value in result["us_per_token"].items():
+        print(f"{name:<10}{value:>10.1f}")
+    print(f"{'read':<10}{result['arpo_read_us_per_token']:>10.1f}   arpo-trl's read of the top-k outputs\n"
+          f"written: {os.path.relpath(out)}")
+
+
+if __name__ == "__main__":
+    main()
