@@ -3,8 +3,9 @@
 (the sampled token's logprob, for its importance-sampling correction); `none` asks for no logprobs at all.
 
 The same requests (`--rows` prompts of `--tokens` tokens each, all at once, temperature 1, `min_tokens` = `max_tokens`
-so every mode generates exactly as many tokens) run in each mode, alternated, `--repeats` times, with the prefix cache
-reset before each; a mode's time is its fastest repeat. Also arpo-trl's own read of the top-k outputs (the
+so every mode generates exactly as many tokens; final outputs only, as the colocated engine asks) run in each mode,
+alternated with each mode first in turn, `--repeats` times, with the prefix cache reset before each; a mode's time is
+its fastest repeat, `spread` its slowest over its fastest, less 1. Also arpo-trl's own read of the top-k outputs (the
 `/v1/completions` contract and the entropies, `ColocatedVLLMEngine._segment`) per token. Run it with the colocate
 environment's python (`python -m arpo_trl.server setup --colocate`):
 
@@ -44,8 +45,10 @@ def _engine(args):
 def _run(llm, prompts: list[list[int]], tokens: int, logprobs: int | None, tag: str) -> tuple[float, list]:
     """All requests at once until every one has finished: (seconds, finished outputs)."""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(temperature=1.0, max_tokens=tokens, min_tokens=tokens, logprobs=logprobs)
+    params = SamplingParams(temperature=1.0, max_tokens=tokens, min_tokens=tokens, logprobs=logprobs,
+                            output_kind=RequestOutputKind.FINAL_ONLY)  # as `ColocatedVLLMEngine` asks
     llm.reset_prefix_cache()
     for i, prompt in enumerate(prompts):
         llm.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
@@ -79,8 +82,11 @@ def measure(args) -> dict:
         _run(llm, prompts[:4], 8, logprobs, f"warm-{name}")
     runs: dict[str, list[float]] = {name: [] for name in modes}
     read: list[float] = []
+    order = list(modes)
     for repeat in range(args.repeats):
-        for name, logprobs in modes.items():
+        turn = repeat % len(order)  # each mode first in turn: no mode always runs last
+        for name in order[turn:] + order[:turn]:
+            logprobs = modes[name]
             seconds, outputs = _run(llm, prompts, args.tokens, logprobs, f"{name}-{repeat}")
             if sum(len(o.outputs[0].token_ids) for o in outputs) != args.rows * args.tokens:
                 raise RuntimeError(f"mode {name}: the requests did not generate {args.tokens} tokens each")
@@ -93,6 +99,7 @@ def measure(args) -> dict:
     return {
         "model": args.model, "dtype": args.dtype, "device": device, "rows": args.rows, "tokens": args.tokens,
         "repeats": args.repeats, "seconds": runs, "us_per_token": {k: round(v, 1) for k, v in us.items()},
+        "spread": {name: round(max(seconds) / min(seconds) - 1, 3) for name, seconds in runs.items()},
         "top_k_vs_sampled": round(us[top] / us["sampled"], 3), "top_k_vs_none": round(us[top] / us["none"], 3),
         "arpo_read_us_per_token": round(1e6 * min(read) / generated, 1),
         "torch_threads": __import__("torch").get_num_threads(),
@@ -121,9 +128,10 @@ def main() -> None:
     out = Path(args.out or Path(__file__).parent / "results" / f"logprob_cost_{result['device']}.json")
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
-    print(f"\n{'logprobs':<10}{'µs/token':>10}   fastest of {args.repeats} ({args.rows} rows × {args.tokens} tokens)")
+    print(f"\n{'logprobs':<10}{'µs/token':>10}{'spread':>9}   fastest of {args.repeats} ({args.rows} rows × "
+          f"{args.tokens} tokens)")
     for name, value in result["us_per_token"].items():
-        print(f"{name:<10}{value:>10.1f}")
+        print(f"{name:<10}{value:>10.1f}{result['spread'][name]:>9.1%}")
     print(f"{'read':<10}{result['arpo_read_us_per_token']:>10.1f}   arpo-trl's read of the top-k outputs\n"
           f"written: {os.path.relpath(out)}")
 
