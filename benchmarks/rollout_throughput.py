@@ -62,19 +62,21 @@ def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") 
     'certain-fills' (fill-ups start only once certain: `speculative_fill_ups=False`), 'early-fills' (speculative
     fill-ups from the rollout's start even on an engine that drafts late paths), 'late-fills' (speculative fill-ups
     wait for the prompt's first fork decision on every engine), 'mean-fills' (as many speculative fill-ups as forking
-    is expected not to fill: `fill_up_hedge=None`), 'hedge=P' (`fill_up_hedge=P`)."""
+    is expected not to fill: `fill_up_hedge=None`), 'hedge=P' (`fill_up_hedge=P`), 'surely=P' (while fill-ups wait
+    for the first fork decision, those needed with probability P start: `FillUps.surely`, 0.99 by default)."""
     given = policy
     policy, _, variants = policy.partition(":")
     variants = set(filter(None, variants.split("+")))
     hedges = {variant for variant in variants if variant.startswith("hedge=")}
-    if unknown := variants - hedges - {"speculative", "deferred", "certain-fills", "early-fills", "late-fills",
+    surely = {variant for variant in variants if variant.startswith("surely=")}
+    if unknown := variants - hedges - surely - {"speculative", "deferred", "certain-fills", "early-fills", "late-fills",
                                        "mean-fills"}:
         raise ValueError(f"--policies: unknown variants {sorted(unknown)} in {given!r}")
     for rivals in ({"speculative", "deferred"}, {"early-fills", "late-fills"}, {"mean-fills", *hedges}):
         if len(rivals & variants) > 1:
             clash = " and ".join(sorted(rivals & variants))
             raise ValueError(f"--policies: {clash} contradict each other in {given!r}")
-    variants -= hedges
+    variants -= hedges | surely
     n = args.num_generations if policy == "none" else args.initial_rollouts
     mode = {}
     if variants & {"speculative", "deferred"}:
@@ -90,6 +92,8 @@ def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") 
                                seed=args.seed, scheduler=scheduler, **mode)
     if variants & {"early-fills", "late-fills"}:  # when speculative fill-ups start, whatever the engine drafts
         sampler.fill_ups.after_first_decision = "late-fills" in variants
+    for probability in surely:  # while fill-ups wait for the first fork decision: those needed this surely start
+        sampler.fill_ups.surely = float(probability.removeprefix("surely="))
     return sampler
 
 
@@ -102,6 +106,7 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
     counters = getattr(engine, "counters", None)
     cache = counters if hasattr(counters, "cached_tokens") else None  # the colocated engine's prefix-cache counts
     cache_before = (cache.prompt_tokens, cache.cached_tokens) if cache else None
+    log_before = len(cache.log) if cache else 0
     load = getattr(engine, "load", None)  # the colocated engine's steps and the requests it held at each
     load_before = (load.steps, load.rows) if load else None
     counters = counters if hasattr(counters, "prefill_tokens") else None  # an in-process engine's positions
@@ -141,6 +146,7 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
             run[f"{phase}_s"] = round(seconds - before_seconds.get(phase, 0.0), 2)
     if cache:  # prompt tokens the colocated engine's prefix cache served, of those its requests sent
         sent, cached = cache.prompt_tokens - cache_before[0], cache.cached_tokens - cache_before[1]
+        run.update(prompt_tokens_computed_by_kind(cache.log[log_before:], result))
         run["prefix_cache_hit_rate"] = round(cached / max(sent, 1), 3)
         run["prompt_tokens_computed"] = sent - cached  # on a CPU each costs about what a decoded token does
         # what the engine computed (at least: a request aborted midway reports nothing): kept and discarded decoded
@@ -155,6 +161,32 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
         run["prefix_cache_hit_tokens"] = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
         run["server_generated_tokens"] = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     return run
+
+
+def prompt_tokens_computed_by_kind(log: list[tuple[int, int, int]], result) -> dict:
+    """The prompt tokens the colocated engine computed (not served by its prefix cache), by what the request was for:
+    a path's first segment (`start`: global paths and fill-ups), a branch's first segment (`fork`), or a segment
+    after a tool result (`continuation`). A branch's first request sends the same tokens as its parent's segment
+    after that tool result, so among the requests with a fork point's tokens, those of its c branches count as the
+    c cheapest (the parent's may also compute the blocks the branches then find cached)."""
+    starts = {hash(tuple(path.prompt_ids)) for path in result.trajectories}
+    branches: dict[int, int] = {}
+    for path in result.trajectories:
+        if path.kind == "branch":
+            key = hash(tuple(path.prompt_ids + path.completion_ids[:path.fork_position]))
+            branches[key] = branches.get(key, 0) + 1
+    by_prompt: dict[int, list[int]] = {}
+    for length, cached, key in log:
+        by_prompt.setdefault(key, []).append(length - cached)
+    computed = {"start": 0, "fork": 0, "continuation": 0}
+    for key, tokens in by_prompt.items():
+        if key in starts:
+            computed["start"] += sum(tokens)
+            continue
+        forks = sorted(tokens)[:branches.get(key, 0)]
+        computed["fork"] += sum(forks)
+        computed["continuation"] += sum(tokens) - sum(forks)
+    return {f"prompt_tokens_computed_{kind}": tokens for kind, tokens in computed.items()}
 
 
 def paired(runs: dict, name: str, engine, tokenizer, prompts, args, policies, scheduler: str = "auto") -> None:
@@ -176,7 +208,9 @@ def interleaved(runs: dict, engines: dict, tokenizer, prompts, args, policies, s
             samples[key].append(rollout(sampler, prompts, seed=args.seed + r))
     for (name, policy), measured in samples.items():
         run = {key: round(statistics.mean(m[key] for m in measured), 3) for key in measured[0]}
-        run["wall_s_all"] = [m["wall_s"] for m in measured]
+        for key in ("wall_s", "engine_steps", "tokens_computed"):  # per rollout: the colocated cost fit reads them
+            if key in measured[0]:
+                run[f"{key}_all"] = [m[key] for m in measured]
         runs[f"{name}/{policy}"] = run
 
 
@@ -229,6 +263,7 @@ def colocate_runs(runs: dict, model_dir: str, tokenizer, prompts, args, policies
     settings = ColocateSettings(model=model_dir, dtype="float32", max_model_len=2048, gpu_memory_utilization=0.5,
                                 enable_sleep_mode=False, seed=args.seed, device="cpu")
     engine = ColocatedVLLMEngine(start_llm_engine(settings), tokenizer)
+    engine.counters.keep_log = True  # each request's prompt and cached tokens: the prefill by kind of request
     paired(runs, "vllm-colocate", engine, tokenizer, prompts, args, policies)
     engine.close()
 
@@ -331,6 +366,8 @@ def main() -> None:
              if key in runs[f"{backend}/none"]}
         for backend in {name.split("/")[0] for name in runs} for policy in policies
         if policy != "none" and f"{backend}/{policy}" in runs and f"{backend}/none" in runs}
+    if "vllm-colocate/none" in runs and "engine_steps_all" in runs["vllm-colocate/none"]:
+        report["colocate_cost_fit"] = colocate_cost_fit(runs, policies)
     report["drafts_vs_nodraft"] = {  # rollout seconds, cached engine with / without speculative decoding
         policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] /
                       runs[f"transformers-cached-nodraft/{policy}"]["wall_s"], 3)
@@ -349,6 +386,24 @@ def main() -> None:
     print_table(report)
 
 
+def colocate_cost_fit(runs: dict, policies: list[str]) -> dict:
+    """A model, not a measurement: every colocated rollout's seconds fitted (least squares, no intercept) as a cost
+    per engine step plus a cost per token computed (decoded or prefilled). With it, ARPO / GRPO as it would be if a
+    branch's first request computed no prompt token (if the prefix cache shared the fork point's partial block)."""
+    rows = [(steps, tokens, wall) for name, run in runs.items() if name.startswith("vllm-colocate/")
+            for steps, tokens, wall in zip(run["engine_steps_all"], run["tokens_computed_all"], run["wall_s_all"])]
+    x = torch.tensor([[steps, tokens] for steps, tokens, _ in rows], dtype=torch.float64)
+    y = torch.tensor([wall for _, _, wall in rows], dtype=torch.float64)
+    per_step, per_token = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()
+    residual = (x @ torch.tensor([per_step, per_token], dtype=torch.float64) - y).square().mean().sqrt().item()
+    grpo = runs["vllm-colocate/none"]["wall_s"]
+    without = {policy: round((run["wall_s"] - per_token * run["prompt_tokens_computed_fork"]) / grpo, 3)
+               for policy in policies if policy != "none" and (run := runs.get(f"vllm-colocate/{policy}"))}
+    return {"rollouts": len(rows), "ms_per_step": round(1000 * per_step, 2),
+            "ms_per_computed_token": round(1000 * per_token, 3), "residual_rms_s": round(residual, 3),
+            "arpo_vs_grpo_without_fork_prefill": without}
+
+
 def print_table(report: dict) -> None:
     print("\n| backend/policy | wall s | tokens | tokens/s | vs HF | forks/group | tool calls/group | waves | "
           "critical-path tokens | prefill tokens/group |")
@@ -360,6 +415,8 @@ def print_table(report: dict) -> None:
               f"{r.get('prefill_tokens_per_group', '')} |")
     for backend, ratios in report.get("arpo_vs_grpo", {}).items():
         print(f"- {backend}, ARPO / GRPO: {ratios}")
+    if report.get("colocate_cost_fit"):
+        print(f"- colocated rollouts fitted as seconds per step + per computed token: {report['colocate_cost_fit']}")
     if report.get("drafts_vs_nodraft"):
         print(f"- rollout seconds, cached engine with / without n-gram drafts: {report['drafts_vs_nodraft']}")
     if report.get("measured_vs_cpu_costs"):

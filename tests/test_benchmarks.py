@@ -371,9 +371,46 @@ def test_rollout_throughput_policy_variants_set_the_sampler_and_refuse_contradic
     assert not sampler.fill_ups.speculative and sampler.fill_ups.hedge is None
     assert not sampler.fill_ups.after_first_decision  # this engine is neither compute-bound nor drafting
     assert make(engine, tokenizer, args, "none").initial_rollouts == 8
+    assert make(engine, tokenizer, args, "entropy:late-fills+surely=0.5").fill_ups.surely == 0.5
+    assert make(engine, tokenizer, args, "entropy").fill_ups.surely == 0.99  # the sampler's own
     for policy, message in [("entropy:early-fills+late-fills", "early-fills and late-fills contradict"),
                             ("entropy:hedge=0.9+hedge=0.8", "hedge=0.8 and hedge=0.9 contradict"),
                             ("entropy:mean-fills+hedge=0.9", "hedge=0.9 and mean-fills contradict"),
                             ("entropy:fast", r"unknown variants \['fast'\] in 'entropy:fast'")]:
         with pytest.raises(ValueError, match=message):
             make(engine, tokenizer, args, policy)
+
+
+def test_rollout_throughput_splits_the_colocated_prefill_by_request_kind():
+    """A branch's first request sends its parent's tokens after the tool result: among the requests with those
+    tokens, the branches' are the cheapest (the parent's computed the blocks they then find cached)."""
+    from arpo_trl.rollout.paths import Trajectory
+
+    split = load("rollout_throughput").prompt_tokens_computed_by_kind
+    prompt, done = [1, 2, 3], [4, 5, 6, 7]
+    parent = Trajectory(0, 0, prompt, "global", completion_ids=done + [8, 9])
+    branch = Trajectory(1, 0, prompt, "branch", parent=0, fork_position=4, completion_ids=done + [10])
+    fill = Trajectory(2, 0, prompt, "fill", completion_ids=[11])
+    fork_point = hash(tuple(prompt + done))
+    log = [(3, 0, hash(tuple(prompt))), (3, 2, hash(tuple(prompt))),  # the global path's and the fill-up's starts
+           (7, 3, fork_point), (7, 6, fork_point),  # the parent's continuation (4 computed), the branch's (1)
+           (9, 8, hash(tuple(prompt + done + [8, 9])))]  # a later continuation of the parent
+    result = SimpleNamespace(trajectories=[parent, branch, fill])
+    assert split(log, result) == {"prompt_tokens_computed_start": 4, "prompt_tokens_computed_fork": 1,
+                                  "prompt_tokens_computed_continuation": 5}
+
+
+def test_rollout_throughput_cost_fit_recovers_a_known_cost_and_removes_the_fork_prefill():
+    fit = load("rollout_throughput").colocate_cost_fit
+    per_step, per_token = 0.02, 0.0015  # seconds
+    def run(steps, tokens, forks=0):
+        walls = [per_step * s + per_token * t for s, t in zip(steps, tokens)]
+        return {"engine_steps_all": steps, "tokens_computed_all": tokens, "wall_s_all": walls,
+                "wall_s": statistics.mean(walls), "prompt_tokens_computed_fork": forks}
+    runs = {"vllm-colocate/entropy": run([140, 150], [14000, 15000], forks=800),
+            "vllm-colocate/none": run([130, 132], [17000, 17400]), "transformers/none": run([1], [1])}
+    report = fit(runs, ["entropy", "none"])
+    assert report["rollouts"] == 4 and report["residual_rms_s"] == 0.0
+    assert report["ms_per_step"] == 20.0 and report["ms_per_computed_token"] == 1.5
+    arpo, grpo = runs["vllm-colocate/entropy"]["wall_s"], runs["vllm-colocate/none"]["wall_s"]
+    assert report["arpo_vs_grpo_without_fork_prefill"] == {"entropy": round((arpo - 800 * per_token) / grpo, 3)}

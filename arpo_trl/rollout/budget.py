@@ -79,6 +79,7 @@ class FillUps:
         # its siblings' text (the cached engine), which writes their first segment in a few steps, and for one whose
         # rows each cost compute (vLLM on a CPU), where the fill-ups that forks would drop cost time
         self.after_first_decision = after_first_decision
+        self.surely = SURELY  # while waiting: start the fill-ups needed with this probability (`surely_needed`)
         self.call_rate, self.fork_rate = 0.5, branch_threshold  # priors, learned from each rollout
         self.shares = ForkShares(rng or random.Random(0))
 
@@ -218,7 +219,7 @@ class FillUps:
         leave some). With rates learned from a model that calls no tool, that is every missing slot."""
         left, tail = self._unforked_slots(rollout, g), 0.0
         for k in range(len(left) - 1, 0, -1):
-            if (tail := tail + left[k]) >= SURELY:
+            if (tail := tail + left[k]) >= self.surely:
                 return k
         return 0
 
