@@ -72,7 +72,7 @@ def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") 
     if unknown := variants - hedges - surely - {"speculative", "deferred", "certain-fills", "early-fills", "late-fills",
                                        "mean-fills"}:
         raise ValueError(f"--policies: unknown variants {sorted(unknown)} in {given!r}")
-    for rivals in ({"speculative", "deferred"}, {"early-fills", "late-fills"}, {"mean-fills", *hedges}):
+    for rivals in ({"speculative", "deferred"}, {"early-fills", "late-fills"}, {"mean-fills", *hedges}, surely):
         if len(rivals & variants) > 1:
             clash = " and ".join(sorted(rivals & variants))
             raise ValueError(f"--policies: {clash} contradict each other in {given!r}")
@@ -92,8 +92,12 @@ def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") 
                                seed=args.seed, scheduler=scheduler, **mode)
     if variants & {"early-fills", "late-fills"}:  # when speculative fill-ups start, whatever the engine drafts
         sampler.fill_ups.after_first_decision = "late-fills" in variants
-    for probability in surely:  # while fill-ups wait for the first fork decision: those needed this surely start
-        sampler.fill_ups.surely = float(probability.removeprefix("surely="))
+    for variant in surely:  # while fill-ups wait for the first fork decision: those needed this surely start
+        probability = float(variant.removeprefix("surely="))
+        if not 0 < probability <= 1 or not sampler.fill_ups.after_first_decision:
+            raise ValueError(f"--policies: {variant} in {given!r} needs a probability in (0, 1] and fill-ups that wait "
+                             "for the first fork decision (late-fills, or an engine that makes them wait)")
+        sampler.fill_ups.surely = probability
     return sampler
 
 
@@ -168,7 +172,10 @@ def prompt_tokens_computed_by_kind(log: list[tuple[int, int, int]], result) -> d
     a path's first segment (`start`: global paths and fill-ups), a branch's first segment (`fork`), or a segment
     after a tool result (`continuation`). A branch's first request sends the same tokens as its parent's segment
     after that tool result, so among the requests with a fork point's tokens, those of its c branches count as the
-    c cheapest (the parent's may also compute the blocks the branches then find cached)."""
+    c cheapest (the parent's, sent first, may also compute the blocks the branches then find cached). Only finished
+    requests are logged (an aborted one's prefill is missing), and only the kept trees are read: with
+    `speculative_branches`, a dropped copy's first request and a kept copy's request after its probe count as
+    continuations."""
     starts = {hash(tuple(path.prompt_ids)) for path in result.trajectories}
     branches: dict[int, int] = {}
     for path in result.trajectories:
@@ -306,7 +313,7 @@ def main() -> None:
                         help="branch policies to run: 'entropy' (ARPO, N of M global) and/or 'none' (all M at once); "
                         "'entropy:speculative' / 'entropy:deferred': ARPO whose uncertain forks' copies start beside "
                         "the probe / once it keeps them (default: the sampler's); more variants, joined by '+': "
-                        "certain-fills, early-fills, late-fills, mean-fills, hedge=P (`make_sampler`)")
+                        "certain-fills, early-fills, late-fills, mean-fills, hedge=P, surely=P (`make_sampler`)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
     parser.add_argument("--vllm-runs", default="events,waves,lora",

@@ -372,6 +372,11 @@ def test_rollout_throughput_policy_variants_set_the_sampler_and_refuse_contradic
     assert not sampler.fill_ups.after_first_decision  # this engine is neither compute-bound nor drafting
     assert make(engine, tokenizer, args, "none").initial_rollouts == 8
     assert make(engine, tokenizer, args, "entropy:late-fills+surely=0.5").fill_ups.surely == 0.5
+    for policy, message in [("entropy:late-fills+surely=0.5+surely=0.6", "surely=0.5 and surely=0.6 contradict"),
+                            ("entropy:late-fills+surely=1.5", r"needs a probability in \(0, 1\]"),
+                            ("entropy:surely=0.5", "fill-ups that wait for the first fork decision")]:
+        with pytest.raises(ValueError, match=message):
+            make(engine, tokenizer, args, policy)
     assert make(engine, tokenizer, args, "entropy").fill_ups.surely == 0.99  # the sampler's own
     for policy, message in [("entropy:early-fills+late-fills", "early-fills and late-fills contradict"),
                             ("entropy:hedge=0.9+hedge=0.8", "hedge=0.8 and hedge=0.9 contradict"),
@@ -398,6 +403,14 @@ def test_rollout_throughput_splits_the_colocated_prefill_by_request_kind():
     result = SimpleNamespace(trajectories=[parent, branch, fill])
     assert split(log, result) == {"prompt_tokens_computed_start": 4, "prompt_tokens_computed_fork": 1,
                                   "prompt_tokens_computed_continuation": 5}
+    # two siblings at that fork point, and a branch of the branch after its own tool result
+    sibling = Trajectory(3, 0, prompt, "branch", parent=0, fork_position=4, completion_ids=done + [12])
+    nested = Trajectory(4, 0, prompt, "branch", parent=1, fork_position=5, completion_ids=done + [10, 13])
+    deeper = hash(tuple(prompt + done + [10]))
+    log += [(7, 5, fork_point), (8, 2, deeper), (8, 7, deeper)]  # the sibling (2); the branch's request, its branch's
+    result = SimpleNamespace(trajectories=[parent, branch, fill, sibling, nested])
+    assert split(log, result) == {"prompt_tokens_computed_start": 4, "prompt_tokens_computed_fork": 1 + 2 + 1,
+                                  "prompt_tokens_computed_continuation": 5 + 6}
 
 
 def test_rollout_throughput_cost_fit_recovers_a_known_cost_and_removes_the_fork_prefill():

@@ -214,7 +214,7 @@ class FillUps:
             rollout.stats.speculative_fill_ups += 1
 
     def surely_needed(self, rollout: Rollout, g: int) -> int:
-        """The fill-ups prompt `g` needs with probability at least `SURELY` by the rates: a line that forks at none of
+        """The fill-ups prompt `g` needs with probability at least `surely` by the rates: a line that forks at none of
         its tool results leaves its whole remaining share to fill-ups (a lower bound: a line that forks may still
         leave some). With rates learned from a model that calls no tool, that is every missing slot."""
         left, tail = self._unforked_slots(rollout, g), 0.0
