@@ -72,6 +72,7 @@ def _read_seconds(outputs: list, tokenizer, top_k: int, tokens: int) -> float:
 
 
 def measure(args) -> dict:
+    import torch
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -102,7 +103,7 @@ def measure(args) -> dict:
         "spread": {name: round(max(seconds) / min(seconds) - 1, 3) for name, seconds in runs.items()},
         "top_k_vs_sampled": round(us[top] / us["sampled"], 3), "top_k_vs_none": round(us[top] / us["none"], 3),
         "arpo_read_us_per_token": round(1e6 * min(read) / generated, 1),
-        "torch_threads": __import__("torch").get_num_threads(),
+        "torch_threads": torch.get_num_threads(),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                  cwd=Path(__file__).parent).stdout.strip(),
         "command": "$PY " + shlex.join(sys.argv), "machine": args.machine,

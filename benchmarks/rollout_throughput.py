@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict
 
 import torch
@@ -177,11 +178,8 @@ def prompt_tokens_computed_by_kind(log: list[tuple[int, int, int]], result) -> d
     `speculative_branches`, a dropped copy's first request and a kept copy's request after its probe count as
     continuations."""
     starts = {hash(tuple(path.prompt_ids)) for path in result.trajectories}
-    branches: dict[int, int] = {}
-    for path in result.trajectories:
-        if path.kind == "branch":
-            key = hash(tuple(path.prompt_ids + path.completion_ids[:path.fork_position]))
-            branches[key] = branches.get(key, 0) + 1
+    branches = Counter(hash(tuple(path.prompt_ids + path.completion_ids[:path.fork_position]))
+                       for path in result.trajectories if path.kind == "branch")
     by_prompt: dict[int, list[int]] = {}
     for length, cached, key in log:
         by_prompt.setdefault(key, []).append(length - cached)
@@ -190,7 +188,7 @@ def prompt_tokens_computed_by_kind(log: list[tuple[int, int, int]], result) -> d
         if key in starts:
             computed["start"] += sum(tokens)
             continue
-        forks = sorted(tokens)[:branches.get(key, 0)]
+        forks = sorted(tokens)[:branches[key]]
         computed["fork"] += sum(forks)
         computed["continuation"] += sum(tokens) - sum(forks)
     return {f"prompt_tokens_computed_{kind}": tokens for kind, tokens in computed.items()}
@@ -401,8 +399,9 @@ def colocate_cost_fit(runs: dict, policies: list[str]) -> dict:
             for steps, tokens, wall in zip(run["engine_steps_all"], run["tokens_computed_all"], run["wall_s_all"])]
     x = torch.tensor([[steps, tokens] for steps, tokens, _ in rows], dtype=torch.float64)
     y = torch.tensor([wall for _, _, wall in rows], dtype=torch.float64)
-    per_step, per_token = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()
-    residual = (x @ torch.tensor([per_step, per_token], dtype=torch.float64) - y).square().mean().sqrt().item()
+    solution = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1)
+    residual = (x @ solution - y).square().mean().sqrt().item()
+    per_step, per_token = solution.tolist()
     grpo = runs["vllm-colocate/none"]["wall_s"]
     without = {policy: round((run["wall_s"] - per_token * run["prompt_tokens_computed_fork"]) / grpo, 3)
                for policy in policies if policy != "none" and (run := runs.get(f"vllm-colocate/{policy}"))}
