@@ -285,7 +285,8 @@ class ARPOConfig(GRPOConfig):
     )
     seed_sampler: int | None = field(
         default=None,
-        metadata={"help": "Seed of the fork-decision RNG; defaults to `seed`."},
+        metadata={"help": "Seed of the rollouts' keyed draws (forks; the cached engine's tokens); defaults to `seed` "
+                          "plus the process index (docs/differences.md#seeds)."},
     )
 
     use_vllm: bool | None = field(

@@ -3,8 +3,6 @@ forking could still add, how many it is expected to add, and which fill-ups star
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from arpo_trl.rollout.budget import FillUps
@@ -178,7 +176,7 @@ def test_each_rollouts_rates_become_the_next_ones_priors():
 def test_line_shares_split_the_branch_slots_evenly(m, n):
     """Each global path's line owns (M - N) // N branch slots, the odd ones drawn at random: no line's share depends
     on when it reaches a tool result. A branch takes its slot from its own line; a fill-up belongs to no line."""
-    fills, r = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5, rng=random.Random(0)), rollout(m, n)
+    fills, r = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5), rollout(m, n)
     shares = fills.shares.shares(r, 0)
     assert sorted(shares) == [path.id for path in r.groups[0]]
     assert sum(shares.values()) == m - n and max(shares.values()) - min(shares.values()) <= 1

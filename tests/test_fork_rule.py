@@ -30,18 +30,22 @@ def test_n_defaults_to_half_of_m_as_the_released_scripts(m, policy, n):
     assert default_initial_rollouts(m, policy) == n
 
 
-@pytest.mark.parametrize("m,copies_started,expected_kinds", [
-    (3, 1, ["global", "global", "branch"]),  # one slot: the line that owns it starts one copy (not Z-1 = 2)
-    (5, 3, ["global", "global", "branch", "branch", "branch"]),  # shares of 2 and 1 slots (the odd one drawn)
+@pytest.mark.parametrize("m,copies_started,shares", [
+    (3, 1, [1, 0]),  # one slot: the line that owns it starts one copy (not Z-1 = 2)
+    (5, 3, [2, 1]),  # shares of 2 and 1 slots (the odd one drawn)
 ])
-def test_forks_never_exceed_the_budget(tokenizer, m, copies_started, expected_kinds):
-    """N = 2 globals call a tool at once; every decision forks (τ = 1), Z = 3."""
+def test_forks_never_exceed_the_budget(tokenizer, m, copies_started, shares):
+    """N = 2 globals call a tool at once; every decision forks (τ = 1), Z = 3. Each line holds its share of branches,
+    listed right after its global path (tree order)."""
     sampler = _sampler(tokenizer, call_then_answer(), num_generations=m, initial_rollouts=2, branch_factor=3,
                        branch_threshold=1.0, entropy_weight=0.0, entropy_window=2, max_tool_calls=1,
                        speculative_fill_ups=False)
     result = sampler.sample(_prompts(tokenizer, 1))
     assert len(sampler.engine.calls[1]) == 2 + copies_started  # the two probes and the copies beside them
-    assert kinds(result) == [expected_kinds]
+    lines = [path for path in result.groups[0] if path.kind == "global"]
+    per_line = [sum(path.line == line.id for path in result.groups[0] if path.kind == "branch") for line in lines]
+    assert sorted(per_line, reverse=True) == shares
+    assert kinds(result) == [[kind for count in per_line for kind in ["global"] + ["branch"] * count]]
     branches = [path for path in result.groups[0] if path.kind == "branch"]
     assert result.stats.forks == len(branches)
     assert result.stats.fork_deltas == [path.fork_delta for path in branches] and None not in result.stats.fork_deltas
@@ -114,8 +118,8 @@ def test_a_branch_inherits_its_parents_settled_decisions(tokenizer):
 def test_decisions_at_a_full_prompt_do_not_count_in_the_fork_rate(tokenizer):
     """M = 3, N = 2, τ = 1, β = 0.2: the first global's probe entropy rises (P = 1: it forks and fills the prompt),
     the second's falls (P < 1) but its line owns no branch slot (seed 1 gives the prompt's one slot to the first
-    line, `ForkShares`). The fork-rate estimate the next rollout's speculation starts from (`state_dict`) holds the
-    decisions that could fork only."""
+    line, `ForkShares`; the branch is listed after its parent, tree order). The fork-rate estimate the next rollout's
+    speculation starts from (`state_dict`) holds the decisions that could fork only."""
     entropies = iter([1.0, 1.0, 5.0, 0.0])  # per request, in path order: the two calls, then the two probes
 
     def script(text, rng):
@@ -124,7 +128,7 @@ def test_decisions_at_a_full_prompt_do_not_count_in_the_fork_rate(tokenizer):
     sampler = _sampler(tokenizer, script, num_generations=3, initial_rollouts=2, branch_threshold=1.0,
                        entropy_weight=0.2, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False, seed=1)
     result = sampler.sample(_prompts(tokenizer, 1))
-    assert kinds(result) == [["global", "global", "branch"]] and result.groups[0][2].parent == result.groups[0][0].id
+    assert kinds(result) == [["global", "branch", "global"]] and result.groups[0][1].parent == result.groups[0][0].id
     assert sampler.state_dict()["fork_rate"] == 1.0
 
 

@@ -158,9 +158,11 @@ def constant_reward(completions, **kwargs):
 def test_trainer_takes_plain_functions_as_grpo_trainer_does(hermes, addition_dataset, tmp_path):
     """TRL's documented `tools=[multiply]` example with the two names swapped (plus a scripted engine, so that the
     calls happen by construction)."""
+    # every fork that can happen does (τ = 1, β = 0): each global's one branch slot, at its first call
     args = ARPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=400,
         max_steps=1, logging_steps=1, use_cpu=True, bf16=False, report_to="none", save_strategy="no", log_trees=False,
+        branch_threshold=1.0, entropy_weight=0.0,
     )
     calls = [call("multiply", {"a": 3, "b": 4}), call("async_add", {"a": 1, "c": 2})]
     trainer = RecordingTrainer(model=tiny_model(hermes), reward_funcs=constant_reward,

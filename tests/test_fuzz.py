@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerFast
 
 from arpo_trl.generation.engine import Segment
 from arpo_trl.rollout import BRANCH_POLICIES, BranchingSampler
+from arpo_trl.rollout.paths import tree_order
 from arpo_trl.rollout.tool_calls import ChatTemplateFormat, TagFormat, ToolCall
 from arpo_trl.tools.base import Tool, format_result
 from arpo_trl.tools.tags import cut_at_stop, extract_call, first_stop
@@ -509,7 +510,9 @@ def check_rollout(result, sampler, prompts, m, n, policy, outputs) -> None:
     for g, group in enumerate(result.groups):
         if policy == "aepo":  # AEPO's pre-monitoring chose the group's global samples
             n = result.stats.global_samples[g]
-        assert [t.kind for t in group][:n] == ["global"] * n and all(t.group == g for t in group)
+        assert sum(t.kind == "global" for t in group) == n and all(t.group == g for t in group)
+        assert [tree_order(t.key) for t in group] == sorted(tree_order(t.key) for t in group)  # parents first
+        assert [t.id for t in group] == list(range(g * m, (g + 1) * m))  # numbered in tree order
         assert all(t.prompt_ids == list(prompts[g]) for t in group)
     assert result.stats.forks == sum(t.kind == "branch" for t in trajectories)
     assert result.stats.fill_ups == sum(t.kind == "fill" for t in trajectories)

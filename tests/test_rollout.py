@@ -95,6 +95,7 @@ def calls_then_answers(max_calls):
 
 def _sampler(tokenizer, script, tools=None, engine_class=None, **kw):
     engine = (engine_class or ScriptedEngine)(tokenizer, script, seed=kw.pop("engine_seed", 0))
+    kw.setdefault("seed", 0)  # a seed fixes every fork draw: no test depends on an unseeded one
     return BranchingSampler(engine, tokenizer, tools if tools is not None else [Tool("python", lambda c: "2")], **kw)
 
 

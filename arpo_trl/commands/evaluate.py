@@ -46,7 +46,7 @@ def run_seed(args: EvalArguments, setup: EvalSetup, sampler, seed: int) -> tuple
     import torch
 
     torch.manual_seed(seed)
-    sampler.rng.seed(seed)
+    sampler.reseed(seed)
     tags = [tool.tag for tool in setup.tools]
     rows, records, start = list(setup.dataset), [], time.perf_counter()
     for begin in range(0, len(rows), args.batch_size):

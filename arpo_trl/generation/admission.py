@@ -34,11 +34,12 @@ class Request:
     entropies: list[float] = field(default_factory=list)
     alpha: float = PRIOR_ACCEPTANCE  # the row's draft acceptance rate (`SpeculativeDecoding`), the rollout's at join
     held: bool = False  # answered at its budget alone; its row waits one step for the continuation (`_adopt`)
+    seed: int = 0  # its path's: with a token's position, it keys the token's draw (`sampling.keyed_uniforms`)
 
 
 class Admission:
     """The cached engine's admission of joining requests. Mixed into `CachedTransformersEngine`, whose batch state
-    (`_rows`, `_batch`, `_positions`, `_logits`, `_excluded`), prefix cache, counters, `_release`, KV budget
+    (`_rows`, `_batch`, `_positions`, `_logits`, `_rejected`), prefix cache, counters, `_release`, KV budget
     (`_budget`, `_span`, `_keep`, `_room`: `kv_budget.KVAccounting`) and cost model (`costs`) it uses."""
 
     def _adopt(self, joining: list[Request]) -> list[Request]:
@@ -124,10 +125,10 @@ class Admission:
         self._batch.add([kv for _, kv, _ in joining])
         positions = torch.tensor([kv_length(kv) for _, kv, _ in joining], device=joining[0][2].device)
         logits = torch.cat([logits for _, _, logits in joining])
-        excluded = torch.full_like(positions, -1)
+        rejected = torch.zeros_like(positions, dtype=torch.bool)
         self._positions = positions if self._positions is None else torch.cat([self._positions, positions])
         self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
-        self._excluded = excluded if self._excluded is None else torch.cat([self._excluded, excluded])
+        self._rejected = rejected if self._rejected is None else torch.cat([self._rejected, rejected])
         self._rows += [request for request, _, _ in joining]
         if self.speculating:
             for request, _, _ in joining:

@@ -33,7 +33,7 @@ from arpo_trl.generation.held_model import HeldModel
 from arpo_trl.generation.kv_batch import LEFT_SLACK, KVBatch
 from arpo_trl.generation.kv_budget import KVAccounting
 from arpo_trl.generation.prefix_cache import CachedPrefix, PrefixCache
-from arpo_trl.generation.sampling import distributions, penalized, residual, sample_tokens
+from arpo_trl.generation.sampling import distributions, keyed_uniforms, penalized, sample_tokens
 from arpo_trl.generation.speculation import (
     MAX_DRAFT_TOKENS,
     Acceptance,
@@ -58,6 +58,8 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
     measured on any device; `calibration.py`). `counters` accumulate over the engine's life (positions, forwards,
     and each phase's seconds).
     """
+
+    keyed_sampling = True  # takes each path's seed: a token's draw depends on its path and position alone
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
                  max_cached_tokens: int | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
@@ -85,7 +87,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
         self._positions: torch.Tensor | None = None  # [rows] next position
         self._logits: torch.Tensor | None = None  # [rows, vocab] next-token logits
         self._tokens: torch.Tensor | None = None  # [rows] the tokens just sampled, fed by the next decode
-        self._excluded: torch.Tensor | None = None  # [rows] a rejected draft the next sample avoids, or -1
+        self._rejected: torch.Tensor | None = None  # [rows] bool: the last step rejected a draft at the next position
         self._held = HeldModel()
         self._weights: WeightsVersion | None = None  # the weights the cached KV and logits were computed with
         self._driver: asyncio.Task | None = None
@@ -94,14 +96,18 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
     # --- the interface the schedulers use -------------------------------------------------------------------
 
     def generate(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-                 stop: Sequence[str]) -> list[Segment]:
+                 stop: Sequence[str], seeds: Sequence[int | None] | None = None) -> list[Segment]:
         """A wave, for the waves scheduler and evaluation: its requests share the batch and each other's prefixes;
-        the cache is freed afterwards, unless a `rollout_scope` keeps it for the rollout's next waves."""
+        the cache is freed afterwards, unless a `rollout_scope` keeps it for the rollout's next waves. `seeds`: per
+        prefix, its path's seed (`agenerate`)."""
         check_budgets(prefixes, max_new_tokens)
+        seeds = [None] * len(prefixes) if seeds is None else list(seeds)
+        if len(seeds) != len(prefixes):
+            raise ValueError(f"generate: one seed per prefix is required, got {len(seeds)} for {len(prefixes)}.")
 
         async def wave() -> list[Segment]:
             try:
-                segments = (self.agenerate(p, b, stop) for p, b in zip(prefixes, max_new_tokens))
+                segments = (self.agenerate(p, b, stop, s) for p, b, s in zip(prefixes, max_new_tokens, seeds))
                 return list(await asyncio.gather(*segments))
             finally:
                 await self.aclose(keep_cache=self._scoped)
@@ -119,12 +125,20 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
             self._scoped = False
             self._forget_cache()
 
-    async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
+    async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str],
+                        seed: int | None = None) -> Segment:
+        """Continue `prefix`. `seed`: its path's, which with each token's position keys the token's draw
+        (`sampling.keyed_uniforms`), so that the same seed and prefix give the same tokens whatever else runs beside
+        them and however the path's segment is split into requests; None: one drawn from torch's global generator."""
         check_budgets([prefix], [max_new_tokens])
         if not prefix:
             raise ValueError("agenerate: the prefix must hold at least one token.")
+        if seed is None:
+            seed = int(torch.randint(0, 2 ** 62, ()).item())
+        elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+            raise ValueError(f"agenerate: seed must be an integer in [0, 2**64), got {seed!r}.")
         request = Request(list(prefix), max_new_tokens, list(stop), asyncio.get_running_loop().create_future(),
-                          stop_window(self.tokenizer, stop), text=list(prefix))
+                          stop_window(self.tokenizer, stop), text=list(prefix), seed=seed)
         self._pending.append(request)
         if self._driver is None or self._driver.done():
             self._driver = asyncio.create_task(self._drive())
@@ -173,7 +187,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
 
     def _drop_rows(self) -> None:
         self._rows, self._batch = [], None
-        self._positions = self._logits = self._excluded = self._tokens = None
+        self._positions = self._logits = self._rejected = self._tokens = None
 
     def _current_model(self):
         """The held model in eval mode. When requests join after its weights changed, what was computed with the
@@ -238,18 +252,19 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
         tempered, entropies, sampled = self._distributions(scores)
         if self.speculating:
             self._observe_acceptance(tempered, sampled)
-        if sampled is not None:
-            tokens = sample_tokens(residual(sampled, self._excluded))
+        if sampled is not None:  # a draft rejected here is not F⁻¹(u) (`accept_drafts`): the same u draws another
+            uniforms = keyed_uniforms([r.seed for r in self._rows], [len(r.text) for r in self._rows])
+            tokens = sample_tokens(sampled, uniforms)
         else:  # greedy: a rejected draft was not the argmax, so the argmax stands
             sampled, tokens = tempered, scores.argmax(-1)
-        chosen = sampled.gather(-1, tokens[:, None]).squeeze(1).tolist()  # the logprob under p, not the residual
+        chosen = sampled.gather(-1, tokens[:, None]).squeeze(1).tolist()
         finished = []
         for row, (request, token, entropy) in enumerate(zip(self._rows, tokens.tolist(), entropies.tolist())):
             self._append(request, token, chosen[row], entropy)
             if request.future.done() or self._is_done(request):
                 finished.append(row)
         self._tokens = tokens
-        self._excluded.fill_(-1)
+        self._rejected.fill_(False)
         return finished
 
     def _distributions(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -302,7 +317,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
             return
         self._rows, index = [self._rows[row] for row in order], torch.tensor(order, device=self._positions.device)
         self._positions, self._tokens = self._positions[index], self._tokens[index]
-        self._logits, self._excluded = self._logits[index], self._excluded[index]
+        self._logits, self._rejected = self._logits[index], self._rejected[index]
 
     def _store(self, row: int, fed: bool) -> None:
         """Keep a row's KV in the prefix cache; `fed`: its last token is in it, with the next-token logits."""

@@ -63,7 +63,10 @@ class Segment:
 class GenerationEngine(Protocol):
     """What the sampler needs. An engine may also offer `async agenerate(prefix, max_new_tokens, stop) -> Segment`
     (and `async aclose()`): the sampler then drives every path on its own
-    (`arpo_trl.rollout.events.EventScheduler`); a batch-only engine is driven in waves."""
+    (`arpo_trl.rollout.events.EventScheduler`); a batch-only engine is driven in waves. An engine whose class sets
+    `keyed_sampling = True` also takes each path's seed (`generate(..., seeds=)`, `agenerate(..., seed=)`) and
+    draws a path's tokens from it and their positions alone, so that a seed reproduces the rollout whatever the
+    schedule (`generation/sampling.py`)."""
 
     vocab_size: int
 

@@ -1,11 +1,20 @@
 """How the cached engine draws tokens: the distributions at a position (repetition penalty, temperature, top-k/p,
-min-p; their entropies), two-level inverse transform sampling, and the acceptance rule of speculative decoding (the
-drafts come from `speculation.py`; a rejected draft is left out of the residual distribution)."""
+min-p; their entropies), inverse transform sampling with a uniform keyed by the path and the token's position, and
+the acceptance rule of speculative decoding (the drafts come from `speculation.py`).
+
+Keyed draws make a path's tokens a function of its seed and its text, not of when its requests ran or beside whom:
+the token at sequence position t of a path with seed s is F⁻¹(u(s, t)), F the cumulative distribution at t. A seed
+therefore reproduces a rollout under any schedule (events, waves, speculative paths or not), as vLLM's per-request
+seeds do for a request; only floating-point rounding that differs with the batch can still move a token, when u falls
+within rounding of a boundary of F (docs/differences.md, "Seeds").
+"""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
@@ -36,50 +45,71 @@ def distributions(scores: torch.Tensor, temperature: float, warpers: LogitsProce
     return tempered, entropies, torch.log_softmax(warpers(None, scores), dim=-1)
 
 
-def residual(sampled: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:
-    """The distributions to draw from: where a draft was just rejected at this position (`excluded` >= 0: the draft),
-    p without it."""
-    rows = (excluded >= 0).nonzero().squeeze(1)
-    if not len(rows):
-        return sampled
-    left = sampled.clone()
-    left[rows, excluded[rows]] = float("-inf")
-    return left
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-def sample_tokens(logprobs: torch.Tensor, block: int = 256) -> torch.Tensor:
-    """One token per row of `logprobs` ([rows, vocab]), by inverse transform sampling in two levels: a block of the
-    vocabulary by its mass, then a token within it, both cumulated in float64. `torch.multinomial` draws from the same
-    distribution, but on this CPU it took 63 ms for 84 rows of SmolLM2's 49k vocabulary; this takes a few."""
+def derive_seed(*parts) -> int:
+    """A 63-bit seed from `parts` (ints, strings and tuples of them): the same in every process, run and machine
+    (Python's `hash` of a string is not)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser (Steele, Lea and Flood 2014), elementwise on uint64 (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def keyed_uniforms(seeds: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    """u(seed, position) in [0, 1) for each pair, float64: a counter-based stream, so a token's draw depends on its
+    path's seed and its position only, never on how many draws came before it."""
+    seed = np.asarray(seeds, dtype=np.uint64) & _MASK64
+    position = np.asarray(positions, dtype=np.uint64)
+    bits = _splitmix64(seed ^ _splitmix64(position))
+    return torch.from_numpy((bits >> np.uint64(11)).astype(np.float64) * 2.0 ** -53)
+
+
+def sample_tokens(logprobs: torch.Tensor, uniforms: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """One token per row of `logprobs` ([rows, vocab]), the inverse of its cumulative distribution at the row's
+    uniform (`uniforms`: [rows], float64), in two levels: a block of the vocabulary by its mass, then a token within it,
+    both cumulated in float64. `torch.multinomial` draws from the same distribution, but on this CPU it took 63 ms for
+    84 rows of SmolLM2's 49k vocabulary (and cannot take the row's own uniform); this takes a few."""
     probs = logprobs.exp()
     rows, vocab = probs.shape
     blocks = (torch.nn.functional.pad(probs, (0, -vocab % block)) if vocab % block else probs).view(rows, -1, block)
     mass = blocks.sum(-1).double()  # a block's 256 terms sum accurately in float32; the blocks are cumulated in float64
     cdf = mass.cumsum(-1)
-    target = torch.rand(rows, 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    target = uniforms.to(device=probs.device, dtype=torch.float64).view(rows, 1) * cdf[:, -1:]
     chosen = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
     residual = target - (cdf.gather(1, chosen) - mass.gather(1, chosen))
     inner = blocks[torch.arange(rows, device=probs.device), chosen.squeeze(1)].to(torch.float64).cumsum(-1)
     tokens = (chosen * block + torch.searchsorted(inner, residual, right=True).clamp_(max=block - 1)).squeeze(1)
     tokens = tokens.clamp_(max=vocab - 1)
     impossible = logprobs.gather(1, tokens[:, None]).squeeze(1) == float("-inf")  # float64 rounding at an edge
-    if impossible.any():
-        tokens[impossible] = torch.multinomial(probs[impossible], 1).squeeze(1)
+    if impossible.any():  # the most likely token: deterministic, and the edge has probability ~2^-53
+        tokens[impossible] = logprobs[impossible].argmax(-1)
     return tokens
 
 
-def accept_drafts(tempered: torch.Tensor, sampled: torch.Tensor | None,
-                  drafts: list[list[int]]) -> tuple[list[int], list[list[float]]]:
-    """Speculative sampling with drafts that are point masses: per row, how many leading drafts the distributions
-    accept, and every draft's logprob under them. `tempered`, `sampled`: [rows, D, vocab] log-probabilities at the
-    positions that predict the D drafts (`sampled`: after top-k/p, min-p; None: greedy). Draft d is accepted with
-    probability p(d) (greedy: d is the argmax); the caller draws a rejected position's token from p without d, so the
-    token emitted there is distributed exactly as p: P(d) = p(d), P(x ≠ d) = (1 - p(d)) · p(x) / (1 - p(d))."""
+def accept_drafts(tempered: torch.Tensor, sampled: torch.Tensor | None, drafts: list[list[int]],
+                  uniforms: torch.Tensor) -> tuple[list[int], list[list[float]]]:
+    """Speculative sampling with drafts that are point masses, coupled to plain decoding: per row, how many leading
+    drafts the distributions accept, and every draft's logprob under them. `tempered`, `sampled`: [rows, D, vocab]
+    log-probabilities at the positions that predict the D drafts (`sampled`: after top-k/p, min-p; None: greedy);
+    `uniforms`: [rows, D], the keyed uniforms of those positions. Draft d is accepted iff the token plain decoding
+    draws there, F⁻¹(u), is d, which happens with probability p(d) (greedy: d is the argmax); a rejected position's
+    token is then F⁻¹(u) ≠ d, drawn by the caller from the same logits and u. So every token is the one plain decoding
+    would emit, distributed as p, drafts or not."""
     rows, width = tempered.shape[:2]
     draft = torch.tensor([d + [0] * (width - len(d)) for d in drafts], device=tempered.device)
     if sampled is not None:
         chosen = sampled.gather(-1, draft[..., None]).squeeze(-1)
-        accept = torch.rand(chosen.shape, device=chosen.device) < chosen.exp()
+        drawn = sample_tokens(sampled.flatten(0, 1), uniforms.flatten()).view(rows, width)
+        accept = drawn == draft
     else:
         chosen = tempered.gather(-1, draft[..., None]).squeeze(-1)
         accept = tempered.argmax(-1) == draft

@@ -7,10 +7,11 @@ that followed the row's last few tokens elsewhere in the rollout is a good guess
 decoding; vLLM's `ngram` speculative method). A step then feeds each row its sampled token and up to D draft tokens,
 and keeps the drafts the target distribution accepts:
 
-* draft token d at a position whose sampling distribution is p is accepted with probability p(d); on rejection the
-  position's token is drawn from p without d (renormalised). The token emitted is distributed exactly as p
-  (P(d) = p(d); P(x ≠ d) = (1 - p(d)) · p(x) / (1 - p(d))), so the trees are those of plain decoding. Logprobs and
-  entropies come from the same logits plain decoding would use (p, not the residual). Greedy: accepted iff argmax.
+* draft token d at a position whose sampling distribution is p is accepted iff the token plain decoding draws there
+  with the position's keyed uniform, F⁻¹(u), is d (probability p(d)); on rejection that token, F⁻¹(u) ≠ d, is the
+  one emitted (`sampling.accept_drafts`). So the tokens are those of plain decoding with the same seeds, drafts or
+  not, and the trees too. Logprobs and entropies come from the same logits plain decoding uses. Greedy: accepted iff
+  argmax.
 * D is chosen per step to maximise expected tokens per unit of forward time: a row with L drafts yields
   1 + Σ_{j≤min(D, L)} α_rowʲ tokens, and a forward costs `DecodeCost.step(rows, D)`. On a CPU a step with drafts
   pays a jump (several query positions take a slower attention path), then little per draft position, until the
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arpo_trl.generation.sampling import accept_drafts
+from arpo_trl.generation.sampling import accept_drafts, keyed_uniforms
 
 NGRAM_SIZES = (4, 3, 2)  # the longest suffix that occurred before wins
 MAX_DRAFT_TOKENS = 8
@@ -169,14 +170,14 @@ class Acceptance:
 class SpeculativeDecoding:
     """The cached engine's side of speculative decoding: each row's α learned as it samples, the drafts a step feeds,
     and their verification. Mixed into `CachedTransformersEngine`, whose batch state (`_rows`, `_batch`,
-    `_positions`, `_logits`, `_excluded`) and token bookkeeping (`_append`, `_is_done`, `_release`) it uses."""
+    `_positions`, `_logits`, `_rejected`) and token bookkeeping (`_append`, `_is_done`, `_release`) it uses."""
 
     def _observe_acceptance(self, tempered: torch.Tensor, sampled: torch.Tensor | None) -> None:
         """Before the rows sample from `sampled` (None: greedy, from `tempered`'s argmax): for each row with a draft,
         the chance its first token would be accepted here, p(guess), which moves the row's α and the rollout's rate.
         A row whose draft was just rejected at this position was observed by the verification already."""
-        guesses, excluded = [self.drafts.guess(request.text) for request in self._rows], self._excluded.tolist()
-        rows = [row for row, guess in enumerate(guesses) if guess >= 0 and excluded[row] < 0]
+        guesses, rejected = [self.drafts.guess(request.text) for request in self._rows], self._rejected.tolist()
+        rows = [row for row, guess in enumerate(guesses) if guess >= 0 and not rejected[row]]
         if not rows:
             return
         index = torch.tensor(rows, device=tempered.device)
@@ -203,14 +204,17 @@ class SpeculativeDecoding:
         return [draft[:length] for draft in found]
 
     def _verify(self, logits: torch.Tensor, drafts: list[list[int]], start: int) -> None:
-        """Keep each row's drafts while p accepts them (probability p(d); greedy: d is the argmax), append them as
-        sampled tokens, and leave the next position's logits (and the rejected draft, which its sample avoids).
-        The columns of rejected drafts become holes."""
+        """Keep each row's drafts while plain decoding would draw them (`accept_drafts`; greedy: d is the argmax),
+        append them as sampled tokens, and leave the next position's logits, from which the next step draws what
+        plain decoding would. The columns of rejected drafts become holes."""
         rows, width = logits.shape[:2]
         tempered, entropies, sampled = self._distributions(logits[:, :-1].flatten(0, 1))
         entropies = entropies.view(rows, width - 1).tolist()
+        uniforms = keyed_uniforms([r.seed for r in self._rows for _ in range(width - 1)],
+                                  [len(r.text) + j for r in self._rows for j in range(width - 1)])
         accepted, chosen = accept_drafts(tempered.view(rows, width - 1, -1),
-                                         None if sampled is None else sampled.view(rows, width - 1, -1), drafts)
+                                         None if sampled is None else sampled.view(rows, width - 1, -1), drafts,
+                                         uniforms.view(rows, width - 1))
         finished, kept = [], []
         for row, request in enumerate(self._rows):
             count, done, tried = 0, False, min(len(drafts[row]), accepted[row] + 1)
@@ -230,7 +234,7 @@ class SpeculativeDecoding:
                 self._batch.hole(row, end, start + width)
             kept.append(count)
             if not done and count < len(drafts[row]):
-                self._excluded[row] = drafts[row][count]
+                self._rejected[row] = True
         advanced = torch.tensor(kept, device=logits.device)
         self._positions = self._positions + 1 + advanced
         self._logits = logits[torch.arange(rows, device=logits.device), advanced]

@@ -20,6 +20,7 @@ import math
 import random
 from collections.abc import Callable
 
+from arpo_trl.generation.sampling import derive_seed
 from arpo_trl.rollout.paths import Rollout, Trajectory, committed_count, speculative_fills
 
 PRIOR_WEIGHT = 8  # segments (fork decisions) the previous rollouts' rates weigh in this rollout's estimates
@@ -32,16 +33,15 @@ class ForkShares:
     slots left over go to lines drawn at random. A fork takes its copies from its own line's share, so which lines get
     branches follows their fork decisions (entropy), never which path reaches a tool result first, and no path waits
     for another's decision; a share its line can no longer use goes to fill-ups (`FillUps.update`). The split is made
-    once a prompt's global paths are known (AEPO: after its monitoring path)."""
-
-    def __init__(self, rng: random.Random):
-        self.rng = rng
+    once a prompt's global paths are known (AEPO: after its monitoring path), the draw keyed by the rollout's seed and
+    the prompt."""
 
     def split(self, rollout: Rollout, g: int, lines: list[int]) -> None:
-        """Share the slots the prompt's global paths leave among `lines`."""
+        """Share the slots the prompt's global paths leave among `lines` (in the order the paths were started)."""
         globals_ = sum(path.kind == "global" for path in rollout.groups[g])
         base, extra = divmod(max(0, rollout.num_generations - globals_), max(1, len(lines)))
-        lucky = set(self.rng.sample(lines, extra)) if lines and extra else set()
+        draw = random.Random(derive_seed(rollout.seed, "shares", g))
+        lucky = set(draw.sample(lines, extra)) if lines and extra else set()
         rollout.fork_shares[g] = {line: base + (line in lucky) for line in lines}
 
     def shares(self, rollout: Rollout, g: int) -> dict[int, int]:
@@ -67,7 +67,7 @@ class FillUps:
     """Decides, for one prompt at a time, which fill-ups to start, confirm or drop (`update`, `make_room`)."""
 
     def __init__(self, max_tool_calls: int, branch_factor: int, branch_threshold: float, speculative: bool = True,
-                 rng: random.Random | None = None, after_first_decision: bool = False, hedge: float | None = None):
+                 after_first_decision: bool = False, hedge: float | None = None):
         self.max_tool_calls, self.branch_factor, self.speculative = max_tool_calls, branch_factor, speculative
         # speculation also covers the fill-ups needed with this probability (`likely_needed`), not only the mean's:
         # with many prompts, one prompt whose lines fork less than expected starts a fill-up late, and the rollout
@@ -81,7 +81,7 @@ class FillUps:
         self.after_first_decision = after_first_decision
         self.surely = SURELY  # while waiting: start the fill-ups needed with this probability (`surely_needed`)
         self.call_rate, self.fork_rate = 0.5, branch_threshold  # priors, learned from each rollout
-        self.shares = ForkShares(rng or random.Random(0))
+        self.shares = ForkShares()
 
     def capacity(self, rollout: Rollout, path: Trajectory) -> int:
         """The most paths forking can still add below a live path: Z-1 copies at each tool result it may still

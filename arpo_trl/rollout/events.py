@@ -170,6 +170,8 @@ class _EventRollout:
             if task is not None:
                 self.rests[path.id] = task, room - len(probe.token_ids)
             return probe
+        if getattr(engine, "keyed_sampling", False):
+            return await engine.agenerate(prefix, request.max_new_tokens, stops, seed=path.seed)
         return await engine.agenerate(prefix, request.max_new_tokens, stops)
 
     async def _close(self) -> None:

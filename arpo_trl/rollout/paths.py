@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from arpo_trl.generation.sampling import derive_seed
 from arpo_trl.tools.failures import ToolTally
 
 
@@ -29,6 +30,19 @@ class ToolCallRecord:
     @property
     def answered(self) -> bool:
         return self.result_start is not None
+
+
+@dataclass(frozen=True)
+class ForkDecision:
+    """A fork decision a path made at one of its tool results (paper §3.1 step 3): the fork was possible, and the
+    path forked iff `draw` < `probability` (or the fork was certain at the result: `draw` below every P the probe
+    could have given)."""
+
+    position: int  # completion tokens up to the end of the tool result: where the copies start
+    delta: float  # ΔH, normalised by ln|V|
+    probability: float  # P = clip(τ + β·ΔH, 0, 1) (τ for 'random'; with AEPO's penalty for 'aepo')
+    draw: float  # the uniform it was compared with (`sampler.fork_draw`)
+    forked: bool
 
 
 @dataclass
@@ -56,6 +70,12 @@ class Trajectory:
     committed: bool = True  # False: a speculative fill-up or branch, dropped if forks take its slot / not kept
     environment: Any = None  # environment_factory: this path's own environment (docs/environments.md)
     line: int | None = None  # the id of the global path this one descends from (itself if global; None: fill-up)
+    # Where the path sits in its tree, whatever the order paths were started in: ('global', g, i), the i-th global
+    # path of group g; ('fill', g, j), its j-th fill-up; (parent's key, d, c), copy c of a fork at the parent's d-th
+    # fork decision. With the rollout's seed it gives the path's `seed`, which keys its token draws and fork draws.
+    key: tuple = ()
+    seed: int = 0
+    decisions: list[ForkDecision] = field(default_factory=list)  # the fork decisions it made itself (not inherited)
 
     @property
     def active(self) -> bool:
@@ -128,7 +148,7 @@ class RolloutStats:
 
 @dataclass
 class RolloutResult:
-    groups: list[list[Trajectory]]  # per prompt, exactly M trajectories in creation order
+    groups: list[list[Trajectory]]  # per prompt, exactly M trajectories in tree order (`tree_order`)
     stats: RolloutStats
 
     @property
@@ -158,10 +178,18 @@ class Rollout:
     environments: list | None = None  # environment_factory: per group, the reset environment its paths start from
     fork: Callable[[Any], Any] | None = None  # copies an environment in its current state (`fork_environment`)
     fork_shares: dict[int, dict[int, int]] = field(default_factory=dict)  # group -> line -> branch slots it owns
+    seed: int = 0  # this rollout's: every path's seed derives from it and the path's key
 
-    def start(self, g: int, prompt_ids: list[int], kind: str, creator: Trajectory | None) -> Trajectory:
-        """A new path of group `g`; `creator` is the path whose step started it (None at the start)."""
+    def start(self, g: int, prompt_ids: list[int], kind: str, creator: Trajectory | None,
+              copy: int = 0) -> Trajectory:
+        """A new path of group `g`; `creator` is the path whose step started it (None at the start), a branch's
+        parent; `copy`: which of its fork's copies a branch is."""
         path = Trajectory(id=self.next_id, group=g, prompt_ids=prompt_ids, kind=kind)
+        if kind == "branch":
+            path.key = (creator.key, creator.fork_decisions, copy)
+        else:  # a dropped fill-up is always the youngest, so the live ones hold the indices 0..j-1
+            path.key = (kind, g, sum(p.kind == kind for p in self.groups[g]))
+        path.seed = derive_seed(self.seed, path.key)
         if self.environments is not None:  # a branch continues from its parent's environment as it is at the fork
             path.environment = self.fork(creator.environment if kind == "branch" else self.environments[g])
         path.line = path.id if kind == "global" else creator.line if kind == "branch" else None
@@ -171,10 +199,20 @@ class Rollout:
         return path
 
     def finish(self) -> None:
-        """Drop the speculative fill-ups nobody committed; every group then holds exactly M paths."""
+        """Drop the speculative fill-ups nobody committed; every group then holds exactly M paths, in tree order
+        (`tree_order`), numbered in that order across groups: the result does not depend on which path started first."""
         for group in self.groups:
             for path in [p for p in group if not p.committed]:
                 self.drop(path)
+        renumbered: dict[int, int] = {}
+        for group in self.groups:
+            group.sort(key=lambda path: tree_order(path.key))
+            renumbered.update((path.id, len(renumbered)) for path in group)
+        for group in self.groups:
+            for path in group:
+                path.id, path.parent = renumbered[path.id], renumbered.get(path.parent)
+                path.line = renumbered.get(path.line)
+        self.chains = {renumbered[old]: tokens for old, tokens in self.chains.items() if old in renumbered}
 
     def drop(self, path: Trajectory) -> None:
         """Stop a speculative path; its tokens and tool calls count as discarded, not as the rollout's."""
@@ -186,6 +224,17 @@ class Rollout:
         self.stats.tool_calls -= len(own)
         self.stats.tool_failures -= sum(call.failed for call in own)
         path.finish_reason = path.finish_reason or "cancelled"
+
+
+def tree_order(key: tuple) -> tuple[int, ...]:
+    """A path's place in a depth-first walk of its group (`Trajectory.key`): the global paths in order, each followed
+    by the branches below it (by fork decision, then copy), then the fill-ups."""
+    if key[0] == "global":
+        return (0, key[2])
+    if key[0] == "fill":
+        return (1, key[2])
+    parent, decision, copy = key
+    return (*tree_order(parent), decision, copy)
 
 
 def committed_count(group: list[Trajectory]) -> int:

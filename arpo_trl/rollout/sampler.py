@@ -18,7 +18,9 @@ with exactly M trajectories; the records are in `arpo_trl.rollout.paths`. AEPO's
 `arpo_trl.rollout.entropy_balance`, docs/aepo.md.
 
 A scheduler (`arpo_trl.rollout.scheduling`) drives the programs: against a server every path advances on its own; with a
-batch engine the requests ready together form one batch (a wave), in path order, so a seed reproduces the trees.
+batch engine the requests ready together form one batch (a wave), in path order. Every random draw is keyed by the
+path's place in its tree (`Trajectory.key`) and the rollout's seed: its fork draws here, its tokens in an engine with
+`keyed_sampling`, so a seed reproduces the trees under either scheduler, whenever tool results arrive.
 
 Where we differ from the reference code, deliberately (docs/differences.md, which says why):
   * H_initial is reset every rollout and inherited by branches (the reference's per-slot dict is never cleared).
@@ -37,10 +39,11 @@ from collections.abc import Generator, Sequence
 
 from arpo_trl.entropy import check_entropy_args, segment_entropy
 from arpo_trl.generation.engine import GenerationEngine
+from arpo_trl.generation.sampling import derive_seed
 from arpo_trl.rollout.budget import FillUps
 from arpo_trl.rollout.entropy_balance import aepo_fork_probability, check_aepo_args, global_samples
 from arpo_trl.rollout.path_writer import OPEN, PathWriter
-from arpo_trl.rollout.paths import Rollout, RolloutResult, Trajectory
+from arpo_trl.rollout.paths import ForkDecision, Rollout, RolloutResult, Trajectory
 from arpo_trl.rollout.requests import CallRequest, CommitRequest, GenerateRequest, PathRequest
 from arpo_trl.rollout.scheduling import make_scheduler
 from arpo_trl.rollout.tool_calls import CallFormat, TagFormat, ToolCall, bind_call
@@ -138,10 +141,10 @@ class BranchingSampler:
         self.branch_penalty, self.pre_monitoring_beta = branch_penalty, pre_monitoring_beta
         self.max_tool_calls, self.max_completion_length = max_tool_calls, max_completion_length
         self.tool_timeout, self.max_tool_workers = tool_timeout, max_tool_workers
-        self.rng = random.Random(seed)
+        self.reseed(random.randrange(2 ** 63) if seed is None else seed)
         self.speculative_branches, self.scheduler = speculative_branches, make_scheduler(scheduler, engine)
         wait_for_a_decision = getattr(engine, "drafts_late_paths", False) or getattr(engine, "compute_bound", False)
-        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups, self.rng,
+        self.fill_ups = FillUps(max_tool_calls, branch_factor, branch_threshold, speculative_fill_ups,
                                 wait_for_a_decision and self.scheduler.event_driven, fill_up_hedge)
         eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
         self.eos_token_id = eos[0]
@@ -165,7 +168,9 @@ class BranchingSampler:
         check_branching_args(m, n, self.branch_factor, self.branch_threshold, self.entropy_window, policy,
                              self.max_tool_calls)
         start = time.perf_counter()
-        rollout = Rollout([[] for _ in prompts], m, policy, environments=environments, fork=fork_environment)
+        rollout = Rollout([[] for _ in prompts], m, policy, environments=environments, fork=fork_environment,
+                          seed=derive_seed(self.seed, self.rollouts))
+        self.rollouts += 1
         monitored = policy == "aepo" and self.pre_monitoring_beta is not None
         for g, prompt in enumerate(prompts):
             for _ in range(1 if monitored else n):  # AEPO: one monitoring path first decides m (`_end_monitoring`)
@@ -212,14 +217,24 @@ class BranchingSampler:
             self._end_monitoring(rollout, path)
         self.fill_ups.update(rollout, path.group, path)
 
+    def reseed(self, seed: int) -> None:
+        """Start the sequence of rollouts of `seed` anew: the n-th `sample` call after this draws the same trees."""
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}.")
+        self.seed, self.rollouts = seed, 0
+
     def state_dict(self) -> dict:
-        """What a resumed run needs to grow the same trees: the fork RNG and the speculation's rates."""
-        version, internal, gauss = self.rng.getstate()
-        return {"version": version, "internal": list(internal), "gauss": gauss,
+        """What a resumed run needs to grow the same trees: the seed, the rollouts drawn so far and the speculation's
+        rates."""
+        return {"seed": self.seed, "rollouts": self.rollouts,
                 "call_rate": self.fill_ups.call_rate, "fork_rate": self.fill_ups.fork_rate}
 
     def load_state_dict(self, state: dict) -> None:
-        self.rng.setstate((state["version"], tuple(state["internal"]), state["gauss"]))
+        if not {"seed", "rollouts"} <= set(state):
+            raise ValueError(f"The sampler state has no 'seed' and 'rollouts' (keys: {sorted(state)}): it was saved by "
+                             "an arpo-trl before keyed draws, whose trees a resumed run cannot continue.")
+        self.reseed(state["seed"])
+        self.rollouts = state["rollouts"]
         self.fill_ups.call_rate = state.get("call_rate", self.fill_ups.call_rate)
         self.fill_ups.fork_rate = state.get("fork_rate", self.fill_ups.fork_rate)
 
@@ -245,20 +260,20 @@ class BranchingSampler:
         if not self._may_fork(rollout, path):
             self._decide_fork(rollout, path, None)
             return False
-        draw = rollout.fork_draws[path.id] = self.rng.random()
+        draw = rollout.fork_draws[path.id] = fork_draw(path)
         lowest = (0.0 if self.entropy_weight >= 0 else self.entropy_window) - (path.initial_entropy or 0.0)  # H ≥ 0
         certain = path.initial_entropy is not None and draw < self.fork_probability(lowest, rollout.policy,
                                                                                    path.consecutive_forks)
         if not (certain or self.speculative_branches):
             return True  # the copies start once the probe keeps them (`_decide_fork`)
         copies = min(self.branch_factor - 1, self.fill_ups.shares.free(rollout, path))
-        rollout.pending_branches[path.id] = [self._branch(rollout, path, certain) for _ in range(copies)]
+        rollout.pending_branches[path.id] = [self._branch(rollout, path, c, certain) for c in range(copies)]
         self.fill_ups.make_room(rollout, path.group)
         return True
 
-    def _branch(self, rollout: Rollout, source: Trajectory, certain: bool = False) -> Trajectory:
-        """A copy of `source` as it is now, at a tool result; unconfirmed unless its fork is `certain`."""
-        child = rollout.start(source.group, source.prompt_ids, "branch", source)
+    def _branch(self, rollout: Rollout, source: Trajectory, copy: int, certain: bool = False) -> Trajectory:
+        """Copy number `copy` of `source` as it is now, at a tool result; unconfirmed unless its fork is `certain`."""
+        child = rollout.start(source.group, source.prompt_ids, "branch", source, copy)
         child.completion_ids, child.mask, child.logprobs, child.entropies = source.snapshot(len(source.completion_ids))
         child.parent, child.fork_position, child.segment_start = source.id, source.segment_start, source.segment_start
         child.fork_decisions, child.committed = source.fork_decisions + 1, certain
@@ -289,10 +304,12 @@ class BranchingSampler:
         if delta is not None and (held or self._may_fork(rollout, path)):  # None: no fork was possible at the result
             probability = self.fork_probability(delta, rollout.policy, path.consecutive_forks)
             rollout.fork_probabilities.append(probability)
+            path.decisions.append(ForkDecision(len(path.completion_ids), delta, probability, draw,
+                                               held or draw < probability))
             if held or draw < probability:  # held: certain at the tool result, whatever (even < 0) the probe read
                 kept = len(copies) if held else self.fill_ups.shares.free(rollout, path)
                 if copies is None:  # from the same state at the tool result: the probe is not absorbed
-                    copies = [self._branch(rollout, path) for _ in range(min(self.branch_factor - 1, kept))]
+                    copies = [self._branch(rollout, path, c) for c in range(min(self.branch_factor - 1, kept))]
                 for child in copies[:kept]:
                     if not child.committed:
                         rollout.committed.append(child)
@@ -309,3 +326,9 @@ class BranchingSampler:
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids, as the sampler reads it (special tokens skipped)."""
         return self.writer.decode(ids)
+
+
+def fork_draw(path: Trajectory) -> float:
+    """The uniform a path's next fork decision compares with its P: keyed by the path's seed and the decision's index,
+    so it does not depend on which path reached its tool result first."""
+    return derive_seed(path.seed, "fork", path.fork_decisions) / 2 ** 63

@@ -121,9 +121,12 @@ class WaveScheduler:
         self._align(generate)
         start = time.perf_counter()
         prefixes = [path.prompt_ids + path.completion_ids for path, _ in generate]
+        budgets, stops = [r.max_new_tokens for _, r in generate], sampler.call_format.stop_strings
         try:
-            segments = sampler.engine.generate(prefixes, [r.max_new_tokens for _, r in generate],
-                                               sampler.call_format.stop_strings)
+            if getattr(sampler.engine, "keyed_sampling", False):
+                segments = sampler.engine.generate(prefixes, budgets, stops, seeds=[path.seed for path, _ in generate])
+            else:
+                segments = sampler.engine.generate(prefixes, budgets, stops)
         except Exception as error:
             error.add_note(path_context([path for path, _ in generate]))
             raise

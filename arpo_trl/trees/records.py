@@ -29,6 +29,9 @@ Record schema, version 2 (one JSON object per trajectory, in `RolloutResult.traj
                     decoded completion (special tokens skipped). A branch's segments up to fork_position are its
                     parent's.
     entropies       per completion token, nats (rounded to 1e-4); null on environment tokens
+    decisions       the fork decisions this node made itself where a fork was possible
+                    (`arpo_trl.rollout.paths.ForkDecision`): {"position", "delta", "probability", "draw", "forked"};
+                    absent in files written before it
 
 Every float that is not finite is written as null. Prefix tokens are repeated in every branch's record (each
 record is a full trajectory); `entropy_around_tools` counts each token once, in the record that owns it.
@@ -149,6 +152,7 @@ def tree_records(
             "prompt": decode(t.prompt_ids) if first else None,
             "calls": calls, "segments": segments_of(t.completion_ids, t.mask, decode, calls),
             "entropies": [_finite(h, 4) for h in t.entropies],
+            "decisions": [{**asdict(d), "delta": _finite(d.delta, 6)} for d in t.decisions],
         })
     return records
 
