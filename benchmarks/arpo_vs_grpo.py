@@ -13,6 +13,8 @@ the same model, data, reward, M, token and call budgets, LoRA and seed:
     arpo       ARPOTrainer, tag calls (<python>), entropy branching: N global paths, then forks up to M
     grpo       ARPOTrainer, tag calls, branch_policy=none: M global paths (GRPO with our tool loop)
     arpo_chat  ARPOTrainer, tool_call_format=chat_template (the model's own tool calls), entropy branching
+    grpo_chat  ARPOTrainer, tool_call_format=chat_template, branch_policy=none: M global paths (GRPO with our tool
+               loop in TRL's call format: against trl_grpo it measures the tool loop, against arpo_chat branching)
     trl_grpo   TRL's GRPOTrainer(tools=[python]) on the chat-template model (benchmarks/trl_peer.py), at --peer-seeds
     aepo       ARPOTrainer, tag calls, AEPO (docs/aepo.md): branch_policy=aepo (entropy pre-monitoring sets the global
                samples, branch penalty) with stop-gradient clipping and the entropy-aware advantage (a = 0.2)
@@ -31,13 +33,15 @@ engine (what GRPOTrainer does), `packed` adds tree-packed training, `packed_cach
 a prefix KV cache; `default` (the default) takes the recipe's settings. Besides the rollout's costs, each run logs its
 training-phase seconds, tokens forwarded and prefilled per group, and its process's peak resident memory.
 
-Each comparison (arpo/grpo, arpo_chat/trl_grpo, arpo/trl_grpo, aepo/grpo, aepo/arpo, random/grpo, each ablation
-against arpo and grpo, and each method against its cold start) gets a 95 % two-level paired bootstrap interval
-(`arpo_trl.rewards.eval_metrics.paired_bootstrap`: seeds, then the steps or questions within them): cost ratios per
-training step (executed tool calls, unique generated tokens, rollout and step seconds) and differences of reward per
-step and of held-out pass@1 per question (across call formats also of the gain over each one's cold start). Writes
-`<out>/results.json` (commit, machine load, each run's seed and steps), `<out>/results.md` and `<out>/*.png`, and copies
-them to `--results`.
+Each comparison (`PAIRS`, each ablation against arpo and grpo, and each method against its cold start) is made per
+training seed: cost ratios of the per-step means (executed tool calls, unique generated tokens, rollout and step
+seconds) and differences of the mean reward per step and of held-out pass@1 (across call formats also of the gain
+over each one's cold start). One rule for every interval (`arpo_trl.rewards.eval_metrics.seed_interval`): with two
+seeds or more, the mean of the per-seed values and a 95 % Student t interval over them (the seeds are the sample:
+between-seed variance dominates); with one seed, that seed's value with a bootstrap over its steps or questions,
+marked "1 seed, question noise only" and never starred. Each comparison keeps its per-seed values. Writes
+`<out>/results.json` (commit, machine load, each run's seed, commit and steps), `<out>/results.md` and `<out>/*.png`,
+and copies them to `--results`. `--runs-from RESULTS` reports the runs a results file recorded (no run folders).
 """
 
 from __future__ import annotations
@@ -65,11 +69,13 @@ sys.path.insert(0, str(ROOT))
 ABLATIONS = {"arpo_tau1": ["--branch_threshold", "1.0"], "arpo_beta1": ["--entropy_weight", "1.0"],
              "arpo_hard": ["--advantage_attribution", "hard"], "arpo_n4": ["--initial_rollouts", "4"]}
 METHODS = {"arpo": ("tags", "entropy"), "grpo": ("tags", "none"), "arpo_chat": ("chat_template", "entropy"),
-           "trl_grpo": ("chat_template", "trl"), "aepo": ("tags", "aepo"), "random": ("tags", "random"),
+           "grpo_chat": ("chat_template", "none"), "trl_grpo": ("chat_template", "trl"), "aepo": ("tags", "aepo"),
+           "random": ("tags", "random"),
            **{name: ("tags", "entropy") for name in ABLATIONS}}
 AEPO_UPDATE = ["--entropy_balanced_clipping", "true", "--entropy_advantage_weight", "0.2"]  # the authors' a
-PAIRS = (("arpo", "grpo"), ("arpo_chat", "trl_grpo"), ("arpo", "trl_grpo"), ("aepo", "grpo"), ("aepo", "arpo"),
-         ("random", "grpo"), *((name, base) for name in ABLATIONS for base in ("arpo", "grpo")))
+PAIRS = (("arpo", "grpo"), ("random", "grpo"), ("arpo", "random"), ("arpo_chat", "grpo_chat"),
+         ("grpo_chat", "trl_grpo"), ("arpo_chat", "trl_grpo"), ("arpo", "trl_grpo"), ("aepo", "grpo"), ("aepo", "arpo"),
+         *((name, base) for name in ABLATIONS for base in ("arpo", "grpo")))
 # The cold-start models (one SFT recipe per call format, trained first when missing). `headroom` (10 SFT steps) leaves
 # RL room to learn: held-out pass@1 0.23 and all 8 of 8 samples distinct (benchmarks/regime_candidates.py); `peaked`
 # (24 steps) already scores 0.89 with about 2 distinct samples in 8, the regime of the earlier results; `recipe` takes
@@ -133,13 +139,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--report-only", action="store_true",
                         help="train and evaluate nothing: report the complete runs and evaluations already in --out "
                              "(e.g. of an interrupted run)")
-    parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
+    parser.add_argument("--runs-from", type=_path, default=None,
+                        help="with --report-only: report the runs, evaluations and cold starts recorded in this "
+                             "results.json instead of the run folders in --out")
+    parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (one-seed comparisons)")
     parser.add_argument("--out", default="runs/arpo_vs_grpo_headroom")
     parser.add_argument("--results", default=None,
                         help="a folder to copy the report (results.json, results.md, curves) to, e.g. "
                              "benchmarks/results/arpo_vs_grpo_headroom")
     parser.add_argument("--reuse", action="store_true", help="keep runs (and evaluations) already complete in --out")
     args = parser.parse_args(argv)
+    if args.runs_from and not args.report_only:
+        parser.error("--runs-from: expected with --report-only (it reports recorded runs, it trains none)")
     if args.peer_seeds is None:
         args.peer_seeds = args.seeds[:1]
     if not set(args.peer_seeds) <= set(args.seeds):
@@ -344,9 +355,10 @@ def read_eval(path: Path) -> dict:
 
 
 def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int, cold_start: dict) -> dict:
-    """Bootstrap intervals of `mine` against `base` at one setting: cost ratios and quality differences. Methods of
-    different call formats start from different cold starts: their held-out gains over them are compared too."""
-    from arpo_trl.rewards.eval_metrics import paired_bootstrap
+    """`mine` against `base` at one setting, per seed and across seeds (`seed_interval`): cost ratios and quality
+    differences. Methods of different call formats start from different cold starts: their held-out gains over them
+    are compared too."""
+    from arpo_trl.rewards.eval_metrics import seed_interval
 
     def units(method: str, key: str) -> dict[int, list[float]]:
         chosen = [r for r in runs if r["method"] == method and r["setting"] == setting]
@@ -367,22 +379,23 @@ def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int
         a, b = units(mine, key), units(base, key)
         if statistic == "ratio" and not any(v for values in b.values() for v in values):
             continue  # the baseline never did it (e.g. made no tool call): no ratio
-        if any(a.values()) and any(b.values()):
-            result[key] = paired_bootstrap(a, b, statistic, resamples) | {"statistic": statistic}
+        if any(a.values()) and any(b.values()) and set(a) & set(b):
+            result[key] = seed_interval(a, b, statistic, resamples=resamples)
     return result
 
 
 def against_cold_start(runs: list[dict], cold_start: dict, method: str, setting: str, resamples: int) -> dict:
-    """Held-out pass@1 of `method`'s runs minus their format's cold start, paired by question ({} without both)."""
-    from arpo_trl.rewards.eval_metrics import paired_bootstrap
+    """Held-out pass@1 of `method`'s runs minus their format's cold start, per seed and across seeds ({} without
+    both)."""
+    from arpo_trl.rewards.eval_metrics import seed_interval
 
     base = cold_start.get(format_of(method))
     mine = {r["seed"]: r["eval"]["per_question"] for r in runs
             if r["method"] == method and r["setting"] == setting and "eval" in r}
     if not (base and mine):
         return {}
-    difference = paired_bootstrap(mine, {seed: base["per_question"] for seed in mine}, "difference", resamples)
-    return {"heldout_pass@1": difference | {"statistic": "difference"}}
+    return {"heldout_pass@1": seed_interval(mine, {seed: base["per_question"] for seed in mine}, "difference",
+                                            resamples=resamples)}
 
 
 def git_commit() -> str:
@@ -475,8 +488,9 @@ def markdown(report: dict) -> str:
     rows += [["before RL", f"cold start ({fmt})", *(_fmt(e[cold[c]]) if c in cold else "-" for c in columns)]
              for fmt, e in report.get("cold_start", {}).items()]
     lines = ["Means over seeds:", "", markdown_table(["setting", "method", *columns], rows), "",
-             "95 % paired bootstrap intervals (seeds, then steps or questions); * = the interval excludes "
-             "1 (ratio) or 0 (difference):", ""]
+             "Per seed, the ratio or difference of the two runs' means; the mean over seeds with a 95 % Student t "
+             "interval over them (`n seeds`); * = the interval excludes 1 (ratio) or 0 (difference). A comparison "
+             "of one seed shows its bootstrap over steps or questions: question noise only, never starred:", ""]
     keys = [k for k in RATIOS + DIFFERENCES + ("heldout_gain@1",)
             if any(k in values for values in report["comparisons"].values())]
     table = [[name, *(_interval(values.get(k)) for k in keys)] for name, values in report["comparisons"].items()]
@@ -488,9 +502,11 @@ def _interval(value: dict | None) -> str:
     if not value:
         return "-"
     null = 1.0 if value["statistic"] == "ratio" else 0.0
-    defined = not (math.isnan(value["low"]) or math.isnan(value["high"]))  # NaN: no resample had a defined ratio
+    defined = not (math.isnan(value["low"]) or math.isnan(value["high"]))  # NaN: no seed had a defined ratio
+    if value["interval"] != "t":
+        return f"{value['estimate']:.3g} [{value['low']:.3g}, {value['high']:.3g}] (1 seed, question noise only)"
     mark = "*" if defined and not value["low"] <= null <= value["high"] else ""
-    return f"{value['estimate']:.3g} [{value['low']:.3g}, {value['high']:.3g}]{mark}"
+    return f"{value['estimate']:.3g} [{value['low']:.3g}, {value['high']:.3g}]{mark} ({value['seeds']} seeds)"
 
 
 def _fmt(value) -> str:
@@ -565,6 +581,19 @@ def finished_runs(args: argparse.Namespace, report: dict) -> list[dict]:
     return runs
 
 
+def recorded_runs(args: argparse.Namespace, report: dict) -> list[dict]:
+    """The runs of the plan, evaluations and cold starts that the results file `--runs-from` recorded."""
+    recorded = json.loads(Path(args.runs_from).read_text())
+    wanted = {(_label(setting), seed, run_label(method, stack)) for index, setting in enumerate(args.settings)
+              for seed, stack, method in planned(args, index)}
+    runs = [run for run in recorded["runs"] if (run["setting"], run["seed"], run["method"]) in wanted]
+    report["cold_start"] = recorded.get("cold_start", {})
+    report["runs_from"] = {"file": str(Path(args.runs_from).relative_to(ROOT)), "commit": recorded.get("commit")}
+    if not runs:
+        raise SystemExit(f"--runs-from: {args.runs_from} records none of the planned runs.")
+    return runs
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
@@ -575,7 +604,7 @@ def main(argv=None) -> dict:
         ensure_cold_starts(args, {METHODS[m][0] for m in args.methods})
     report = {"config": vars(args) | {"settings": [_label(s) for s in args.settings]}, "commit": git_commit(),
               "load": os.getloadavg()}
-    runs = finished_runs(args, report) if args.report_only else []
+    runs = recorded_runs(args, report) if args.runs_from else finished_runs(args, report) if args.report_only else []
     for index, setting in enumerate([] if args.report_only else args.settings):
         for seed, stack, method in planned(args, index):
             print(f"{_label(setting)} seed {seed}: {run_label(method, stack)}", file=sys.stderr)

@@ -24,8 +24,10 @@ estimate says, to measure what the fallback avoids.
 Per step: tokens forwarded per group (padding included), training-phase seconds (wall clock, the GPU synchronised
 before the clock is read; and the process's CPU seconds, which other jobs on a shared machine disturb less), and the
 peak memory the training phase adds (on CPU the process's ru_maxrss after the steps minus before them; on a GPU the
-peak allocated GPU memory above what was allocated before them). Ratios get the two-level paired bootstrap intervals
-of `arpo_trl.rewards.eval_metrics.paired_bootstrap` (seeds, then steps), as benchmarks/arpo_vs_grpo.py.
+peak allocated GPU memory above what was allocated before them). Ratios are made per seed (of the per-step means) and
+get the 95 % Student t interval over the seeds of `arpo_trl.rewards.eval_metrics.seed_interval`, as
+benchmarks/arpo_vs_grpo.py (one seed: a bootstrap over its steps, the steps' noise only). `--runs-from RESULTS`
+reports the runs a results file recorded again, measuring nothing.
 Step seconds (rollout included) come from the multi-call benchmark's runs with `--tree_packing true/false`; this
 script measures the phase packing changes. Writes `<out>/results.json` and `<out>/results.md`.
 """
@@ -71,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps-per-generation", type=int, default=4, help="with --micro-batches shuffled")
     parser.add_argument("--force-packing", action="store_true", help="pack every chunk (no cost fallback)")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny Llama instead (checks the script only)")
-    parser.add_argument("--bootstrap", type=int, default=2000)
+    parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (one-seed comparisons)")
+    parser.add_argument("--runs-from", default=None, help="report the runs recorded in this results.json again")
     parser.add_argument("--out", default="runs/packed_training")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -236,14 +239,13 @@ def run_config(args, setting, seed: int, method: str, packed: bool) -> dict:
 
 
 def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int) -> dict:
-    from arpo_trl.rewards.eval_metrics import paired_bootstrap
+    from arpo_trl.rewards.eval_metrics import seed_interval
 
     def units(config: str, key: str) -> dict[int, list[float]]:
         return {r["seed"]: [s[key] for s in r["steps"]] for r in runs if r["config"] == config
                 and r["setting"] == setting}
 
-    return {key: paired_bootstrap(units(mine, key), units(base, key), "ratio", resamples) | {"statistic": "ratio"}
-            for key in METRICS}
+    return {key: seed_interval(units(mine, key), units(base, key), "ratio", resamples=resamples) for key in METRICS}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -267,8 +269,20 @@ def markdown(report: dict) -> str:
         device += ", packing forced"
     return "\n".join([f"Device: {device}. Load: {report['uptime']}", "", "Means over seeds and steps:", "",
                       markdown_table(["setting", "configuration", *METRICS], rows), "",
-                      "Ratios, 95 % paired bootstrap intervals (seeds, then steps); * = the interval excludes 1:", "",
+                      "Ratios per seed, their mean and 95 % Student t interval over the seeds; * = the interval "
+                      "excludes 1:", "",
                       markdown_table(["comparison", *METRICS], table)])
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    runs = []
+    for setting in args.settings:
+        for seed in args.seeds:
+            for method in ("arpo", "grpo"):
+                for packed in (True, False):  # back to back, so that each pair shares the machine's state
+                    runs.append(run_config(args, setting, seed, method, packed))
+                    print(json.dumps(runs[-1]), file=sys.stderr)
+    return runs
 
 
 def main(argv=None) -> dict:
@@ -279,22 +293,20 @@ def main(argv=None) -> dict:
     unknown = [s for s in args.settings if s not in SETTINGS]
     if unknown:
         raise SystemExit(f"--settings: shapes are defined for {[_label(s) for s in SETTINGS]}, got {unknown}")
-    runs = []
-    for setting in args.settings:
-        for seed in args.seeds:
-            for method in ("arpo", "grpo"):
-                for packed in (True, False):  # back to back, so that each pair shares the machine's state
-                    runs.append(run_config(args, setting, seed, method, packed))
-                    print(json.dumps(runs[-1]), file=sys.stderr)
-    comparisons = {f"{mine} / {base} ({_label(s)})": compare(runs, mine, base, _label(s), args.bootstrap)
-                   for s in args.settings for mine, base in PAIRS}
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    report = {"settings": [_label(s) for s in args.settings], "seeds": args.seeds, "steps": args.steps,
-              "layers": args.layers, "tiny": args.tiny, "device": args.device,
-              "attention": args.attention, "micro_batches": args.micro_batches,
-              "steps_per_generation": args.steps_per_generation, "force_packing": args.force_packing,
-              "uptime": uptime, "runs": runs, "summary": summarize(runs),
-              "comparisons": comparisons}
+    if args.runs_from:  # the measured runs and their settings as recorded; the comparisons made anew
+        report = json.loads(Path(args.runs_from).read_text())
+        runs, settings = report["runs"], report["settings"]
+    else:
+        runs, settings = measure(args), [_label(s) for s in args.settings]
+        uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        report = {"settings": settings, "seeds": args.seeds, "steps": args.steps,
+                  "layers": args.layers, "tiny": args.tiny, "device": args.device,
+                  "attention": args.attention, "micro_batches": args.micro_batches,
+                  "steps_per_generation": args.steps_per_generation, "force_packing": args.force_packing,
+                  "uptime": uptime, "runs": runs}
+    report["summary"] = summarize(runs)
+    report["comparisons"] = {f"{mine} / {base} ({s})": compare(runs, mine, base, s, args.bootstrap)
+                             for s in settings for mine, base in PAIRS}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=1))

@@ -151,8 +151,9 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
         method = name.split()[1]
         cold = report["cold_start"][bench.METHODS[method][0]]["per_question"]
         mine = [r["eval"]["per_question"] for r in report["runs"] if r["method"] == method and "eval" in r]
-        gain = comparisons.pop(name)["heldout_pass@1"]
-        assert gain["estimate"] == pytest.approx(sum(sum(q) - sum(cold) for q in mine) / 6) and gain["units"] == 6
+        gain = comparisons.pop(name)["heldout_pass@1"]  # per seed its pass@1 minus the cold start's; t over seeds
+        assert gain["estimate"] == pytest.approx(sum(sum(q) - sum(cold) for q in mine) / 6)
+        assert (gain["seeds"], gain["interval"]) == (2, "t") and len(gain["per_seed"]) == 2
     crossed = comparisons["M4N2 arpo vs trl_grpo"]["heldout_gain@1"]  # tag calls against chat calls: gains compared
     assert crossed["estimate"] == pytest.approx(
         comparisons["M4N2 arpo vs trl_grpo"]["heldout_pass@1"]["estimate"]
@@ -162,22 +163,23 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
     for name, values in comparisons.items():
         setting, method, _, base = name.split()
         runs = {(r["method"], r["seed"]): r for r in report["runs"] if r["setting"] == setting}
-        tokens = values["tokens_generated_per_group"]  # one step per run: the pooled ratio of the seeds' values
-        a = sum(runs[method, s]["mean"]["tokens_generated_per_group"] for s in (0, 1))
-        b = sum(runs[base, s]["mean"]["tokens_generated_per_group"] for s in (0, 1))
-        assert tokens["estimate"] == pytest.approx(a / b) and tokens["groups"] == 2 and tokens["units"] == 2
+        tokens = values["tokens_generated_per_group"]  # per seed the ratio of its runs' means; their mean
+        ratios = {str(s): runs[method, s]["mean"]["tokens_generated_per_group"]
+                  / runs[base, s]["mean"]["tokens_generated_per_group"] for s in (0, 1)}
+        assert tokens["per_seed"] == pytest.approx(ratios) and tokens["seeds"] == 2
+        assert tokens["estimate"] == pytest.approx(statistics.fmean(ratios.values()))
         if setting == "M2N1":
             assert "heldout_pass@1" not in values
             continue
         passed = values["heldout_pass@1"]
         assert passed["estimate"] == pytest.approx(sum(runs[method, s]["eval"]["pass@1"] - runs[base, s]["eval"][
-            "pass@1"] for s in (0, 1)) / 2) and passed["units"] == 6
+            "pass@1"] for s in (0, 1)) / 2) and passed["seeds"] == 2
         for value in values.values():
             assert value["low"] <= value["high"]
         if method == "arpo_chat":  # the random chat model makes no calls: no ratio of zeros
             assert "tool_calls_per_group" not in values
     table = (out / "results.md").read_text()
-    assert "| M4N2 | trl_grpo |" in table and "| M4N2 arpo_chat vs trl_grpo |" in table
+    assert "| M4N2 | trl_grpo |" in table and "| M4N2 arpo_chat vs trl_grpo |" in table and "(2 seeds)" in table
     for plot in report["plots"]:
         assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     published = json.loads((tmp_path / "published" / "results.json").read_text())
@@ -294,10 +296,14 @@ def test_packed_training_reports_what_its_runs_measured(tmp_path, capsys):
     for method in ("arpo", "grpo"):
         assert summary[f"{method}_packed"]["tokens_forwarded_per_group"] < \
             summary[f"{method}_unpacked"]["tokens_forwarded_per_group"]
-    ratio = report["comparisons"]["arpo_packed / arpo_unpacked (M4N2)"]["tokens_forwarded_per_group"]["estimate"]
-    assert ratio == pytest.approx(summary["arpo_packed"]["tokens_forwarded_per_group"]
-                                  / summary["arpo_unpacked"]["tokens_forwarded_per_group"])
+    ratio = report["comparisons"]["arpo_packed / arpo_unpacked (M4N2)"]["tokens_forwarded_per_group"]
+    forwarded = {(r["config"], r["seed"]): r["steps"][0]["tokens_forwarded_per_group"] for r in report["runs"]}
+    per_seed = {str(s): forwarded["arpo_packed", s] / forwarded["arpo_unpacked", s] for s in (0, 1)}
+    assert ratio["per_seed"] == pytest.approx(per_seed) and ratio["interval"] == "t"
+    assert ratio["estimate"] == pytest.approx(sum(per_seed.values()) / 2)
     assert "| M4N2 | arpo_packed |" in capsys.readouterr().out
+    again = bench.main(["--runs-from", str(tmp_path / "results.json"), "--out", str(tmp_path / "again")])
+    assert again["comparisons"] == json.loads(json.dumps(report["comparisons"])) and again["runs"] == report["runs"]
 
 
 def test_prefill_batching_replays_the_joins_its_rollouts_made(tool_model_dir, capsys):

@@ -11,7 +11,7 @@ import pytest
 from arpo_trl.commands.sft import ColdStartArguments, chain_transcripts, load_tokenizer, transcripts
 from arpo_trl.data import dataset_metric, named_dataset
 from arpo_trl.data.arithmetic_chains import Chain, arithmetic_chains
-from arpo_trl.rewards.eval_metrics import paired_bootstrap
+from arpo_trl.rewards.eval_metrics import paired_bootstrap, seed_interval
 
 
 def test_a_chain_says_its_steps_and_computes_each_on_the_previous_value():
@@ -83,3 +83,24 @@ def test_paired_bootstrap_estimates_and_intervals():
         paired_bootstrap(mine, base, "median")
     with pytest.raises(ValueError, match="no group"):
         paired_bootstrap({0: [1.0]}, {1: [1.0]}, "ratio")
+
+
+def test_seed_interval_is_students_t_over_the_seeds_values():
+    """Per seed the difference (ratio) of its units' means; across seeds Student's t, the seeds being the sample. The
+    audit's case: per-seed ARPO - GRPO of +0.109, +0.049, -0.058 gives [-0.177, +0.243]."""
+    mine = {0: [0.5, 0.718], 2: [0.3, 0.398], 3: [0.2, 0.084]}
+    base = {0: [0.4, 0.6], 2: [0.25, 0.35], 3: [0.2, 0.2]}
+    result = seed_interval(mine, base, "difference")
+    assert result["per_seed"] == pytest.approx({"0": 0.109, "2": 0.049, "3": -0.058})
+    assert (result["interval"], result["seeds"]) == ("t", 3)
+    assert result["estimate"] == pytest.approx(0.1 / 3)
+    assert (result["low"], result["high"]) == pytest.approx((-0.177, 0.243), abs=1e-3)
+    ratio = seed_interval({0: [2.0, 4.0], 1: [3.0, 3.0]}, {0: [4.0, 8.0], 1: [6.0, 6.0]}, "ratio")
+    assert ratio["estimate"] == ratio["low"] == ratio["high"] == pytest.approx(0.5)  # every seed's ratio is 0.5
+    undefined = seed_interval({0: [1.0], 1: [2.0], 2: [1.0]}, {0: [0.0], 1: [1.0], 2: [1.0]}, "ratio")
+    assert (undefined["seeds"], undefined["undefined_seeds"]) == (2, 1) and undefined["estimate"] == 1.5
+    one = seed_interval({0: [1.0, 0.0, 1.0, 1.0]}, {0: [0.0, 0.0, 1.0, 0.0]}, "difference", resamples=300)
+    assert one["interval"] == "units" and one["seeds"] == 1 and one["estimate"] == pytest.approx(0.5)
+    assert one["low"] <= 0.5 <= one["high"]
+    with pytest.raises(ValueError, match="no seed"):
+        seed_interval({0: [1.0]}, {1: [1.0]}, "ratio")

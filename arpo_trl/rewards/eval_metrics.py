@@ -216,6 +216,45 @@ def ground_truth(row: dict):
     return next((row[c] for c in GROUND_TRUTH_COLUMNS if c in row and row[c] is not None), "")
 
 
+def seed_interval(mine: dict[Any, Sequence[float]], base: dict[Any, Sequence[float]], statistic: str,
+                  level: float = 0.95, resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """A method against a baseline across training seeds. Per seed `g`, its value is the ratio ('ratio') or difference
+    ('difference') of the means of its paired units (`mine[g][i]` with `base[g][i]`: the same training step or
+    held-out question). With two seeds or more, the estimate is the mean of the seeds' values and the interval is
+    Student's t over them (`interval`: 't'): the seeds are the sample, since a run's training seed, not the questions
+    it is scored on, decides most of its result. With one seed there is no spread to measure: its value, with the
+    percentile bootstrap over its units, which holds their noise only (`interval`: 'units'). A seed whose baseline mean
+    is 0 has no ratio and is left out (`undefined_seeds`). `per_seed`: each seed's value."""
+    import numpy as np
+
+    try:
+        from scipy import stats
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError("seed_interval needs scipy for Student's t: pip install -e '.[dev]'") from error
+    if statistic not in ("ratio", "difference"):
+        raise ValueError(f"statistic: expected 'ratio' or 'difference', got {statistic!r}.")
+    groups = [g for g in mine if g in base and min(len(mine[g]), len(base[g])) > 0]
+    if not groups:
+        raise ValueError("seed_interval: no seed has units for both methods.")
+    per_seed = {}
+    for g in groups:
+        a, b = (float(np.mean(values[: min(len(mine[g]), len(base[g]))])) for values in (mine[g], base[g]))
+        per_seed[g] = (a / b if b else math.nan) if statistic == "ratio" else a - b
+    values = np.array([v for v in per_seed.values() if not math.isnan(v)])
+    result = {"statistic": statistic, "seeds": int(values.size), "per_seed": {str(g): v for g, v in per_seed.items()},
+              "undefined_seeds": len(groups) - int(values.size), "level": level}
+    if values.size >= 2:
+        half = stats.t.ppf((1 + level) / 2, values.size - 1) * values.std(ddof=1) / math.sqrt(values.size)
+        mean = float(values.mean())
+        return result | {"estimate": mean, "low": mean - float(half), "high": mean + float(half), "interval": "t"}
+    if values.size == 0:
+        return result | {"estimate": math.nan, "low": math.nan, "high": math.nan, "interval": "none"}
+    g = next(g for g in groups if not math.isnan(per_seed[g]))
+    units = paired_bootstrap({g: mine[g]}, {g: base[g]}, statistic, resamples, seed, level)
+    return result | {"estimate": units["estimate"], "low": units["low"], "high": units["high"], "interval": "units",
+                     "units": units["units"]}
+
+
 def paired_bootstrap(mine: dict[Any, Sequence[float]], base: dict[Any, Sequence[float]], statistic: str,
                      resamples: int = 2000, seed: int = 0, level: float = 0.95) -> dict[str, float]:
     """A method against a baseline with a two-level paired percentile bootstrap: `mine[g][i]` and `base[g][i]` are
