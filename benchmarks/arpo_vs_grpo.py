@@ -369,7 +369,7 @@ def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int
             return {r["seed"]: [a - b for a, b in zip(r["eval"]["per_question"], cold)] for r in chosen
                     if "eval" in r and cold}
         if key in RUN_LEVEL:
-            return {r["seed"]: [r["mean"][key]] for r in chosen}
+            return {r["seed"]: [r["mean"][key]] for r in chosen if key in r["mean"]}  # older runs lack some
         return {r["seed"]: [s[key] for s in r["steps"] if key in s] for r in chosen}
 
     result = {}
@@ -589,6 +589,7 @@ def recorded_runs(args: argparse.Namespace, report: dict) -> list[dict]:
     runs = [run for run in recorded["runs"] if (run["setting"], run["seed"], run["method"]) in wanted]
     report["cold_start"] = recorded.get("cold_start", {})
     report["runs_from"] = {"file": str(Path(args.runs_from).relative_to(ROOT)), "commit": recorded.get("commit")}
+    report |= {key: recorded[key] for key in ("load", "load_end", "machine") if key in recorded}  # the runs' machine
     if not runs:
         raise SystemExit(f"--runs-from: {args.runs_from} records none of the planned runs.")
     return runs
@@ -621,7 +622,7 @@ def main(argv=None) -> dict:
                               if (gain := against_cold_start(runs, report.get("cold_start", {}), method, setting,
                                                              args.bootstrap))}
     report["plots"] = plot(runs, out, report.get("cold_start"))
-    report["load_end"] = os.getloadavg()
+    report.setdefault("load_end", os.getloadavg())
     (out / "results.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)
     (out / "results.md").write_text(table + "\n")
