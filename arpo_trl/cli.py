@@ -8,6 +8,7 @@
     arpo-trl plot RUN/trees.jsonl --out DIR                  # tree pictures + entropy around tool results
     arpo-trl vllm-serve --config RECIPE                      # the vLLM server a training recipe needs
     arpo-trl vllm-serve --model PATH --lora-rank 16          # = python -m arpo_trl.server serve
+    arpo-trl memory-plan --config RECIPE --gpu-gib 24        # will a colocated run fit the card? (an estimate)
 
 Each command is a module of `arpo_trl.commands` (train, sft, evaluate, trees) built on `arpo_trl.commands.builders`;
 this module only dispatches, and runs the quickstart, which chains the commands.
@@ -33,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         datasets.disable_progress_bars()
     commands = {"quickstart": quickstart, "train": _train, "sft": _sft, "eval": _eval, "view": _trees("view"),
-                "plot": _trees("plot"), "vllm-serve": _vllm_serve}
+                "plot": _trees("plot"), "vllm-serve": _vllm_serve, "memory-plan": _memory_plan}
     if not argv or argv[0] not in commands:
         print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
@@ -66,6 +67,12 @@ def _trees(command: str) -> Callable[[Sequence[str]], None]:
         sys.exit(trees_main([command, *argv], prog=f"arpo-trl {command}"))
 
     return run
+
+
+def _memory_plan(argv: Sequence[str]) -> None:
+    from arpo_trl.commands.memory_plan import memory_plan
+
+    memory_plan(argv)
 
 
 def _vllm_serve(argv: Sequence[str]) -> None:

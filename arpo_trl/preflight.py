@@ -25,7 +25,8 @@ def _offline() -> bool:
     return any(os.environ.get(var, "").upper() in {"1", "ON", "YES", "TRUE"} for var in _OFFLINE_VARS)
 
 
-def check_model(name: str, field: str = "model_name_or_path") -> None:
+def check_model(name: str, field: str = "model_name_or_path", revision: str | None = None,
+                trust_remote_code: bool = False) -> None:
     """A local folder with config.json, or a hub id whose config loads (offline: from the local cache)."""
     path = Path(name).expanduser()
     if path.is_dir():
@@ -41,7 +42,7 @@ def check_model(name: str, field: str = "model_name_or_path") -> None:
     from transformers import AutoConfig
 
     try:
-        AutoConfig.from_pretrained(name)
+        AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         where = "in the local Hugging Face cache (HF_HUB_OFFLINE is set)" if _offline() else "on the Hub"
         reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__

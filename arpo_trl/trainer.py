@@ -24,10 +24,11 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
+import torch
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
-from arpo_trl.colocate.trainer_mode import ColocateMode
+from arpo_trl.colocate.trainer_mode import ColocateMode, check_colocate_memory
 from arpo_trl.config import ARPOConfig
 from arpo_trl.dropin.environments import EnvironmentRollouts, placeholder_dataset, setup_environments
 from arpo_trl.dropin.rows import TreeRows
@@ -122,6 +123,8 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, EnvironmentRollouts, Entro
             train_dataset = placeholder_dataset(environment_factory, args)
         silence_checkpointing_aliases()
         use_vllm, colocate = args.use_vllm, args.use_vllm and args.vllm_mode == "colocate"
+        if colocate and torch.cuda.is_available() and not args.use_cpu:  # before the model or vLLM takes memory
+            check_colocate_memory(model, args, peft_config, processing_class, train_dataset)
         trl_sync = use_vllm and not colocate and self._wants_trl_nccl_sync(args, model, peft_config)
         # TRL would build its own VLLMClient (needs `vllm` importable, syncs over NCCL only); our engine and
         # file-based sync replace it, so TRL sees use_vllm=False while it is constructed.

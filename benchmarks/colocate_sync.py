@@ -67,13 +67,14 @@ def run_way(way: str, args) -> dict:
     from vllm.lora.request import LoRARequest
 
     from arpo_trl.colocate.engine import ColocatedVLLMEngine
-    from arpo_trl.colocate.engine_args import ColocateSettings, start_llm_engine
+    from arpo_trl.colocate.engine_args import MAX_NUM_BATCHED_TOKENS, ColocateSettings, start_llm_engine
     from arpo_trl.colocate.weight_sync import policy_weights
 
     dtype = getattr(torch, args.dtype)
     model, _ = _model_with_lora(args.model, args.shape, dtype)
     settings = ColocateSettings(model=args.model, dtype=args.dtype, max_model_len=1024, gpu_memory_utilization=0.5,
-                                enable_sleep_mode=False, seed=0, device="cuda" if torch.cuda.is_available() else "cpu")
+                                enable_sleep_mode=False, seed=0, device="cuda" if torch.cuda.is_available() else "cpu",
+                                max_num_seqs=64, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     lora = {"enable_lora": True, "max_lora_rank": max(16, LORA_SHAPES[args.shape][0]), "max_loras": 2}
     llm = start_llm_engine(settings, **(lora if way == "adapter" else {}))
     engine = ColocatedVLLMEngine(llm, llm.get_tokenizer())

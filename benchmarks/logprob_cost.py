@@ -33,11 +33,12 @@ MODES = {"none": None, "sampled": 0}  # and "top<k>" for the entropy's top-k
 def _engine(args):
     import torch
 
-    from arpo_trl.colocate.engine_args import ColocateSettings, start_llm_engine
+    from arpo_trl.colocate.engine_args import MAX_NUM_BATCHED_TOKENS, ColocateSettings, start_llm_engine
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     settings = ColocateSettings(model=args.model, dtype=args.dtype, max_model_len=args.tokens + 64,
                                 gpu_memory_utilization=0.8, enable_sleep_mode=False, seed=0, device=device,
+                                max_num_seqs=2 * args.rows, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                                 cpu_kv_cache_gib=2.0)
     return start_llm_engine(settings), device
 

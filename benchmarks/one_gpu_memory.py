@@ -3,8 +3,10 @@
     python benchmarks/one_gpu_memory.py                  # table + JSON, saved to benchmarks/results/one_gpu_memory.*
     python benchmarks/one_gpu_memory.py --lora-r 16 --out /tmp/x
 
-Nothing is measured and nothing is downloaded: every number is arithmetic on the models' architecture (embedded below)
-and the recipe's shape, so each one can be checked by hand. The two phases of a colocated run:
+Nothing is measured and nothing is downloaded: every number is arithmetic on the models' architecture
+(`arpo_trl.colocate.memory_plan.KNOWN_ARCHITECTURES`) and the recipe's shape, so each one can be checked by hand; the
+arithmetic is the trainer's own startup check (`arpo_trl.colocate.memory_plan.plan`, `arpo-trl memory-plan`). The two
+phases of a colocated run:
 
 * rollout: the trainer's weights and LoRA state + vLLM's whole share (`vllm_gpu_memory_utilization` x card: its own
   weight copy, its activations, its KV cache). The trainer's activations are freed before vLLM wakes (TRL's colocate
@@ -23,35 +25,29 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-GIB = 1024**3
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from arpo_trl.colocate.engine_args import MAX_NUM_BATCHED_TOKENS  # noqa: E402
+from arpo_trl.colocate.memory_plan import (  # noqa: E402  (the arithmetic the trainer's startup check runs)
+    ASSUMPTIONS,
+    GIB,
+    KNOWN_ARCHITECTURES,
+    LORA_BYTES_PER_PARAM,
+    LORA_TARGETS,
+    UTILIZATION_STEP,
+    RunShape,
+    activation_bytes,
+    plan,
+)
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-@dataclass(frozen=True)
-class Arch:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied_embeddings: bool
-    published_params: float  # the model card's "Number of Parameters", for the check only
-
-
-# From the models' config.json on the Hugging Face Hub (hidden_size, intermediate_size, num_hidden_layers,
-# num_attention_heads, num_key_value_heads, hidden_size / num_attention_heads, vocab_size, tie_word_embeddings).
-# Qwen2 attention has biases on q, k and v only.
-MODELS = {
-    "Qwen2.5-1.5B-Instruct": Arch(1536, 8960, 28, 12, 2, 128, 151936, True, 1.54e9),
-    "Qwen2.5-3B-Instruct": Arch(2048, 11008, 36, 16, 2, 128, 151936, True, 3.09e9),
-}
+MODELS = {name.split("/")[1]: KNOWN_ARCHITECTURES[name] for name in ("Qwen/Qwen2.5-1.5B-Instruct",
+                                                                     "Qwen/Qwen2.5-3B-Instruct")}
+PUBLISHED_PARAMS = {"Qwen2.5-1.5B-Instruct": 1.54e9, "Qwen2.5-3B-Instruct": 3.09e9}  # the model cards', for a check
 CARDS_GIB = (24, 48, 80)
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -68,143 +64,51 @@ class Shape:
     def path_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-
-# Assumptions that are not arithmetic on the architecture (each one is in the output).
-BF16, FP32 = 2, 4
-LORA_BYTES_PER_PARAM = FP32 + FP32 + 2 * FP32  # fp32 weight (PEFT's autocast_adapter_dtype), grad, AdamW m and v
-LOGPROB_TOKEN_TILE, LOGPROB_VOCAB_TILE = 4096, 32768  # TRL 1.16 fused LM head tile (kernels/chunked_logprob.py)
-VLLM_PROFILE_TOKENS = 4096  # TRL's colocate LLM(max_num_batched_tokens=4096): vLLM's profile-run forward
-VLLM_MAX_NUM_SEQS = 256  # the sampler's fp32 logits rows at profile time (assumed; vLLM's default can be larger)
-VLLM_FIXED_BYTES = 1 * GIB  # CUDA graphs pool + non-torch memory vLLM counts in its share (assumed)
-RESERVE_FIXED_BYTES = 1 * GIB  # training process's CUDA context + cuBLAS workspaces (assumed)
-RESERVE_FRACTION = 0.05  # allocator fragmentation (assumed)
-UTIL_STEP = 0.05
-
-ASSUMPTIONS = [
-    "Estimate, not a measurement; bytes are exact arithmetic on the assumptions below. GiB = 2^30 bytes; a "
-    "'24 GB' card is taken as 24 GiB.",
-    "Trainer weights in bf16 (2 bytes/param), embeddings tied (one copy); no reference model (beta 0; with PEFT the "
-    "reference is the adapter switched off).",
-    "LoRA on q,k,v,o,gate,up,down: r x (in + out) params per module; PEFT keeps adapters in fp32 "
-    "(autocast_adapter_dtype=True): 4 (weight) + 4 (grad) + 8 (AdamW m, v) = 16 bytes/param.",
-    "Activations under activation checkpointing for one micro-batch of rows x (prompt + completion) tokens, padded "
-    "to the longest (worst case), tree packing off (packing computes shared prefixes once: less): one bf16 "
-    "checkpoint per layer (hidden) + the working set of the layer being recomputed, taken as (14 hidden + 4 kv_heads "
-    "x head_dim + 7 intermediate) bf16 values per token (saved tensors incl. LoRA dropout copies, plus its "
-    "gradients) + the boolean 4D attention mask rows x seq^2.",
-    "Log-probabilities: TRL 1.16 never materialises (rows, seq, vocab) logits: _get_per_token_logps_and_entropies "
-    "calls model(..., fused_lm_head=True) (trainer/utils.py add_fused_lm_head), which projects only completion "
-    f"positions, in tiles of {LOGPROB_TOKEN_TILE} tokens x {LOGPROB_VOCAB_TILE} vocab (bf16 under autocast). "
-    "Counted: the final hidden states (bf16), the gathered completion hidden states (bf16), the fp32 gradient of "
-    "them in backward and one tile.",
-    f"vLLM's share (vllm_gpu_memory_utilization x card) = its bf16 weight copy + profile-run activations "
-    f"({VLLM_PROFILE_TOKENS} tokens x (2 intermediate + 4 hidden) bf16) + sampler logits ({VLLM_MAX_NUM_SEQS} rows "
-    f"x vocab x 3 fp32 buffers; max_num_seqs {VLLM_MAX_NUM_SEQS} assumed, vLLM's default can be larger: 1024 rows "
-    f"would add ~1.3 GiB at this vocab) + {VLLM_FIXED_BYTES // GIB} GiB fixed (CUDA graphs, non-torch memory) "
-    "+ KV cache. The KV cache is what is left.",
-    "KV bytes/token = 2 (K and V) x layers x kv_heads x head_dim x 2 bytes (bf16). 'Paths held' = KV tokens / "
-    "(prompt + completion): worst-case paths with no prefix sharing; ARPO's forks share their prefix blocks, so "
-    "more fit.",
-    "Sleep mode (training phase): level 2, as arpo-trl's colocate mode sleeps: the KV cache and vLLM's weight copy "
-    "are freed; its fixed buffers stay.",
-    f"Reserve: {RESERVE_FIXED_BYTES // GIB} GiB (CUDA context, cuBLAS) + {RESERVE_FRACTION:.0%} of the card "
-    "(fragmentation). A phase fits when it is <= card - reserve. vllm_gpu_memory_utilization is picked as the "
-    f"largest multiple of {UTIL_STEP} that lets the rollout phase fit; the micro-batch as the largest that lets the "
-    "training phase fit.",
-]
+    def run(self, rows: int, utilization: float) -> RunShape:
+        """At the batch limits the trainer gives the engine: two sequences per path of a rollout."""
+        return RunShape("bfloat16", self.prompt_tokens, self.completion_tokens, rows, self.rows_per_rollout,
+                        self.lora_r, 2 * self.rows_per_rollout, MAX_NUM_BATCHED_TOKENS, LORA_TARGETS,
+                        gpu_memory_utilization=utilization)
 
 
-def param_count(arch: Arch) -> int:
-    """All parameters: embeddings (+ an untied head), per layer q/k/v (with bias), o, gate/up/down, two norms."""
-    kv = arch.kv_heads * arch.head_dim
-    q = arch.heads * arch.head_dim
-    attention = arch.hidden * q + q + 2 * (arch.hidden * kv + kv) + q * arch.hidden
-    mlp = 3 * arch.hidden * arch.intermediate
-    layer = attention + mlp + 2 * arch.hidden
-    embeddings = arch.vocab * arch.hidden * (1 if arch.tied_embeddings else 2)
-    return embeddings + arch.layers * layer + arch.hidden
-
-
-def lora_param_count(arch: Arch, r: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
-    """r x (in_features + out_features) per targeted linear, per layer."""
-    h, kv, q, i = arch.hidden, arch.kv_heads * arch.head_dim, arch.heads * arch.head_dim, arch.intermediate
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-    return arch.layers * sum(r * sum(shapes[name]) for name in targets)
-
-
-def kv_bytes_per_token(arch: Arch) -> int:
-    return 2 * arch.layers * arch.kv_heads * arch.head_dim * BF16
-
-
-def activation_bytes(arch: Arch, rows: int, shape: Shape) -> dict[str, int]:
-    """One micro-batch's training activations under activation checkpointing (see ASSUMPTIONS)."""
-    seq, completion = shape.path_tokens, shape.completion_tokens
-    tokens = rows * seq
-    per_token_layer = 14 * arch.hidden + 4 * arch.kv_heads * arch.head_dim + 7 * arch.intermediate
-    scored = rows * completion
-    head = (tokens * arch.hidden * BF16 + scored * arch.hidden * (BF16 + FP32)
-            + min(scored, LOGPROB_TOKEN_TILE) * LOGPROB_VOCAB_TILE * BF16)
-    parts = {
-        "checkpoints": arch.layers * tokens * arch.hidden * BF16,
-        "layer_working_set": tokens * per_token_layer * BF16,
-        "logprob_head": head,
-        "attention_mask": rows * seq * seq,
-    }
-    return {**parts, "total": sum(parts.values())}
-
-
-def vllm_fixed_bytes(arch: Arch) -> int:
-    """vLLM's share minus its weights and KV cache: profile activations, sampler logits, CUDA graphs."""
-    activations = VLLM_PROFILE_TOKENS * (2 * arch.intermediate + 4 * arch.hidden) * BF16
-    sampler = VLLM_MAX_NUM_SEQS * arch.vocab * FP32 * 3
-    return activations + sampler + VLLM_FIXED_BYTES
-
-
-def reserve_bytes(card_bytes: int) -> int:
-    return RESERVE_FIXED_BYTES + int(RESERVE_FRACTION * card_bytes)
-
-
-def plan_card(name: str, arch: Arch, card_gib: int, shape: Shape) -> dict:
-    """The settings that fit `card_gib` for `name`, with both phases' bytes; `fits` False when none does."""
+def plan_card(name: str, arch, card_gib: int, shape: Shape) -> dict:
+    """The largest vllm_gpu_memory_utilization (a multiple of the step) whose rollout phase and start fit `card_gib`,
+    and the largest micro-batch whose training phase fits then; `fits` False when none does."""
     card = card_gib * GIB
-    usable = card - reserve_bytes(card)
-    weights = param_count(arch) * BF16
-    lora_state = lora_param_count(arch, shape.lora_r) * LORA_BYTES_PER_PARAM
-    trainer = weights + lora_state
-    vllm_floor = weights + vllm_fixed_bytes(arch)  # vLLM's share before any KV
-    steps = int((usable - trainer) / card / UTIL_STEP + 1e-9)
-    util = round(steps * UTIL_STEP, 2)
-    kv = int(util * card) - vllm_floor
-    kv = max(kv, 0)
-    row = {"model": name, "card_gib": card_gib, "usable_gib": usable / GIB, "trainer_weights": weights,
-           "lora_state": lora_state, "vllm_weights": weights, "vllm_fixed": vllm_fixed_bytes(arch),
-           "vllm_gpu_memory_utilization": util, "kv_bytes": kv, "kv_tokens": kv // kv_bytes_per_token(arch),
-           "kv_bytes_per_token": kv_bytes_per_token(arch), "rollout_phase": trainer + int(util * card)}
-    row["paths_held"] = row["kv_tokens"] // shape.path_tokens
-    row["micro_batches"] = {}
-    for rows in shape.micro_batches:
-        acts = activation_bytes(arch, rows, shape)["total"]
-        sleeping = trainer + acts + vllm_fixed_bytes(arch)  # level-2 sleep frees vLLM's KV and weights
-        awake = trainer + acts + int(util * card)
-        row["micro_batches"][rows] = {"activations": acts, "training_phase_sleep": sleeping,
-                                      "fits_with_sleep": sleeping <= usable, "training_phase_no_sleep": awake,
-                                      "fits_without_sleep": awake <= usable}
-    fitting = [rows for rows, m in row["micro_batches"].items() if m["fits_with_sleep"]]
+
+    def starts_and_rolls_out(util: float) -> bool:  # all but the training phase fit (the micro-batch decides that)
+        problems = plan(arch, shape.run(min(shape.micro_batches), util), card).problems
+        return all(field == "per_device_train_batch_size" for field, _ in problems)
+
+    utilizations = [round(k * UTILIZATION_STEP, 2) for k in range(int(1 / UTILIZATION_STEP), 0, -1)]
+    util = next((u for u in utilizations if starts_and_rolls_out(u)), utilizations[-1])
+    plans = {rows: plan(arch, shape.run(rows, util), card) for rows in shape.micro_batches}
+    first = plans[shape.micro_batches[0]]
+    row = {"model": name, "card_gib": card_gib, "usable_gib": first.usable / GIB,
+           "trainer_weights": first.trainer_weights, "lora_state": first.lora_state, "vllm_weights": first.vllm_weights,
+           "vllm_fixed": first.vllm_fixed, "vllm_gpu_memory_utilization": util, "kv_bytes": first.kv_bytes,
+           "kv_tokens": first.kv_tokens, "kv_bytes_per_token": arch.kv_bytes_per_token(2),
+           "rollout_phase": first.rollout_phase, "paths_held": first.paths_held, "micro_batches": {}}
+    for rows, p in plans.items():
+        awake = replace(shape.run(rows, util), sleep=False)
+        row["micro_batches"][rows] = {"activations": p.activations, "training_phase_sleep": p.training_phase,
+                                      "fits_with_sleep": p.training_phase <= p.usable,
+                                      "training_phase_no_sleep": plan(arch, awake, card).training_phase,
+                                      "fits_without_sleep": plan(arch, awake, card).training_phase <= p.usable}
+    fitting = [rows for rows, p in plans.items() if p.fits]
     row["per_device_train_batch_size"] = max(fitting) if fitting else None
     row["gradient_accumulation_steps"] = (shape.rows_per_rollout // row["per_device_train_batch_size"]
                                           if fitting else None)
     row["holds_all_paths"] = row["paths_held"] >= shape.rows_per_rollout
-    row["fits"] = kv >= shape.path_tokens * kv_bytes_per_token(arch) and bool(fitting)
+    row["fits"] = bool(fitting)
     return row
 
 
 def report(shape: Shape) -> dict:
-    models = {name: {"params": param_count(arch), "published_params": arch.published_params,
-                     "lora_params": lora_param_count(arch, shape.lora_r),
-                     "kv_bytes_per_token": kv_bytes_per_token(arch),
+    models = {name: {"params": arch.params(), "published_params": PUBLISHED_PARAMS[name],
+                     "lora_params": arch.lora_params(shape.lora_r), "kv_bytes_per_token": arch.kv_bytes_per_token(2),
                      "architecture": asdict(arch),
-                     "activations_by_micro_batch": {rows: activation_bytes(arch, rows, shape)
+                     "activations_by_micro_batch": {rows: {"total": activation_bytes(arch, rows, shape.run(rows, 0.5))}
                                                     for rows in shape.micro_batches}}
               for name, arch in MODELS.items()}
     plans = [plan_card(name, arch, card, shape) for name, arch in MODELS.items() for card in CARDS_GIB]
@@ -227,7 +131,7 @@ def tables(rep: dict) -> str:
     for name, m in rep["models"].items():
         acts = " / ".join(_gib(a["total"]) for a in m["activations_by_micro_batch"].values())
         lines.append(f"| {name} | {m['params'] / 1e9:.3f} B | {m['lora_params'] / 1e6:.1f} M | "
-                     f"{_gib(m['params'] * BF16)} | {_gib(m['lora_params'] * LORA_BYTES_PER_PARAM)} | "
+                     f"{_gib(m['params'] * 2)} | {_gib(m['lora_params'] * LORA_BYTES_PER_PARAM)} | "
                      f"{m['kv_bytes_per_token']:,} | {acts} |")
     lines += ["", "| model | card | vllm_gpu_memory_utilization | vLLM: weights + fixed + KV | KV tokens | paths held "
               "| micro-batch x grad. acc. | rollout phase | training phase (sleep) | without sleep | fits |",

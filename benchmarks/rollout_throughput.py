@@ -263,10 +263,12 @@ def colocate_runs(runs: dict, model_dir: str, tokenizer, prompts, args, policies
     """The same rollouts through vLLM colocated in this process (`vllm_mode='colocate'`'s engine); needs the colocate
     environment's python (`python -m arpo_trl.server setup --colocate`)."""
     from arpo_trl.colocate.engine import ColocatedVLLMEngine
-    from arpo_trl.colocate.engine_args import ColocateSettings, start_llm_engine
+    from arpo_trl.colocate.engine_args import MAX_NUM_BATCHED_TOKENS, ColocateSettings, start_llm_engine
 
     settings = ColocateSettings(model=model_dir, dtype="float32", max_model_len=2048, gpu_memory_utilization=0.5,
-                                enable_sleep_mode=False, seed=args.seed, device="cpu")
+                                enable_sleep_mode=False, seed=args.seed, device="cpu",
+                                max_num_seqs=2 * args.prompts * args.num_generations,
+                                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     engine = ColocatedVLLMEngine(start_llm_engine(settings), tokenizer)
     engine.counters.keep_log = True  # each request's prompt and cached tokens: the prefill by kind of request
     paired(runs, "vllm-colocate", engine, tokenizer, prompts, args, policies)

@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
 
     from arpo_trl.commands.builders import (
+        ARPOScriptArguments,
         build_tools,
         load_dataset,
         load_reward,
@@ -105,7 +106,6 @@ def main(argv: list[str] | None = None) -> None:
         parse_recipe,
         resolve_model,
     )
-    from arpo_trl.commands.train import ARPOScriptArguments
     from arpo_trl.training.tracking import MetricsFile
 
     argv = grpo_recipe(list(sys.argv[1:] if argv is None else argv))

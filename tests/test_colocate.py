@@ -128,9 +128,11 @@ def test_the_one_gpu_guides_cpu_try_trains_two_steps_through_colocated_vllm(colo
 
 def test_colocate_settings_follow_trls_knobs_and_the_device():
     settings = ColocateSettings(model="m", dtype="bfloat16", max_model_len=2560, gpu_memory_utilization=0.35,
-                                enable_sleep_mode=True, seed=3, device="cuda")
+                                enable_sleep_mode=True, seed=3, device="cuda", max_num_seqs=128,
+                                max_num_batched_tokens=4096)
     gpu = engine_kwargs(settings)
     assert gpu["gpu_memory_utilization"] == 0.35 and gpu["max_model_len"] == 2560 and gpu["enable_sleep_mode"]
+    assert (gpu["max_num_seqs"], gpu["max_num_batched_tokens"]) == (128, 4096)  # never vLLM's engine defaults
     assert gpu["enable_prefix_caching"] and gpu["logprobs_mode"] == "processed_logprobs"
     assert gpu["distributed_executor_backend"] == "external_launcher" and "enforce_eager" not in gpu  # CUDA graphs
     cpu = engine_kwargs(ColocateSettings(**{**settings.__dict__, "device": "cpu", "enable_sleep_mode": False}))

@@ -28,19 +28,33 @@ def memory():
 
 
 def test_parameter_counts_match_the_published_sizes(memory):
-    for arch in memory.MODELS.values():
-        assert memory.param_count(arch) == pytest.approx(arch.published_params, rel=0.01)
+    for name, arch in memory.MODELS.items():
+        assert arch.params() == pytest.approx(memory.PUBLISHED_PARAMS[name], rel=0.01)
     # 3B by hand: 151936 x 2048 embeddings + 36 x (q 2048^2 + 2048, k and v 2048 x 256 + 256, o 2048^2,
     # mlp 3 x 2048 x 11008, norms 2 x 2048) + final norm 2048
-    assert memory.param_count(memory.MODELS["Qwen2.5-3B-Instruct"]) == 3_085_938_688
+    assert memory.MODELS["Qwen2.5-3B-Instruct"].params() == 3_085_938_688
 
 
 def test_kv_bytes_per_token_and_lora_by_hand(memory):
     small, large = memory.MODELS["Qwen2.5-1.5B-Instruct"], memory.MODELS["Qwen2.5-3B-Instruct"]
-    assert memory.kv_bytes_per_token(small) == 2 * 28 * 2 * 128 * 2 == 28_672
-    assert memory.kv_bytes_per_token(large) == 2 * 36 * 2 * 128 * 2 == 36_864
+    assert small.kv_bytes_per_token(2) == 2 * 28 * 2 * 128 * 2 == 28_672
+    assert large.kv_bytes_per_token(2) == 2 * 36 * 2 * 128 * 2 == 36_864
+    assert large.kv_bytes_per_token(4) == 2 * 36_864  # float32
     # r x (9 hidden + 2 kv dims + 3 intermediate) per layer on q,k,v,o,gate,up,down
-    assert memory.lora_param_count(large, 64) == 64 * (9 * 2048 + 2 * 256 + 3 * 11008) * 36 == 119_734_272
+    assert large.lora_params(64) == 64 * (9 * 2048 + 2 * 256 + 3 * 11008) * 36 == 119_734_272
+
+
+def test_an_architecture_is_read_from_config_json(tiny_model_dir):
+    from transformers import AutoConfig, Qwen2Config
+
+    from arpo_trl.colocate.memory_plan import KNOWN_ARCHITECTURES, Architecture
+
+    qwen = Qwen2Config(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+    assert Architecture.from_config(qwen) == KNOWN_ARCHITECTURES["Qwen/Qwen2.5-3B-Instruct"]
+    llama = Architecture.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    assert not llama.qkv_bias and llama.params() == sum(
+        p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
 
 
 def test_plans_are_consistent(memory, tmp_path):

@@ -25,6 +25,8 @@ from arpo_trl.generation.engine import SamplingSettings, Segment, check_budgets
 from arpo_trl.server.responses import VLLMServerError
 from arpo_trl.server.segments import SegmentReader
 
+DRAIN_STEPS = 10_000  # steps `drain` takes at most to empty the engine
+
 
 @dataclass
 class PrefixCacheCounters:
@@ -298,15 +300,32 @@ class ColocatedVLLMEngine:
     # --- weights and memory --------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (Hugging Face parameter name, tensor) pairs into vLLM's model in place, one tensor at a time (no
-        second copy of the model is built), through vLLM's layerwise reload: it restores the loaders of parameters
-        that vLLM repacked for its kernels after the first load (vLLM-CPU does), which a bare `load_weights` trips on.
-        """
+        second copy of the model is built), through the worker's layerwise reload (`Worker.reload_weights`, vLLM
+        0.22 and 0.31): it restores the loaders of parameters that vLLM repacked for its kernels after the first
+        load (vLLM-CPU does), which a bare `load_weights` trips on. Inside the worker's vLLM config, as 0.31's
+        `Worker.reload_weights` sets it and 0.22's does not (`collective_rpc` hands the callable the worker)."""
         def reload(worker) -> None:
-            worker.model_runner.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+            from vllm.config import set_current_vllm_config
+
+            with set_current_vllm_config(worker.vllm_config):
+                worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        self.call(self.drain)
         self.call(lambda: self.llm.collective_rpc(reload))
+
+    def drain(self) -> None:
+        """On the engine's thread: step until vLLM holds no request (an aborted one, or, with a batch queue, a batch
+        still in flight, for which `step()` returns no output: `EngineCore.step_with_batch_queue`), so that nothing
+        runs across a weight load, a cache reset or sleep. Bounded: an engine that never empties is an error."""
+        for _ in range(DRAIN_STEPS):
+            if not self.llm.has_unfinished_requests():
+                return
+            self.llm.step()
+        raise RuntimeError(f"The colocated vLLM engine still held requests after {DRAIN_STEPS} steps with none of "
+                           "ours in flight; refusing to load weights or sleep under them.")
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached block: none computed with the old weights may serve a request after a sync."""
+        self.call(self.drain)
         if not self.call(self.llm.reset_prefix_cache):
             raise RuntimeError("The colocated vLLM engine could not reset its prefix cache (requests still running), "
                                "so KV computed with the previous weights could be reused; refusing to go on.")
@@ -323,6 +342,7 @@ class ColocatedVLLMEngine:
     def sleep(self) -> None:
         """Free vLLM's KV cache (and, at level 2, its weights) for the training phase."""
         if self.sleep_level is not None and not self._sleeping:
+            self.call(self.drain)
             self.call(lambda: self.llm.sleep(level=self.sleep_level))
             self._sleeping = {"weights", "kv_cache"}
 

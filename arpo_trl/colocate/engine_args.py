@@ -2,12 +2,24 @@
 `EngineArgs`, and the process environment an in-process engine needs.
 
 vLLM runs inside the training process under `distributed_executor_backend="external_launcher"`, as TRL's colocate
-mode runs it: no engine-core or worker processes, the model on the trainer's device. Choices that differ from a
-server's defaults, and why:
+mode runs it: no engine-core or worker processes, the model on the trainer's device. Choices that differ from
+vLLM's defaults, and why (what vLLM does otherwise is read from the source of vLLM 0.31.0 and 0.22.0; docs/one_gpu.md):
 * prefix caching on: a fork or a continuation is a new request whose prefix the cache already holds;
 * `logprobs_mode="processed_logprobs"`: the entropy and TRL's importance-sampling correction read the sampler's own
   distribution (after temperature and top-k/top-p), as our launcher's servers do;
 * `max_logprobs=-1`: the k of the entropy estimate is ours to choose (`entropy_top_k`);
+* `max_num_seqs`, `max_num_batched_tokens` always set (`batch_limits`): `LLMEngine.from_engine_args` defaults to
+  `UsageContext.ENGINE_CONTEXT`, which `EngineArgs.get_batch_defaults` does not list, so
+  `_set_default_max_num_seqs_and_batched_tokens_args` falls back to `SchedulerConfig`'s 128 and 2048;
+* `async_scheduling=False` on every device: `VllmConfig.__post_init__` turns it on where the executor supports it,
+  and `ExecutorWithExternalLauncher` (a `UniProcExecutor`) does, with a batch queue of 2
+  (`EngineCore.step_with_batch_queue`: `step()` may return no output while requests run); `CpuPlatform.
+  check_and_update_config` forces it off. Off, a GPU runs the scheduler our vLLM-CPU tests run;
+* the V1 model runner on every device (`VLLM_USE_V2_MODEL_RUNNER=0`): vLLM 0.31 picks the V2 runner on CUDA
+  (`VllmConfig.use_v2_model_runner`), vLLM-CPU the V1-based one, which the tests run;
+* `OMP_NUM_THREADS` set to the trainer's thread count while the engine starts, on every device: unless it is set,
+  vLLM 0.31's `Worker.load_model` calls `set_torch_threads_for_runtime()`, which sets the whole process (the
+  trainer's) to one torch thread (vLLM-CPU's worker does the same);
 * on a CPU, eager mode (there are no CUDA graphs) and 32-token KV blocks (vLLM-CPU's smallest), so that a fork
   reuses all but at most 31 tokens of its prefix; on a GPU, vLLM's defaults (CUDA graphs, 16-token blocks).
 """
@@ -20,6 +32,17 @@ from dataclasses import dataclass
 
 CPU_BLOCK_SIZE = 32
 DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+# The prefill chunk, as TRL's colocate mode sets it (`trl/generation/vllm_generation.py`, "vLLM v1 memory profiler is
+# misled by the high default"); without it `LLMEngine.from_engine_args` would take 2048 (see `batch_limits`).
+MAX_NUM_BATCHED_TOKENS = 4096
+
+
+def batch_limits(args) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) the colocated engine is given, never left to vLLM: built without a usage
+    context, `LLMEngine.from_engine_args` resolves them to a server's smallest (128 and 2048). Sequences: two per path
+    of a rollout (a rollout's paths, `per_device_train_batch_size` x `steps_per_generation`, plus as many speculative
+    fill-ups and branches), so that no path of the tree waits in vLLM's queue."""
+    return 2 * args.per_device_train_batch_size * args.steps_per_generation, MAX_NUM_BATCHED_TOKENS
 
 
 @dataclass(frozen=True)
@@ -33,8 +56,9 @@ class ColocateSettings:
     enable_sleep_mode: bool  # `vllm_enable_sleep_mode`
     seed: int
     device: str  # 'cuda' | 'cpu'
+    max_num_seqs: int  # requests decoding at once (`batch_limits`)
+    max_num_batched_tokens: int  # tokens a step computes at most, prefill chunks included (`batch_limits`)
     cpu_kv_cache_gib: float = 1.0  # vLLM-CPU's KV cache (its VLLM_CPU_KVCACHE_SPACE), unless that is set
-    max_num_seqs: int | None = None  # requests decoding at once; None: vLLM's default
     model_impl: str = "vllm"  # `vllm_model_impl`
 
 
@@ -45,10 +69,9 @@ def engine_kwargs(settings: ColocateSettings) -> dict:
         "gpu_memory_utilization": settings.gpu_memory_utilization, "enable_sleep_mode": settings.enable_sleep_mode,
         "seed": settings.seed, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs",
         "max_logprobs": -1, "distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1,
-        "model_impl": settings.model_impl,
+        "model_impl": settings.model_impl, "max_num_seqs": settings.max_num_seqs,
+        "max_num_batched_tokens": settings.max_num_batched_tokens, "async_scheduling": False,
     }
-    if settings.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = settings.max_num_seqs
     if settings.device == "cpu":
         kwargs.update(enforce_eager=True, block_size=CPU_BLOCK_SIZE)
     return kwargs
@@ -65,13 +88,16 @@ def prepare_environment(settings: ColocateSettings, threads: int) -> dict[str, s
 
     * engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); one rank of one (the external launcher reads
       RANK/LOCAL_RANK/WORLD_SIZE and a rendezvous address, which must not collide with another run's);
-    * vLLM-CPU drops torch to one thread unless OMP_NUM_THREADS is set, which would starve the training in the same
-      process: it is set to the trainer's thread count; and its KV cache size (`cpu_kv_cache_gib`)."""
+    * vLLM drops torch to one thread unless OMP_NUM_THREADS is set (0.31's GPU worker and vLLM-CPU's), which would
+      starve the training in the same process: it is set to the trainer's thread count, on every device;
+    * the V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`, unless set), the one the vLLM-CPU tests run;
+    * on a CPU, its KV cache size (`cpu_kv_cache_gib`)."""
     wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
               "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-              "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())}
+              "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port()),
+              "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(threads),
+              "VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER") or "0"}
     if settings.device == "cpu":
-        wanted["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(threads)
         wanted["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or f"{settings.cpu_kv_cache_gib:g}"
     previous = {key: os.environ.get(key) for key in wanted}
     os.environ.update(wanted)
@@ -85,11 +111,14 @@ def start_llm_engine(settings: ColocateSettings, **overrides):
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    previous, set_num_threads = prepare_environment(settings, torch.get_num_threads()), torch.set_num_threads
+    threads = torch.get_num_threads()
+    previous, set_num_threads = prepare_environment(settings, threads), torch.set_num_threads
     try:
         return LLMEngine.from_engine_args(EngineArgs(**{**engine_kwargs(settings), **overrides}))
     finally:
         torch.set_num_threads = set_num_threads  # vLLM-CPU's worker replaces it process-wide
+        if torch.get_num_threads() != threads:  # the trainer's threads, whatever the engine's start set
+            torch.set_num_threads(threads)
         restore_environment(previous)
 
 

@@ -8,8 +8,14 @@ import logging
 import torch
 
 from arpo_trl.colocate.engine import ColocatedVLLMEngine
-from arpo_trl.colocate.engine_args import DTYPES, ColocateSettings, start_llm_engine
-from arpo_trl.colocate.weight_sync import ColocatedWeightSync, check_mergeable
+from arpo_trl.colocate.engine_args import DTYPES, ColocateSettings, batch_limits, start_llm_engine
+from arpo_trl.colocate.memory_plan import Architecture, model_dtype, plan, run_shape
+from arpo_trl.colocate.weight_sync import (
+    ColocatedWeightSync,
+    SyncCoverage,
+    check_mergeable,
+    checkpoint_tensor_names,
+)
 from arpo_trl.preflight import vllm_importable
 from arpo_trl.server.client import tokenizer_probe
 from arpo_trl.server.trainer_mode import _prompt_budget
@@ -47,12 +53,13 @@ class ColocateMode:
                              "to load its architecture and tokenizer from; save it and load it from that folder.")
         prompt_tokens, _ = _prompt_budget(args, self._trl.tokenizer, self.train_dataset)
         dtype = str(model.get_input_embeddings().weight.dtype)
+        max_num_seqs, max_num_batched_tokens = batch_limits(args)
         return ColocateSettings(
             model=path, dtype=DTYPES.get(dtype, "float16"),
             max_model_len=args.vllm_max_model_length or prompt_tokens + args.max_completion_length,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_enable_sleep_mode,
             seed=args.seed, device="cuda" if self.accelerator.device.type == "cuda" else "cpu",
-            model_impl=args.vllm_model_impl,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, model_impl=args.vllm_model_impl,
         )
 
     def _colocated_engine(self) -> ColocatedVLLMEngine:
@@ -63,7 +70,10 @@ class ColocateMode:
         engine = ColocatedVLLMEngine(llm, self._trl.tokenizer, sampling=self._sampling(),
                                      sleep_level=2 if settings.enable_sleep_mode else None)
         _check_tokenizer(llm, self._trl.tokenizer, settings.model)
-        self._trl.install_weight_sync(ColocatedWeightSync(engine, lambda: self.accelerator.unwrap_model(self.model)))
+        tied = bool(getattr(self.accelerator.unwrap_model(self.model).config, "tie_word_embeddings", False))
+        coverage = SyncCoverage(checkpoint_tensor_names(settings.model, tied))
+        self._trl.install_weight_sync(ColocatedWeightSync(engine, lambda: self.accelerator.unwrap_model(self.model),
+                                                          coverage))
         logger.warning("ARPO: generating with vLLM colocated in this process (%s, %s, max_model_len %d, "
                        "gpu_memory_utilization %.2f, sleep mode %s).", settings.model, settings.dtype,
                        settings.max_model_len, settings.gpu_memory_utilization,
@@ -96,6 +106,40 @@ class ColocateMode:
         self.engine.sleep()
         if free_before is not None:
             self._sleep_freed = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
+
+
+def check_colocate_memory(model, args, peft_config, tokenizer, dataset, memory: tuple[int, int] | None = None) -> None:
+    """On CUDA, before vLLM or the model loads: will the colocated run fit the GPU (`colocate/memory_plan.py`)? A plan
+    that cannot start or run raises a ValueError in one line naming the setting to change; float32 under bf16
+    training, which vLLM then runs in too, is said in one line. `memory`: (free, total) bytes, default measured."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
+    config = AutoConfig.from_pretrained(model, **_config_kwargs(args)) if isinstance(model, str) else model.config
+    requested = (args.model_init_kwargs or {}).get("dtype", "float32")  # TRL's create_model_from_path default
+    dtype = model_dtype(requested if isinstance(model, str) else next(model.parameters()).dtype, config)
+    if dtype == "float32" and (args.bf16 or args.fp16):
+        logger.warning("ARPO: %s loads in float32 under %s training, and colocated vLLM generates in the model's "
+                       "dtype: float32 weights and KV cache take twice bf16's memory and FlashAttention is off; set "
+                       "dtype: bfloat16 (ModelConfig), or model_init_kwargs={'dtype': 'bfloat16'}.", name,
+                       "bf16" if args.bf16 else "fp16")
+    if tokenizer is None and args.max_prompt_length is None:
+        tokenizer = AutoTokenizer.from_pretrained(model if isinstance(model, str) else name)
+    prompt_tokens, _ = _prompt_budget(args, tokenizer, dataset)
+    free, total = memory or torch.cuda.mem_get_info()
+    if not isinstance(model, str):  # already loaded: its weights count as not yet loaded
+        free += sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
+    shape = run_shape(args, dtype, peft_config, prompt_tokens, *batch_limits(args))
+    result = plan(Architecture.from_config(config), shape, total, free)
+    if not result.fits:
+        raise ValueError(f"vllm_mode='colocate' on this {total / 2**30:.0f} GiB GPU ({free / 2**30:.1f} GiB free) "
+                         f"{result.verdict()} (an estimate: `arpo-trl memory-plan` prints it)")
+    logger.warning("ARPO: memory plan (an estimate) on this %.0f GiB GPU: %s.", total / 2**30, result.verdict())
+
+
+def _config_kwargs(args) -> dict:
+    kwargs = args.model_init_kwargs or {}
+    return {"revision": kwargs.get("revision"), "trust_remote_code": bool(kwargs.get("trust_remote_code"))}
 
 
 def _check_tokenizer(llm, tokenizer, model: str) -> None:

