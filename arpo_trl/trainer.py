@@ -30,7 +30,14 @@ from trl.models.utils import unwrap_model_for_generation
 
 from arpo_trl.colocate.trainer_mode import ColocateMode, check_colocate_memory
 from arpo_trl.config import ARPOConfig
-from arpo_trl.dropin.environments import EnvironmentRollouts, placeholder_dataset, setup_environments
+from arpo_trl.dropin.environments import (
+    EnvironmentRollouts,
+    TRLToolList,
+    placeholder_dataset,
+    reward_weights_with_environments,
+    setup_environments,
+    trl_tool_list,
+)
 from arpo_trl.dropin.rows import TreeRows
 from arpo_trl.generation.distributed import LockstepEngine, run_on_main_process
 from arpo_trl.generation.engine import GenerationEngine, SamplingSettings
@@ -65,8 +72,8 @@ def silence_checkpointing_aliases() -> None:
                             r"transformers\.modeling_utils")
 
 
-class ARPOTrainer(ServerMode, ColocateMode, TreeRows, EnvironmentRollouts, EntropyBalancedUpdate, TreePackedTraining,
-                  GRPOTrainer):
+class ARPOTrainer(ServerMode, ColocateMode, TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpdate,
+                  TreePackedTraining, GRPOTrainer):
     """Train a tool-using policy with ARPO.
 
     Args:
@@ -118,7 +125,11 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, EnvironmentRollouts, Entro
             raise TypeError(f"ARPOTrainer needs args=ARPOConfig(...), got {type(args).__name__}.")
         if "rollout_func" in kwargs:
             raise ValueError("ARPOTrainer provides its own rollout_func; pass tools= and engine= instead.")
+        listed_tools, user_rewards = list(tools), len(reward_funcs) if isinstance(reward_funcs, list) else \
+            int(reward_funcs is not None)
         reward_funcs, tools, environments = setup_environments(environment_factory, reward_funcs, as_tools(tools))
+        # TRL checks reward_weights against the user's functions, then gives each environment's reward weight 1
+        trl_weights = reward_weights_with_environments(args.reward_weights, user_rewards, environments)
         if train_dataset is None and environment_factory is not None:  # the environment owns the data (TRL 1.16)
             train_dataset = placeholder_dataset(environment_factory, args)
         silence_checkpointing_aliases()
@@ -128,13 +139,14 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, EnvironmentRollouts, Entro
         trl_sync = use_vllm and not colocate and self._wants_trl_nccl_sync(args, model, peft_config)
         # TRL would build its own VLLMClient (needs `vllm` importable, syncs over NCCL only); our engine and
         # file-based sync replace it, so TRL sees use_vllm=False while it is constructed.
-        with TRLState.constructing(args, trl_builds_vllm=trl_sync):
+        with TRLState.constructing(args, trl_builds_vllm=trl_sync, reward_weights=trl_weights):
             super().__init__(
                 model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                 eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
                 rollout_func=self._arpo_rollout, **kwargs,
             )
         self._trl, self._environments = TRLState(self), environments
+        self._listed_tools, self._tools_for_trl = trl_tool_list(listed_tools, environments), False
         self._trl.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
         self._tool_failures = ToolFailureWatch(self.arpo_tools, args.max_failed_tool_steps)
@@ -296,7 +308,7 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, EnvironmentRollouts, Entro
 
     def _log_rollout(self, result: RolloutResult, mode: str) -> None:
         """The rollout's `arpo/*` metrics (`RolloutLog`; trained tokens: `_generate`), the colocated engine's too."""
-        metrics = self._rollout_log.metrics(result, self.engine, self._trl.weight_sync)
+        metrics = self._rollout_log.metrics(result, self.engine, self._trl.weight_sync, bool(self.arpo_tools))
         metrics.update(self._colocate_metrics(max(len(result.groups), 1)))
         for key, value in metrics.items():
             self._trl.log_metric(mode, key, value)

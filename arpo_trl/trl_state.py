@@ -29,16 +29,23 @@ class TRLState:
 
     @staticmethod
     @contextlib.contextmanager
-    def constructing(args: ARPOConfig, trl_builds_vllm: bool) -> Iterator[None]:
-        """Around `GRPOTrainer.__init__`: TRL builds its own vLLM backend only when TRL syncs the weights (NCCL)."""
+    def constructing(args: ARPOConfig, trl_builds_vllm: bool, reward_weights: list[float] | None = None
+                     ) -> Iterator[None]:
+        """Around `GRPOTrainer.__init__`: TRL builds its own vLLM backend only when TRL syncs the weights (NCCL);
+        `reward_weights`, when given, are the weights TRL reads instead of `args.reward_weights` (the user's own
+        config is left as it was)."""
         # TRL 1.16: GRPOTrainer.__init__ warns about rollout_func unless os.environ["TRL_EXPERIMENTAL_SILENCE"] == "1"
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-        # TRL 1.16: GRPOTrainer.__init__ builds vllm_generation (a VLLMClient: needs `vllm`, NCCL) iff args.use_vllm
+        # TRL 1.16: GRPOTrainer.__init__ builds vllm_generation (a VLLMClient: needs `vllm`, NCCL) iff args.use_vllm,
+        # and reads args.reward_weights once, into self.reward_weights
         use_vllm, args.use_vllm = args.use_vllm, trl_builds_vllm
+        weights = args.reward_weights
+        if reward_weights is not None:
+            args.reward_weights = reward_weights
         try:
             yield
         finally:
-            args.use_vllm = use_vllm
+            args.use_vllm, args.reward_weights = use_vllm, weights
 
     @property
     def use_vllm(self) -> bool:

@@ -28,6 +28,7 @@ class Environments:
         self.factories: dict[str | None, Factory] = dict(factory) if self.multi else {None: factory}
         self.pool: dict[str | None, list] = {}
         self.tools: dict[str | None, list[Tool]] = {}
+        self.methods: list[Callable] = []  # every environment's public methods, bound to its probe (TRL's `tools`)
         self.reward_funcs: list[Callable] = []
         for name, make in self.factories.items():
             instance = make()
@@ -35,7 +36,9 @@ class Environments:
                 raise ValueError(f"environment_factory: {type(instance).__name__} has no callable `reset`; each "
                                  "environment must define reset(**example) (returning None or text for the prompt).")
             self.pool[name] = [instance]
-            methods = [EnvironmentMethodTool(method) for method in environment_methods(instance)]
+            bound = environment_methods(instance)
+            self.methods += [method for method in bound if method not in self.methods]
+            methods = [EnvironmentMethodTool(method) for method in bound]
             self.tools[name] = list(standalone_tools) + methods
             kind = type(instance)
             if callable(getattr(instance, "get_reward", None)) and all(f.environment_type is not kind
@@ -125,6 +128,51 @@ def setup_environments(factory, reward_funcs, tools: Sequence[Tool]):
     environments = Environments(factory, tools)
     funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
     return funcs + environments.reward_funcs, environments.all_tools(), environments
+
+
+def reward_weights_with_environments(weights: Sequence[float] | None, user_funcs: int,
+                                     environments: Environments | None) -> list[float] | None:
+    """The weights TRL 1.16 gives the reward columns when environments own rewards: the user's (checked against the
+    user's own reward functions, in TRL's words) and 1 for each environment's `get_reward` column after them
+    (`GRPOTrainer.__init__`); None where TRL reads the user's weights unchanged."""
+    if weights is None or environments is None or not environments.reward_funcs:
+        return None
+    if len(weights) != user_funcs:
+        raise ValueError(f"Number of reward weights ({len(weights)}) must match number of reward functions "
+                         f"({user_funcs})")
+    return [*weights, *[1.0] * len(environments.reward_funcs)]
+
+
+def trl_tool_list(tools: Sequence, environments: Environments | None) -> list:
+    """What `GRPOTrainer.tools` lists: the tools as passed, then every environment's public methods (but `reset` and
+    `get_reward`), bound to its probe instance, each once."""
+    listed = list(tools)
+    return listed + [method for method in (environments.methods if environments else []) if method not in listed]
+
+
+class TRLToolList:
+    """`trainer.tools` as `GRPOTrainer` lists them (`trl_tool_list`). ARPO runs the tools itself, so TRL's own code
+    (its constructor, its tool loop in `_generate`, the tool schemas `_tokenize_prompts` renders) must see none: it
+    gets the list TRL itself set while it runs (`_generate_and_score_completions`), the user the full one."""
+
+    _listed_tools: list = []
+    _trl_tools: list = []
+    _tools_for_trl: bool = True  # during GRPOTrainer.__init__
+
+    @property
+    def tools(self) -> list:
+        return self._trl_tools if self._tools_for_trl else self._listed_tools
+
+    @tools.setter
+    def tools(self, value: list) -> None:  # GRPOTrainer.__init__ sets it
+        self._trl_tools = value
+
+    def _generate_and_score_completions(self, inputs):  # TRL 1.16: (inputs) -> dict; reads self.tools inside
+        self._tools_for_trl = True
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self._tools_for_trl = False
 
 
 class EnvironmentRollouts:

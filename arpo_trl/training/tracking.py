@@ -59,7 +59,8 @@ class RolloutLog:
         self._prefilled = 0  # the engine's prefill counter when the last rollout was logged
         self._engine_seconds: dict[str, float] = {}  # the engine's seconds per step phase, likewise
 
-    def metrics(self, result: RolloutResult, engine, weight_sync) -> dict[str, float]:
+    def metrics(self, result: RolloutResult, engine, weight_sync, tools: bool = False) -> dict[str, float]:
+        """`tools`: the run has tools, so TRL's `tools/*` metrics are logged too (`trl_tool_metrics`)."""
         stats, trajectories, groups = result.stats, result.trajectories, max(len(result.groups), 1)
         metrics = {
             "arpo/forks_per_group": stats.forks / groups,
@@ -77,6 +78,8 @@ class RolloutLog:
             "arpo/tool_seconds": stats.tool_seconds,
             "arpo/sampler_overhead_seconds": stats.overhead_seconds,
         }
+        if tools:
+            metrics |= trl_tool_metrics(trajectories)
         if getattr(weight_sync, "last_seconds", None) is not None:  # set by a sync before this rollout only
             metrics["arpo/weight_sync_seconds"], weight_sync.last_seconds = weight_sync.last_seconds, None
         if stats.global_samples:  # AEPO's pre-monitoring
@@ -90,6 +93,17 @@ class RolloutLog:
                 metrics[f"arpo/engine_{phase}_seconds"] = seconds - self._engine_seconds.get(phase, 0.0)
             self._engine_seconds = dict(counters.seconds)
         return metrics
+
+
+def trl_tool_metrics(trajectories) -> dict[str, float]:
+    """TRL 1.16's tool metrics, as `GRPOTrainer._generate` computes them over its completions: `tools/call_frequency`,
+    tool calls per completion, and `tools/failure_frequency`, failed calls over calls (0 without any). A trajectory's
+    calls include those it shares with its parent up to its fork (its row holds them), so a call a branch inherits
+    counts in each row, as it would in M independent completions (docs/coming_from_grpo.md)."""
+    calls = sum(t.tool_calls for t in trajectories)
+    failures = sum(t.tool_failures for t in trajectories)
+    return {"tools/call_frequency": calls / max(len(trajectories), 1),
+            "tools/failure_frequency": failures / calls if calls else 0.0}
 
 
 def write_trees(records: list[dict], output_dir: str, report_to: list[str] | None) -> None:
