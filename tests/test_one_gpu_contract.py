@@ -363,8 +363,9 @@ def test_a_field_this_transformers_knows_under_its_older_name_is_read_under_it(t
 
 @pytest.mark.colocate
 def test_every_shipped_recipe_parses_in_the_colocate_environment(tmp_path):
-    """The colocate environment's transformers (< 5.18) with `--use_vllm true --vllm_mode colocate`, as a user tries a
-    CPU recipe there: each training and SFT recipe parses, or says in one line what is wrong."""
+    """The colocate environment's transformers (< 5.18): each SFT recipe parses, each server-mode training recipe as
+    written, and every other training recipe with `--use_vllm true --vllm_mode colocate`, as a user tries a CPU
+    recipe there."""
     from arpo_trl.colocate.environment import setup_colocate_venv
 
     script = (
@@ -376,6 +377,8 @@ def test_every_shipped_recipe_parses_in_the_colocate_environment(tmp_path):
         "    recipe = yaml.safe_load(open(path))\n"
         "    if 'task' in recipe:\n"
         "        parse_recipe(make_parser(), ['--config', path], 'sft')\n"
+        "    elif recipe.get('vllm_mode') == 'server':\n"
+        "        parse_train_args(['--config', path])\n"
         "    elif 'tools' in recipe or 'reward_funcs' in recipe:\n"
         "        parse_train_args(['--config', path, '--use_vllm', 'true', '--vllm_mode', 'colocate'])\n"
         "    print('parsed', path)\n")
@@ -462,3 +465,116 @@ def test_the_trainer_runs_the_check_before_the_model_loads_on_cuda(tiny_model_di
                     args=args, train_dataset=None)
     assert calls and calls[0][0] == str(tiny_model_dir)
 
+
+
+# ---- 9. top-k logprobs only on a segment's first k tokens ----------------------------------------------------------
+
+class _Logprob:
+    def __init__(self, value: float):
+        self.logprob = value
+
+
+class _ScriptLLM:
+    """vLLM's `LLMEngine` on a scripted continuation: a request whose prompt is the script's prompt plus its first j
+    tokens goes on from token j; as vLLM, it stops at EOS, at its budget, or at a stop string matched in the
+    request's own output text only (`include_stop_str_in_output`), and returns `logprobs` top logprobs per token."""
+
+    def __init__(self, tokenizer, prompt: list[int], script: list[int]):
+        self.tokenizer, self.prompt, self.script, self.running, self.requests = tokenizer, prompt, script, {}, []
+        self.vllm_config = types.SimpleNamespace(device_config=types.SimpleNamespace(device_type="cuda"))
+
+    def add_request(self, request_id, prompt, params):
+        ids, done = prompt["prompt_token_ids"], len(prompt["prompt_token_ids"]) - len(self.prompt)
+        assert ids[:len(self.prompt)] == self.prompt and ids[len(self.prompt):] == self.script[:done]
+        self.running[request_id] = (ids, params)
+        self.requests.append((len(ids) - len(self.prompt), params.kwargs["max_tokens"], params.kwargs["logprobs"],
+                              params.kwargs["stop"]))
+
+    def abort_request(self, ids):
+        for request_id in ids:
+            self.running.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def get_num_unfinished_requests(self):
+        return len(self.running)
+
+    def step(self):
+        outputs = [self._finish(request_id, *request) for request_id, request in self.running.items()]
+        self.running.clear()
+        return outputs
+
+    def _finish(self, request_id, ids, params):
+        start, kw, out, reason, stop_reason = len(ids) - len(self.prompt), params.kwargs, [], "length", None
+        for token in self.script[start:start + kw["max_tokens"]]:
+            out.append(token)
+            text = self.tokenizer.decode(out, skip_special_tokens=False)
+            if (hit := next((s for s in kw["stop"] or [] if s in text), None)) is not None:
+                reason, stop_reason = "stop", hit
+                break
+            if token in kw["stop_token_ids"]:
+                reason = "stop"
+                break
+        rows = [{t: _Logprob(-1.0), **{o: _Logprob(-2.0 - i) for i, o in enumerate((7, 8)[:kw["logprobs"]]) if o != t}}
+                for t in out]
+        choice = types.SimpleNamespace(token_ids=out, logprobs=rows, finish_reason=reason, stop_reason=stop_reason)
+        return types.SimpleNamespace(request_id=request_id, outputs=[choice], finished=True, prompt_token_ids=ids,
+                                     num_cached_tokens=0)
+
+
+@pytest.fixture
+def fake_sampling_params(monkeypatch):
+    class SamplingParams:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = SamplingParams
+    kinds = types.SimpleNamespace(FINAL_ONLY="final", CUMULATIVE="cumulative")
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", types.SimpleNamespace(RequestOutputKind=kinds))
+
+
+def _split_run(tokenizer, text: str, k: int, split: bool, stop=("</python>",)):
+    from arpo_trl.generation.engine import SamplingSettings
+
+    prompt, script = tokenizer.encode("Q: add"), tokenizer.encode(text) + [tokenizer.eos_token_id]
+    llm = _ScriptLLM(tokenizer, prompt, script)
+    engine = ColocatedVLLMEngine(llm, tokenizer, sampling=SamplingSettings(entropy_top_k=2), split_logprobs=split,
+                                 probe_tokens=k)
+
+    async def run():
+        try:
+            return await engine.agenerate(prompt, 64, list(stop))
+        finally:
+            await engine.aclose()
+
+    try:
+        return asyncio.run(run()), llm.requests
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("text", [
+    "let me compute <python>print(12+30)</python> and more after the call",
+    "a false start </b> then python> then <python>x=1</python> end",  # the tail's '</' completes nowhere first
+])
+def test_the_rest_of_a_segment_after_its_probe_costs_no_top_k_and_keeps_its_tokens(tokenizer, fake_sampling_params,
+                                                                                  text):
+    """A segment's first k tokens come with top-k logprobs (their entropy decides forks), the rest as a second request
+    with the sampled token's logprob only; the tokens, finish and stop are those of one request, also where the tool
+    tag straddles the two requests (vLLM matches stop strings in a request's own output only)."""
+    ids = tokenizer.encode(text)
+    for k in range(1, len(ids)):
+        whole, _ = _split_run(tokenizer, text, k, split=False)
+        split, requests = _split_run(tokenizer, text, k, split=True)
+        assert (split.token_ids, split.logprobs, split.finish_reason) == (
+            whole.token_ids, whole.logprobs, whole.finish_reason), k
+        assert split.finish_reason == "stop" and tokenizer.decode(split.token_ids).endswith("</python>")
+        first = min(k, len(split.token_ids))
+        assert split.entropies[:first] == whole.entropies[:first]
+        assert all(h != h for h in split.entropies[first:])  # NaN: no entropy without top-k
+        assert requests[0][:3] == (0, k, 2) and all(r[2] == 0 for r in requests[1:])
+        if len(whole.token_ids) > k:  # the tag straddles the boundary or lies after it: the rest found it
+            assert len(requests) >= 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,11 +22,18 @@ from typing import Any
 import torch
 
 from arpo_trl.colocate.outputs import WHERE, cached_tokens, completion_body, first_tokens, generated_tokens
-from arpo_trl.generation.engine import SamplingSettings, Segment, check_budgets
+from arpo_trl.generation.engine import SamplingSettings, Segment, check_budgets, stop_window
 from arpo_trl.server.responses import VLLMServerError
 from arpo_trl.server.segments import SegmentReader
 
 DRAIN_STEPS = 10_000  # steps `drain` takes at most to empty the engine
+
+
+def pending_stops(text: str, stop: Sequence[str]) -> list[str]:
+    """What completes a stop string that `text` began: for each proper prefix of a stop string that `text` ends with,
+    the rest of that string."""
+    rests = [s[i:] for s in stop for i in range(1, len(s)) if text.endswith(s[:i])]
+    return list(dict.fromkeys(rests))
 
 
 @dataclass
@@ -175,8 +183,10 @@ class ColocatedVLLMEngine:
     `reset_prefix_cache`, `sleep` and `wake_up` serve the weight sync (`arpo_trl.colocate.weight_sync`).
     """
 
+    request_options = frozenset({"entropy_tokens"})  # `agenerate(..., entropy_tokens=)`, read with `split_logprobs`
+
     def __init__(self, llm_engine, tokenizer, *, sampling: SamplingSettings = SamplingSettings(),
-                 sleep_level: int | None = None):
+                 sleep_level: int | None = None, split_logprobs: bool = False, probe_tokens: int = 20):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -184,13 +194,16 @@ class ColocatedVLLMEngine:
         self.llm, self.tokenizer, self.sleep_level = llm_engine, tokenizer, sleep_level
         self.vocab_size, self.eos_token_ids = reader.vocab_size, reader.eos_token_ids
         self.entropy_estimator, self.entropy_top_k = reader.estimator, reader.top_k
+        # top-k logprobs for a segment's first `probe_tokens` only (`_continue`)
+        self.split_logprobs, self.probe_tokens = split_logprobs, probe_tokens
         eos = reader.eos_token_ids
         extra = dict(sampling.generation_kwargs or {})
-        self._params = lambda budget, stop, kind=RequestOutputKind.FINAL_ONLY: SamplingParams(
+        self._params = lambda budget, stop, kind=RequestOutputKind.FINAL_ONLY, logprobs=None: SamplingParams(
             n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0,
             min_p=sampling.min_p or 0.0, repetition_penalty=sampling.repetition_penalty, stop_token_ids=eos,
-            logprobs=self.entropy_top_k, include_stop_str_in_output=True, skip_special_tokens=False,
-            output_kind=kind, max_tokens=budget, stop=list(stop) or None, **extra)
+            logprobs=self.entropy_top_k if logprobs is None else logprobs, include_stop_str_in_output=True,
+            skip_special_tokens=False, output_kind=kind, max_tokens=budget, stop=list(stop) or None, **extra)
+        self._stop_window = lambda stop: stop_window(tokenizer, stop)
         self._cumulative = RequestOutputKind.CUMULATIVE
         self._params(1, [])  # vLLM checks the settings (generation_kwargs included) now, not mid-rollout
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-colocate")
@@ -221,19 +234,67 @@ class ColocatedVLLMEngine:
         return self.thread.submit(fn).result()
 
     # --- generation ----------------------------------------------------------------------------------------------
-    async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
+    async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str],
+                        entropy_tokens: int | None = None) -> Segment:
+        """One segment. With `split_logprobs`, top-k logprobs for its first `entropy_tokens` tokens only (None: the
+        engine's `probe_tokens`; 0, the rest of a segment whose first tokens gave its entropy: none)."""
         check_budgets([prefix], [max_new_tokens])
-        output = await self._driver().submit(self._new_id(), list(prefix), self._params(max_new_tokens, stop))
-        return self._segment(output, prefix, max_new_tokens, stop)
+        k = self.probe_tokens if entropy_tokens is None else entropy_tokens
+        if not self.split_logprobs or max_new_tokens <= k:
+            return await self._request(prefix, max_new_tokens, stop, self.entropy_top_k)
+        if k == 0:
+            return await self._continue(list(prefix), max_new_tokens, stop)
+        probe = await self._request(prefix, k, stop, self.entropy_top_k)
+        if probe.finish_reason != "length":
+            return probe
+        rest = await self._continue([*prefix, *probe.token_ids], max_new_tokens - len(probe.token_ids), stop)
+        return Segment(probe.token_ids + rest.token_ids, probe.logprobs + rest.logprobs,
+                       probe.entropies + rest.entropies, rest.finish_reason)
+
+    async def _request(self, prefix: Sequence[int], budget: int, stop: Sequence[str], logprobs: int) -> Segment:
+        """One request, its final output read with `logprobs` top logprobs per token (0: the sampled token's)."""
+        params = self._params(budget, stop, logprobs=logprobs)
+        output = await self._driver().submit(self._new_id(), list(prefix), params)
+        return self._segment(output, prefix, budget, stop, logprobs)
+
+    async def _continue(self, head: list[int], budget: int, stop: Sequence[str]) -> Segment:
+        """The rest of a segment whose first tokens end `head`, with the sampled tokens' logprobs only (entropies
+        NaN): vLLM detokenises every returned logprob's token on the engine's thread, 21 per position for top-20
+        (`vllm/v1/engine/logprobs.py::LogprobsProcessor._update_sample_logprobs`). vLLM matches stop strings in a
+        request's own output only, so a stop string the text so far began (it ends with a proper prefix of one) is
+        also stopped at by its rest; such a stop ends the segment where it completes the string, and otherwise the
+        segment goes on in another request (each one advances, so at most `budget` of them)."""
+        window, parts = self._stop_window(stop), []
+        while True:
+            tail = head[-window:]  # holds any stop string's beginning, never a whole one (vLLM stopped there)
+            pending = [rest for rest in pending_stops(self.reader.decode(tail), stop) if rest not in stop]
+            part = await self._request(head, budget, [*stop, *pending], 0)
+            parts.append(part)
+            head, budget = head + part.token_ids, budget - len(part.token_ids)
+            finish = part.finish_reason
+            if finish == "stop" and pending and not any(s in self.reader.decode(tail + part.token_ids) for s in stop):
+                finish = "length"  # stopped at the rest of a string its text did not begin: go on
+                if budget >= 1:
+                    continue
+            break
+        ids = [token for part in parts for token in part.token_ids]
+        return Segment(ids, [lp for part in parts for lp in part.logprobs], [math.nan] * len(ids), finish)
 
     async def agenerate_continuing(self, prefix: Sequence[int], probe_tokens: int, max_new_tokens: int,
                                    stop: Sequence[str]) -> tuple[Segment, asyncio.Task | None]:
-        """A probe that goes on: one request of up to `max_new_tokens`, answered with its first `probe_tokens` as
-        soon as they are out, while it decodes on; the task gives the rest of the segment (None: it ended within
-        them). The probe's continuation then needs no new request, so nothing of its prefix is computed again."""
+        """A probe that goes on: answered with its first `probe_tokens` as soon as they are out, while the segment
+        goes on; the task gives the rest of the segment (None: it ended within them). With `split_logprobs`, the
+        rest is a second request (`_continue`, started at once, its prefix in vLLM's cache); otherwise one request
+        of up to `max_new_tokens` decodes on, so nothing of its prefix is computed again."""
         if max_new_tokens <= probe_tokens:
             return await self.agenerate(prefix, max_new_tokens, stop), None
         check_budgets([prefix], [max_new_tokens])
+        if self.split_logprobs:
+            probe = await self._request(prefix, probe_tokens, stop, self.entropy_top_k)
+            if probe.finish_reason != "length":
+                return probe, None
+            rest = self._continue([*prefix, *probe.token_ids], max_new_tokens - len(probe.token_ids), stop)
+            return probe, asyncio.get_running_loop().create_task(rest)
         params = self._params(max_new_tokens, stop, self._cumulative)  # each step's output: the tokens so far
         driver, request_id = self._driver(), self._new_id()
         first, final = await driver.submit_probed(request_id, list(prefix), params, probe_tokens)
@@ -292,8 +353,9 @@ class ColocatedVLLMEngine:
     def _new_id(self) -> str:
         return f"arpo-{next(self._ids)}"
 
-    def _segment(self, output, prompt: Sequence[int], budget: int, stop: Sequence[str]) -> Segment:
-        segment = self.reader.read(completion_body(output), budget, stop)
+    def _segment(self, output, prompt: Sequence[int], budget: int, stop: Sequence[str],
+                 logprobs: int | None = None) -> Segment:
+        segment = self.reader.read(completion_body(output), budget, stop, logprobs)
         self.counters.add(prompt, cached_tokens(output), len(segment.token_ids))
         return segment
 

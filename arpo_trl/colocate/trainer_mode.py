@@ -68,16 +68,20 @@ class ColocateMode:
         settings = self._colocate_settings()
         llm = start_llm_engine(settings)
         engine = ColocatedVLLMEngine(llm, self._trl.tokenizer, sampling=self._sampling(),
-                                     sleep_level=2 if settings.enable_sleep_mode else None)
+                                     sleep_level=2 if settings.enable_sleep_mode else None,
+                                     split_logprobs=split_logprobs(settings.device),
+                                     probe_tokens=self.args.entropy_window)
         _check_tokenizer(llm, self._trl.tokenizer, settings.model)
         tied = bool(getattr(self.accelerator.unwrap_model(self.model).config, "tie_word_embeddings", False))
         coverage = SyncCoverage(checkpoint_tensor_names(settings.model, tied))
         self._trl.install_weight_sync(ColocatedWeightSync(engine, lambda: self.accelerator.unwrap_model(self.model),
                                                           coverage))
-        logger.warning("ARPO: generating with vLLM colocated in this process (%s, %s, max_model_len %d, "
-                       "gpu_memory_utilization %.2f, sleep mode %s).", settings.model, settings.dtype,
-                       settings.max_model_len, settings.gpu_memory_utilization,
-                       "on" if settings.enable_sleep_mode else "off")
+        logger.warning("ARPO: generating with vLLM colocated in this process (%s; the policy and vLLM in %s, "
+                       "max_model_len %d, gpu_memory_utilization %.2f, max_num_seqs %d, sleep mode %s, top-%d "
+                       "logprobs on %s).", settings.model, settings.dtype, settings.max_model_len,
+                       settings.gpu_memory_utilization, settings.max_num_seqs,
+                       "on" if settings.enable_sleep_mode else "off", engine.entropy_top_k,
+                       f"a segment's first {engine.probe_tokens} tokens" if engine.split_logprobs else "every token")
         return engine
 
     def _colocate_before_rollout(self) -> None:
@@ -106,6 +110,13 @@ class ColocateMode:
         self.engine.sleep()
         if free_before is not None:
             self._sleep_freed = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
+
+
+def split_logprobs(device: str) -> bool:
+    """Whether the colocated engine asks for top-k logprobs on a segment's first k tokens only
+    (`ColocatedVLLMEngine.split_logprobs`): on a GPU, where the host time of decoding 21 logprob tokens per
+    generated token outweighs a second request per segment (docs/one_gpu.md, "Top-k logprobs")."""
+    return device == "cuda"
 
 
 def check_colocate_memory(model, args, peft_config, tokenizer, dataset, memory: tuple[int, int] | None = None) -> None:

@@ -59,7 +59,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
     and each phase's seconds).
     """
 
-    keyed_sampling = True  # takes each path's seed: a token's draw depends on its path and position alone
+    request_options = frozenset({"seed"})  # a token's draw depends on its path's seed and its position alone
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
                  max_cached_tokens: int | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,

@@ -63,10 +63,13 @@ class Segment:
 class GenerationEngine(Protocol):
     """What the sampler needs. An engine may also offer `async agenerate(prefix, max_new_tokens, stop) -> Segment`
     (and `async aclose()`): the sampler then drives every path on its own
-    (`arpo_trl.rollout.events.EventScheduler`); a batch-only engine is driven in waves. An engine whose class sets
-    `keyed_sampling = True` also takes each path's seed (`generate(..., seeds=)`, `agenerate(..., seed=)`) and
-    draws a path's tokens from it and their positions alone, so that a seed reproduces the rollout whatever the
-    schedule (`generation/sampling.py`)."""
+    (`arpo_trl.rollout.events.EventScheduler`); a batch-only engine is driven in waves. An engine's class may name
+    per-request options it takes in `request_options`:
+    * "seed": its path's seed (`agenerate(..., seed=)`, `generate(..., seeds=)`); the engine then draws a path's
+      tokens from it and their positions alone, so that a seed reproduces the rollout whatever the schedule
+      (`generation/sampling.py`);
+    * "entropy_tokens": how many leading tokens of the request need their entropies (`agenerate(...,
+      entropy_tokens=)`; the sampler reads a segment's first k): the others may come without (NaN)."""
 
     vocab_size: int
 

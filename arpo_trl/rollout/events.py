@@ -170,9 +170,9 @@ class _EventRollout:
             if task is not None:
                 self.rests[path.id] = task, room - len(probe.token_ids)
             return probe
-        if getattr(engine, "keyed_sampling", False):
-            return await engine.agenerate(prefix, request.max_new_tokens, stops, seed=path.seed)
-        return await engine.agenerate(prefix, request.max_new_tokens, stops)
+        offered = {"seed": path.seed, "entropy_tokens": request.entropy_tokens}
+        options = {key: value for key, value in offered.items() if key in getattr(engine, "request_options", ())}
+        return await engine.agenerate(prefix, request.max_new_tokens, stops, **options)
 
     async def _close(self) -> None:
         self.runner.close()

@@ -27,6 +27,7 @@ class GenerateRequest:
     path: Trajectory
     max_new_tokens: int
     continues_to: int | None = None
+    entropy_tokens: int | None = None  # leading tokens whose entropies the sampler reads (None: all)
 
 
 @dataclass

@@ -20,7 +20,8 @@ with exactly M trajectories; the records are in `arpo_trl.rollout.paths`. AEPO's
 A scheduler (`arpo_trl.rollout.scheduling`) drives the programs: against a server every path advances on its own; with a
 batch engine the requests ready together form one batch (a wave), in path order. Every random draw is keyed by the
 path's place in its tree (`Trajectory.key`) and the rollout's seed: its fork draws here, its tokens in an engine with
-`keyed_sampling`, so a seed reproduces the trees under either scheduler, whenever tool results arrive.
+that takes a path's seed (`GenerationEngine.request_options`), so a seed reproduces the trees under either scheduler,
+whenever tool results arrive.
 
 Where we differ from the reference code, deliberately (docs/differences.md, which says why):
   * H_initial is reset every rollout and inherited by branches (the reference's per-slot dict is never cleared).
@@ -194,7 +195,9 @@ class BranchingSampler:
         while path.active:
             room = self.max_completion_length - len(path.completion_ids)
             cap = min(room, self.entropy_window) if probe or short else room
-            request = GenerateRequest(path, cap, continues_to=room if probe else None)  # an engine may decode on
+            # an engine may decode a probe on; the rest of a segment needs no entropy (its first k gave it)
+            request = GenerateRequest(path, cap, continues_to=room if probe else None,
+                                      entropy_tokens=0 if continued else self.entropy_window)
             segment = yield request
             if not continued:
                 entropy = segment_entropy(segment.entropies, self.entropy_window, self.engine.vocab_size,

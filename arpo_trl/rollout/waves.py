@@ -123,7 +123,7 @@ class WaveScheduler:
         prefixes = [path.prompt_ids + path.completion_ids for path, _ in generate]
         budgets, stops = [r.max_new_tokens for _, r in generate], sampler.call_format.stop_strings
         try:
-            if getattr(sampler.engine, "keyed_sampling", False):
+            if "seed" in getattr(sampler.engine, "request_options", ()):
                 segments = sampler.engine.generate(prefixes, budgets, stops, seeds=[path.seed for path, _ in generate])
             else:
                 segments = sampler.engine.generate(prefixes, budgets, stops)

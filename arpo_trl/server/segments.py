@@ -33,11 +33,15 @@ class SegmentReader:
         self.where = where
         self._tokenizer = tokenizer
 
-    def read(self, body, budget: int, stop: Sequence[str]) -> Segment:
-        """The segment of a completion's JSON body, checked by `read_completion` (docs/server_mode.md)."""
-        request = CompletionRequest(budget, list(stop), self.top_k, self.vocab_size, self.end_ids, self.decode)
+    def read(self, body, budget: int, stop: Sequence[str], top_k: int | None = None) -> Segment:
+        """The segment of a completion's JSON body, checked by `read_completion` (docs/server_mode.md). `top_k`: the
+        logprobs the request asked for (default the engine's entropy top-k); 0, the sampled token's only: no
+        entropy (NaN)."""
+        top_k = self.top_k if top_k is None else top_k
+        request = CompletionRequest(budget, list(stop), top_k, self.vocab_size, self.end_ids, self.decode)
         completion = read_completion(self.where, body, request)
-        entropies = top_logprob_entropies(completion.top_logprobs, self.estimator, self.top_k, self.vocab_size)
+        entropies = [math.nan] * len(completion.token_ids) if top_k == 0 else top_logprob_entropies(
+            completion.top_logprobs, self.estimator, top_k, self.vocab_size)
         return Segment(completion.token_ids, completion.logprobs, entropies, completion.finish_reason)
 
     def decode(self, ids: list[int]) -> str:
