@@ -104,7 +104,7 @@ def test_two_runs_of_one_seed_log_the_same_steps(tool_model_dir, tokenizer, addi
 
     from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool, arpo_math_reward
     from arpo_trl.generation import CachedTransformersEngine
-    from arpo_trl.rollout.events import EventScheduler
+    from arpo_trl.rollout.schedulers import EventScheduler
     from arpo_trl.training.tracking import read_metrics
     from arpo_trl.trees import read_jsonl
 

@@ -1,7 +1,7 @@
 """`ColocatedVLLMEngine`: the `GenerationEngine` that generates with a vLLM `LLMEngine` inside the training process.
 
 TRL's colocate mode calls `LLM.generate` once per tool turn, every path in lockstep. Here each path segment is one
-request added to the running engine as soon as its path is ready (`arpo_trl.rollout.events.EventScheduler` drives
+request added to the running engine as soon as its path is ready (`arpo_trl.rollout.schedulers.EventScheduler` drives
 the paths): a fork or a continuation is a new request whose prefix vLLM's prefix cache already holds, a probe is the
 first k tokens of its segment's request, which decodes on while the fork is decided (`agenerate_continuing`), tools
 run while other paths decode, and vLLM's scheduler batches whatever is running. The engine's steps run on one thread of

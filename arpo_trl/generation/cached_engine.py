@@ -28,7 +28,6 @@ from arpo_trl.entropy import sampling_warpers
 from arpo_trl.generation.admission import Admission, Request
 from arpo_trl.generation.calibration import ForwardCosts, device_costs, measured_costs
 from arpo_trl.generation.engine import SamplingSettings, Segment, check_budgets, stop_window, tail_has_stop
-from arpo_trl.generation.event_loop import run_coroutine
 from arpo_trl.generation.held_model import HeldModel
 from arpo_trl.generation.kv_batch import LEFT_SLACK, KVBatch
 from arpo_trl.generation.kv_budget import KVAccounting
@@ -44,6 +43,7 @@ from arpo_trl.generation.speculation import (
 from arpo_trl.generation.support import SUPPORTED_KEYS, check_full_attention
 from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.generation.weights import WeightsVersion
+from arpo_trl.tools.training_thread import run_coroutine
 
 
 class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, TransformersEngine):

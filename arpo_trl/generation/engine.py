@@ -63,7 +63,7 @@ class Segment:
 class GenerationEngine(Protocol):
     """What the sampler needs. An engine may also offer `async agenerate(prefix, max_new_tokens, stop) -> Segment`
     (and `async aclose()`): the sampler then drives every path on its own
-    (`arpo_trl.rollout.events.EventScheduler`); a batch-only engine is driven in waves. An engine's class may name
+    (`arpo_trl.rollout.schedulers.EventScheduler`); a batch-only engine is driven in waves. An engine's class may name
     per-request options it takes in `request_options`:
     * "seed": its path's seed (`agenerate(..., seed=)`, `generate(..., seeds=)`); the engine then draws a path's
       tokens from it and their positions alone, so that a seed reproduces the rollout whatever the schedule

@@ -17,7 +17,7 @@ still reach), all the missing trajectories start at once as fresh global samples
 with exactly M trajectories; the records are in `arpo_trl.rollout.paths`. AEPO's rollout (`branch_policy="aepo"`):
 `arpo_trl.rollout.entropy_balance`, docs/aepo.md.
 
-A scheduler (`arpo_trl.rollout.scheduling`) drives the programs: against a server every path advances on its own; with a
+A scheduler (`arpo_trl.rollout.schedulers`) drives the programs: against a server every path advances on its own; with a
 batch engine the requests ready together form one batch (a wave), in path order. Every random draw is keyed by the
 path's place in its tree (`Trajectory.key`) and the rollout's seed: its fork draws here, its tokens in an engine with
 that takes a path's seed (`GenerationEngine.request_options`), so a seed reproduces the trees under either scheduler,
@@ -45,14 +45,12 @@ from arpo_trl.rollout.budget import FillUps
 from arpo_trl.rollout.entropy_balance import aepo_fork_probability, check_aepo_args, global_samples
 from arpo_trl.rollout.path_writer import OPEN, PathWriter
 from arpo_trl.rollout.paths import ForkDecision, Rollout, RolloutResult, Trajectory
-from arpo_trl.rollout.requests import CallRequest, CommitRequest, GenerateRequest, PathRequest
-from arpo_trl.rollout.scheduling import make_scheduler
+from arpo_trl.rollout.schedulers import CallRequest, CommitRequest, GenerateRequest, PathRequest, make_scheduler
 from arpo_trl.rollout.tool_calls import CallFormat, TagFormat, ToolCall, bind_call
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.environments import fork_environment
 
 BRANCH_POLICIES = ("entropy", "random", "aepo", "none")
-SCHEDULERS = ("auto", "events", "waves")
 
 
 def default_initial_rollouts(num_generations: int, branch_policy: str) -> int:

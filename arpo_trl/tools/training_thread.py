@@ -14,7 +14,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.runner import ToolRunner
@@ -27,6 +27,20 @@ def runs_here(tool: Tool | None) -> bool:
 
 def any_runs_here(tools: Sequence[Tool]) -> bool:
     return any(runs_here(tool) for tool in tools)
+
+
+T = TypeVar("T")
+
+
+def run_coroutine(coroutine: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(coroutine)`; where this thread already runs an event loop, which `asyncio.run` refuses, the
+    coroutine runs on a new loop in a thread of its own while this one waits (`run_loop_in_thread`: a
+    KeyboardInterrupt while waiting cancels it, and is raised once it has cleaned up)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    return run_loop_in_thread(coroutine)
 
 
 def run_loop_in_thread(coroutine: Coroutine[Any, Any, Any], runner: ToolRunner | None = None) -> Any:

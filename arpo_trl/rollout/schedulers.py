@@ -1,0 +1,416 @@
+"""Schedulers: drive the rule's per-path programs (`arpo.BranchingSampler.grow`) against an engine and the tools.
+
+A program yields requests (generate, call a tool, wait for a fork decision) and receives their results; the rule
+lives there once, and a scheduler only decides when each request runs:
+
+* `EventScheduler` (`events`; engines with `agenerate`, e.g. a vLLM server or the cached engine): every path advances
+  on its own. Its next request goes out as soon as its own tool result or fork decision is ready, tools run as their
+  calls arrive, and the engine's continuous batching does the batching. No round waits for its slowest path.
+* `WaveScheduler` (`waves`; batch engines, e.g. transformers' `generate`): the tool calls of a moment run together,
+  then the requests that are ready together are generated as one batch (a wave), in path order.
+
+Both give the same trees for a seed (every draw is keyed by the path, `Trajectory.key`), and both measure the
+rollout's critical path: the longest chain of sequentially generated tokens it waited for (waves: the sum of each
+wave's longest segment; events: the longest chain of requests, where a branch's chain continues its parent's at the
+fork and a fill-up's the chain of the step that started it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from arpo_trl.rollout.paths import Rollout, Trajectory
+from arpo_trl.rollout.tool_calls import CallFormat, ToolCall
+from arpo_trl.tools.base import Tool
+from arpo_trl.tools.runner import ToolRunner
+from arpo_trl.tools.training_thread import any_runs_here, run_coroutine, run_loop_in_thread, runs_here
+
+SCHEDULERS = ("auto", "events", "waves")
+
+
+# ---- what a program asks for ---------------------------------------------------------------------------------
+@dataclass
+class GenerateRequest:
+    """Continue `path` (prompt + completion so far) by at most `max_new_tokens` tokens.
+
+    A probe (the k tokens after a tool result) sets `continues_to`, its path's whole room: an engine that can
+    (`agenerate_continuing`) answers after the k tokens and decodes the segment on in the same request, which then
+    answers the path's next request (the rest of the segment) without a new one."""
+
+    path: Trajectory
+    max_new_tokens: int
+    continues_to: int | None = None
+    entropy_tokens: int | None = None  # leading tokens whose entropies the sampler reads (None: all)
+
+
+@dataclass
+class CallRequest:
+    """Run a parsed tool call; a malformed call (`call.error`) is answered with None, never run."""
+
+    path: Trajectory
+    call: ToolCall
+
+
+@dataclass
+class CommitRequest:
+    """Resume `path` once it is committed (a branch started before its parent's fork decision); a dropped path's
+    program is closed instead."""
+
+    path: Trajectory
+
+
+PathRequest = GenerateRequest | CallRequest | CommitRequest
+
+
+Program = Generator[Any, Any, None]
+
+
+class Sampler(Protocol):
+    """What a scheduler drives: `arpo_trl.rollout.BranchingSampler` (named here, not imported: the sampler imports
+    the schedulers)."""
+
+    engine: Any
+    tools: list[Tool]
+    call_format: CallFormat
+    max_completion_length: int
+    max_tool_workers: int
+    tool_timeout: float
+
+    def grow(self, rollout: Rollout, path: Trajectory) -> Program:
+        """One path's program: yields `PathRequest`s, receives their results."""
+
+
+def bind(call: ToolCall) -> tuple[Callable[[], object], bool]:
+    """The call, and whether it runs on the rollout's own thread (`ToolRunner.submit`'s `here`)."""
+    return (lambda: call.tool(call.content)), runs_here(call.tool)
+
+
+def path_context(paths: list[Trajectory]) -> str:
+    """The note a path's failure carries: which paths were running, where (a rollout runs many in parallel)."""
+    described = ", ".join(f"{path.id} (group {path.group}, {path.kind}, {len(path.completion_ids)} completion tokens, "
+                          f"{path.tool_calls} tool calls)" for path in paths[:4])
+    more = f" and {len(paths) - 4} more" if len(paths) > 4 else ""
+    return f"in ARPO path{'s' if len(paths) > 1 else ''} {described}{more}"
+
+
+def interrupt_tools(sampler: Sampler) -> None:
+    """A cancelled rollout stops the tool calls still running (e.g. kills PythonTool's processes)."""
+    for tool in sampler.tools:
+        with contextlib.suppress(Exception):
+            tool.interrupt()
+
+
+def make_scheduler(name: str, engine) -> WaveScheduler | EventScheduler:
+    """'events' needs an engine with `agenerate`; 'waves' drives any engine; 'auto' picks events where it can."""
+    asynchronous = callable(getattr(engine, "agenerate", None))
+    if name == "waves" or (name == "auto" and not asynchronous):
+        return WaveScheduler()
+    if name in ("events", "auto"):
+        if not asynchronous:
+            raise ValueError(f"scheduler='events' needs an engine with an `agenerate` method (e.g. VLLMServerEngine); "
+                             f"{type(engine).__name__} only generates in batches: use scheduler='waves' or 'auto'.")
+        return EventScheduler()
+    raise ValueError(f"scheduler must be one of ('auto', 'events', 'waves'), got {name!r}.")
+
+
+# ---- events ---------------------------------------------------------------------------------------------------
+class _Activity:
+    """Splits wall time into generation in progress, tools alone in progress, and the rest."""
+
+    def __init__(self, stats):
+        self.stats, self.generating, self.calling, self.last = stats, 0, 0, time.perf_counter()
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        if self.generating:
+            self.stats.generation_seconds += now - self.last
+        elif self.calling:
+            self.stats.tool_seconds += now - self.last
+        self.last = now
+
+    @contextlib.contextmanager
+    def busy(self, kind: str):
+        self._tick()
+        setattr(self, kind, getattr(self, kind) + 1)
+        try:
+            yield
+        finally:
+            self._tick()
+            setattr(self, kind, getattr(self, kind) - 1)
+
+
+class EventScheduler:
+    """One asyncio task per path; requests and tool calls are awaited as they come."""
+
+    event_driven = True
+
+    def run(self, sampler: Sampler, rollout: Rollout) -> None:
+        runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
+        try:
+            if any_runs_here(sampler.tools):  # the loop on a thread of its own; this one runs those tools' calls
+                return run_loop_in_thread(self._run(sampler, rollout, runner), runner)
+            return run_coroutine(self._run(sampler, rollout, runner))  # also inside a running loop (Jupyter)
+        finally:
+            runner.close()
+
+    async def _run(self, sampler: Sampler, rollout: Rollout, runner: ToolRunner) -> None:
+        await _EventRollout(sampler, rollout, runner).run()
+
+
+class _EventRollout:
+    """One rollout under `EventScheduler`: a task per path, started as the sampler's decisions start paths and
+    cancelled as they drop them; the rollout ends when every task has, or at the first failure."""
+
+    def __init__(self, sampler: Sampler, rollout: Rollout, runner: ToolRunner):
+        self.sampler, self.rollout, self.stats, self.runner = sampler, rollout, rollout.stats, runner
+        self.activity = _Activity(rollout.stats)
+        self.clock: dict[int, int] = {}  # path id -> tokens on its chain so far
+        self.started_at: dict[int, int] = {}  # path id -> tokens on its chain when it started
+        self.depth: dict[int, int] = {}  # path id -> requests on its chain so far
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.rests: dict[int, tuple[asyncio.Task, int]] = {}  # path id -> its probe's request decoding on, its room
+        self.dropped: list[asyncio.Task] = []  # rests cancelled with their paths, awaited before the rollout ends
+        self.commits: dict[int, asyncio.Event] = {}  # branches waiting for their parent's decision
+        self.done: asyncio.Future | None = None
+
+    async def run(self) -> None:
+        self.done = asyncio.get_running_loop().create_future()
+        self.start_new()
+        try:
+            if self.tasks:
+                await self.done
+        except BaseException:
+            self.runner.cancel_pending()
+            interrupt_tools(self.sampler)
+            raise
+        finally:
+            await self._close()
+        self._record_chains()
+
+    def start_new(self) -> None:
+        """Start a task for each path the sampler started, resume the committed, cancel the dropped."""
+        rollout = self.rollout
+        for path, creator in rollout.started:
+            self.clock[path.id] = self.started_at[path.id] = self.clock.get(creator.id, 0) if creator is not None else 0
+            self.depth[path.id] = self.depth.get(creator.id, 0) if creator is not None else 0
+            self.tasks[path.id] = task = asyncio.create_task(self._drive(path))
+            task.add_done_callback(lambda task, key=path.id: self._finished(key, task))
+        rollout.started.clear()
+        for path in rollout.committed:
+            self.commits.setdefault(path.id, asyncio.Event()).set()
+        for path in rollout.cancelled:  # speculative paths the decisions made unnecessary
+            if path.id in self.tasks:
+                self.tasks[path.id].cancel()
+        rollout.committed.clear(), rollout.cancelled.clear()
+
+    def _finished(self, key: int, task: asyncio.Task) -> None:
+        self.tasks.pop(key, None)
+        error = None if task.cancelled() else task.exception()  # retrieved always, even after the first failure
+        if self.done.done():
+            return
+        if error is not None:
+            self.done.set_exception(error)
+        elif not self.tasks:
+            self.done.set_result(None)
+
+    async def _drive(self, path: Trajectory) -> None:
+        try:
+            await self._advance(path)
+        except Exception as error:
+            error.add_note(path_context([path]))
+            raise
+        finally:
+            if (rest := self.rests.pop(path.id, None)) is not None:  # the path ended before asking for it
+                rest[0].cancel()
+                self.dropped.append(rest[0])
+
+    async def _advance(self, path: Trajectory) -> None:
+        """Run `path`'s program: send each answer back and await its next request."""
+        sampler, stats = self.sampler, self.stats
+        program, answer = sampler.grow(self.rollout, path), None
+        while True:
+            start = time.perf_counter()
+            try:
+                request = program.send(answer)
+            except StopIteration:
+                return
+            finally:
+                self.start_new()
+                stats.overhead_seconds += time.perf_counter() - start
+            if isinstance(request, GenerateRequest):
+                with self.activity.busy("generating"):
+                    answer = await self._generate(path, request)
+                self.clock[path.id] += len(answer.token_ids)
+            elif isinstance(request, CommitRequest):
+                answer = await self.commits.setdefault(path.id, asyncio.Event()).wait()
+            elif request.call.error is not None:
+                answer = None
+            else:
+                with self.activity.busy("calling"):
+                    answer = await asyncio.wrap_future(self.runner.submit(*bind(request.call)))
+
+    async def _generate(self, path: Trajectory, request: GenerateRequest):
+        """The segment `request` asks for: a new engine request, or the rest of the one the path's probe left
+        decoding (`GenerateRequest.continues_to`)."""
+        engine, stops = self.sampler.engine, self.sampler.call_format.stop_strings
+        if (rest := self.rests.pop(path.id, None)) is not None:
+            task, room = rest
+            if request.max_new_tokens != room:
+                task.cancel()
+                raise RuntimeError(f"path {path.id} asked {request.max_new_tokens} tokens after its probe, not {room}.")
+            self.stats.continued_probes += 1
+            return await task
+        self.depth[path.id] += 1
+        self.stats.requests += 1
+        prefix = path.prompt_ids + path.completion_ids
+        if (room := request.continues_to) is not None and callable(getattr(engine, "agenerate_continuing", None)):
+            probe, task = await engine.agenerate_continuing(prefix, request.max_new_tokens, room, stops)
+            if task is not None:
+                self.rests[path.id] = task, room - len(probe.token_ids)
+            return probe
+        offered = {"seed": path.seed, "entropy_tokens": request.entropy_tokens}
+        options = {key: value for key, value in offered.items() if key in getattr(engine, "request_options", ())}
+        return await engine.agenerate(prefix, request.max_new_tokens, stops, **options)
+
+    async def _close(self) -> None:
+        self.runner.close()
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await asyncio.gather(*self.dropped, return_exceptions=True)  # rests cancelled as their paths ended
+        if self.done.done() and not self.done.cancelled():
+            self.done.exception()  # retrieved: the rollout was cancelled after a path had failed
+        close = getattr(self.sampler.engine, "aclose", None)
+        if close is not None:
+            await close()
+
+    def _record_chains(self) -> None:
+        """The kept paths' chain lengths; the longest is the rollout's critical path."""
+        kept = [path for group in self.rollout.groups for path in group if path.committed]
+        self.rollout.chains = {path.id: self.clock[path.id] for path in kept}
+        if kept:
+            longest = max(kept, key=lambda path: self.clock[path.id])
+            self.stats.critical_path_tokens, self.stats.critical_path_kind = self.clock[longest.id], longest.kind
+        self.stats.latest_fill_up_start_tokens = max(
+            (self.started_at[path.id] for path in kept if path.kind == "fill"), default=0)
+        self.stats.waves = max((self.depth[path.id] for path in kept), default=0)
+
+
+# ---- waves ----------------------------------------------------------------------------------------------------
+class WaveScheduler:
+    """Ready requests → one `engine.generate` batch per wave; the tool calls of a moment run before it."""
+
+    event_driven = False  # paths join in path order, so a seed fixes the trees with either in-process engine
+
+    def run(self, sampler: Sampler, rollout: Rollout) -> None:
+        self.sampler, self.rollout = sampler, rollout
+        self.runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
+        self.programs: dict[int, Program] = {}
+        self.waiting: dict[int, Trajectory] = {}  # branches waiting for their parent's decision
+        answers: list[tuple[Trajectory, object]] = []
+        held: list[tuple[Trajectory, Any]] = []  # generation requests waiting for the tool calls of their moment
+        scope = getattr(sampler.engine, "rollout_scope", contextlib.nullcontext)  # an engine's cache, kept per rollout
+        try:
+            with scope():
+                while requests := held + self._step(answers):
+                    answers, held = self._act(requests)
+        except BaseException:
+            self.runner.cancel_pending()
+            interrupt_tools(sampler)
+            raise
+        finally:
+            self.runner.close()
+            del self.sampler, self.rollout, self.runner, self.programs, self.waiting
+
+    def _step(self, answers: list[tuple[Trajectory, object]]) -> list[tuple[Trajectory, Any]]:
+        """Send every answer to its program in path order; new paths (forks, fill-ups) join at the end, in order."""
+        start = time.perf_counter()
+        work = sorted(answers, key=lambda item: item[0].id)
+        self._admit(work)
+        requests = []
+        for path, answer in work:  # `work` grows while it is walked: forks made by earlier steps
+            if path.id not in self.programs:  # dropped meanwhile
+                continue
+            try:
+                request = self.programs[path.id].send(answer)
+            except StopIteration:
+                del self.programs[path.id]
+            except Exception as error:
+                error.add_note(path_context([path]))
+                raise
+            else:
+                if isinstance(request, CommitRequest):
+                    self.waiting[path.id] = path
+                else:
+                    requests.append((path, request))
+            self._admit(work)
+        self.rollout.stats.overhead_seconds += time.perf_counter() - start
+        if self.waiting and not requests:
+            raise RuntimeError(f"paths {sorted(self.waiting)} wait for a fork decision that no path will make")
+        return [(path, request) for path, request in requests if path.id in self.programs]
+
+    def _admit(self, work: list[tuple[Trajectory, object]]) -> None:
+        """Programs for the paths just started, resumed for those just committed, closed for those dropped."""
+        rollout = self.rollout
+        for path, _ in rollout.started:
+            self.programs[path.id] = self.sampler.grow(rollout, path)
+            work.append((path, None))
+        for path in rollout.committed:
+            if self.waiting.pop(path.id, None) is not None:
+                work.append((path, None))
+        for path in rollout.cancelled:
+            self.waiting.pop(path.id, None)
+            program = self.programs.pop(path.id, None)
+            if program is not None:
+                program.close()
+        rollout.started.clear(), rollout.committed.clear(), rollout.cancelled.clear()
+
+    def _align(self, generate: list[tuple[Trajectory, GenerateRequest]]) -> None:
+        """A wave lasts as long as its longest request. When it holds short requests (probes, new branches: k
+        tokens), every request in it stops there too and goes on in the next wave, so that the fork decisions and
+        the branches they start do not wait for long segments (their programs continue them, as a probe's)."""
+        limit = self.sampler.max_completion_length
+        short = [r.max_new_tokens for path, r in generate if r.max_new_tokens < limit - len(path.completion_ids)]
+        if short:
+            for _, request in generate:
+                request.max_new_tokens = min(request.max_new_tokens, max(short))
+
+    def _act(self, requests) -> tuple[list[tuple[Trajectory, object]], list[tuple[Trajectory, Any]]]:
+        """Run the tool calls of this moment (concurrently) and hold the generation requests, which then join the
+        requests of the paths the calls release: one wave instead of two, as a batch engine pays per wave. With no
+        call pending, generate the wave. Returns the answers and the requests still held."""
+        generate = [(path, r) for path, r in requests if isinstance(r, GenerateRequest)]
+        calls = [(path, r) for path, r in requests if isinstance(r, CallRequest)]
+        if calls:
+            futures = {path.id: self.runner.submit(*bind(r.call)) for path, r in calls if r.call.error is None}
+            start = time.perf_counter()
+            self.runner.serve(list(futures.values()))  # runs here the calls of tools that are not thread-safe
+            self.rollout.stats.tool_seconds += time.perf_counter() - start
+            return [(path, futures[path.id].result() if path.id in futures else None) for path, _ in calls], generate
+        return self._generate(generate), []
+
+    def _generate(self, generate: list[tuple[Trajectory, GenerateRequest]]) -> list[tuple[Trajectory, object]]:
+        sampler, stats = self.sampler, self.rollout.stats
+        generate = sorted(generate, key=lambda item: item[0].id)
+        self._align(generate)
+        start = time.perf_counter()
+        prefixes = [path.prompt_ids + path.completion_ids for path, _ in generate]
+        budgets, stops = [r.max_new_tokens for _, r in generate], sampler.call_format.stop_strings
+        try:
+            if "seed" in getattr(sampler.engine, "request_options", ()):
+                segments = sampler.engine.generate(prefixes, budgets, stops, seeds=[path.seed for path, _ in generate])
+            else:
+                segments = sampler.engine.generate(prefixes, budgets, stops)
+        except Exception as error:
+            error.add_note(path_context([path for path, _ in generate]))
+            raise
+        stats.generation_seconds += time.perf_counter() - start
+        stats.waves += 1
+        stats.requests += len(generate)
+        stats.critical_path_tokens += max(len(segment.token_ids) for segment in segments)
+        return [(path, segment) for (path, _), segment in zip(generate, segments)]
