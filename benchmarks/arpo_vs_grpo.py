@@ -64,8 +64,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 # ARPO with one setting changed, after the recipe's (the last flag wins): each tests an explanation of ARPO not beating
 # GRPO. τ = 1: fork at every tool result the budget allows; β = 1: the fork rule reads entropy 5× more (with ΔH over
-# ln|V|, β = 0.2 moves P by a few hundredths); hard attribution: a shared prefix trained once, at its paths' mean
-# advantage; N = 4: half the budget more to forks.
+# ln|V|, β = 0.2 moves P by a few hundredths once the first third of training is past: the report's fork-probability
+# table); hard attribution: a shared prefix trained once, at its paths' mean advantage; N = 4: half the budget more to
+# forks.
 ABLATIONS = {"arpo_tau1": ["--branch_threshold", "1.0"], "arpo_beta1": ["--entropy_weight", "1.0"],
              "arpo_hard": ["--advantage_attribution", "hard"], "arpo_n4": ["--initial_rollouts", "4"]}
 METHODS = {"arpo": ("tags", "entropy"), "grpo": ("tags", "none"), "arpo_chat": ("chat_template", "entropy"),
@@ -345,6 +346,69 @@ def distinct_completions(run_dir: Path) -> list[float]:
     return [statistics.fmean(len(v) for (s, _), v in groups.items() if s == step) for step in steps]
 
 
+THIRDS = ("first", "middle", "last")
+
+
+def decisions_by_third(run_dir: Path, steps: int) -> dict[str, list[tuple[float, float]]]:
+    """The (probability, draw) of every fork decision in a run's trees (`decisions`, one list per path), grouped by
+    the third of training its step falls in. Empty for GRPO and for trees written before decisions were recorded."""
+    from arpo_trl.trees import read_jsonl
+
+    thirds: dict[str, list[tuple[float, float]]] = {third: [] for third in THIRDS}
+    if (run_dir / "trees.jsonl").is_file():
+        for record in read_jsonl(run_dir / "trees.jsonl"):
+            third = THIRDS[min(2, 3 * record["step"] // max(steps, 1))]
+            thirds[third] += [(d["probability"], d["draw"]) for d in record.get("decisions", [])]
+    return thirds
+
+
+def decision_statistics(pairs: list[tuple[float, float]], tau: float) -> dict:
+    """How much the entropy moved a set of fork decisions: the quantiles of the probability P = clip(τ + β·ΔH, 0, 1)
+    each drew with, the mean |P - τ|, and the share of decisions whose outcome (u < P) differs from the one forking at
+    random with p = τ would have given with the same u."""
+    import numpy as np
+
+    p, u = np.array(pairs, dtype=float).T
+    return {"decisions": len(pairs),
+            "quantiles": dict(zip(("p05", "p25", "p50", "p75", "p95"),
+                                  np.quantile(p, [0.05, 0.25, 0.5, 0.75, 0.95]).round(4).tolist())),
+            "mean_abs_shift": round(float(np.abs(p - tau).mean()), 4),
+            "changed_share": round(float(((u < p) != (u < tau)).mean()), 4)}
+
+
+def method_tau(args: argparse.Namespace, method: str) -> float:
+    """The branch threshold τ a method's runs use: an ablation's flag, else the recipe's."""
+    flags = ABLATIONS.get(method, [])
+    if "--branch_threshold" in flags:
+        return float(flags[flags.index("--branch_threshold") + 1])
+    return float(recipe_value(recipes(args)[format_of(method)], "branch_threshold"))
+
+
+def fork_probability_report(args: argparse.Namespace, runs: list[dict]) -> dict:
+    """Per setting and branching method: `decision_statistics` per third of training, pooled over its seeds' runs
+    and per seed. Methods whose runs recorded no decision are left out."""
+    report: dict = {}
+    for run in runs:
+        method = run["method"].partition("@")[0]
+        if METHODS[method][1] in ("none", "trl"):
+            continue
+        thirds = decisions_by_third(Path(run["dir"]), args.steps)
+        if not any(thirds.values()):
+            continue
+        tau = method_tau(args, method)
+        entry = report.setdefault(run["setting"], {}).setdefault(
+            run["method"], {"tau": tau, "pooled": {third: [] for third in THIRDS}, "per_seed": {}})
+        entry["per_seed"][str(run["seed"])] = {t: decision_statistics(pairs, tau)
+                                               for t, pairs in thirds.items() if pairs}
+        for third, pairs in thirds.items():
+            entry["pooled"][third] += pairs
+    for methods in report.values():
+        for entry in methods.values():
+            entry["pooled"] = {t: decision_statistics(pairs, entry["tau"]) for t, pairs in entry["pooled"].items()
+                               if pairs}
+    return report
+
+
 def read_eval(path: Path) -> dict:
     results = json.loads((path / "eval_results.json").read_text())
     per_question = [record["num_correct"] / len(record["completions"]) for record in results["records"]]
@@ -494,8 +558,24 @@ def markdown(report: dict) -> str:
     keys = [k for k in RATIOS + DIFFERENCES + ("heldout_gain@1",)
             if any(k in values for values in report["comparisons"].values())]
     table = [[name, *(_interval(values.get(k)) for k in keys)] for name, values in report["comparisons"].items()]
-    return "\n".join(lines + [markdown_table(["comparison", *[f"{k} ({'ratio' if k in RATIOS else 'diff'})"
-                                                              for k in keys]], table)])
+    lines += [markdown_table(["comparison", *[f"{k} ({'ratio' if k in RATIOS else 'diff'})" for k in keys]], table)]
+    return "\n".join(lines + fork_probability_markdown(report.get("fork_probabilities", {})))
+
+
+def fork_probability_markdown(report: dict) -> list[str]:
+    """The pooled `fork_probability_report` as a table: how far entropy moved P from τ, per third of training."""
+    from arpo_trl.markdown import markdown_table
+
+    rows = [[setting, method, third, stats["decisions"], *(_fmt(stats["quantiles"][q]) for q in ("p05", "p50", "p95")),
+             _fmt(stats["mean_abs_shift"]), _fmt(stats["changed_share"])]
+            for setting, methods in report.items() for method, entry in methods.items()
+            for third, stats in entry["pooled"].items()]
+    if not rows:
+        return []
+    return ["", "Fork probabilities P = clip(τ + β·ΔH, 0, 1), pooled over seeds, per third of training; *changed* = "
+            "the share of decisions whose outcome (u < P) differs from forking at random with p = τ and the same u:",
+            "", markdown_table(["setting", "method", "third", "decisions", "P p05", "P p50", "P p95", "mean |P − τ|",
+                                "changed"], rows)]
 
 
 def _interval(value: dict | None) -> str:
@@ -621,6 +701,8 @@ def main(argv=None) -> dict:
                               for setting in report["summary"] for method in report["summary"][setting]
                               if (gain := against_cold_start(runs, report.get("cold_start", {}), method, setting,
                                                              args.bootstrap))}
+    report["fork_probabilities"] = (json.loads(Path(args.runs_from).read_text()).get("fork_probabilities", {})
+                                    if args.runs_from else fork_probability_report(args, runs))
     report["plots"] = plot(runs, out, report.get("cold_start"))
     report.setdefault("load_end", os.getloadavg())
     (out / "results.json").write_text(json.dumps(report, indent=1))

@@ -1,21 +1,32 @@
 """The one-GPU recipe for a few steps with each engine: step seconds, tokens/s, peak memory, prefix-cache hit rate.
 
     python benchmarks/one_gpu.py --dry-run                       # the commands and recipes, nothing run
-    python benchmarks/one_gpu.py                                 # every engine, 5 steps, on this machine's GPU
-    python benchmarks/one_gpu.py --engines colocate in_process --steps 3 --python /path/to/vllm-env/bin/python
-    python benchmarks/one_gpu.py --model smollm2 --engines in_process --steps 1 --max-completion-length 64 \\
+    python benchmarks/one_gpu.py                                 # ARPO colocated and TRL's peer, 3 steps each
+    python benchmarks/one_gpu.py --engines colocate in_process server trl_colocate --steps 5
+    python benchmarks/one_gpu.py --model smollm2 --engines colocate --steps 1 --max-completion-length 64 \\
+        --python $(python -m arpo_trl.server setup --colocate | tail -n 1) \\
         --set num_generations=2 initial_rollouts=1 per_device_train_batch_size=2 gradient_accumulation_steps=1 \\
         max_tool_calls=1 dataset_name=reasoning_gym:gsm_symbolic:16            # CPU smoke test
 
-Engines (issue 55 item 7), each a subprocess of its own so the GPU's memory is clean between them:
-* colocate: `arpo-trl train` with `vllm_mode: colocate` (the recipe as written);
-* server: `arpo-trl vllm-serve --config` on the same GPU (the recipe with `vllm_mode: server`, LoRA adapters
-  loaded every step), then `arpo-trl train` against it;
-* in_process: `arpo-trl train` with `use_vllm: false` (the transformers cached engine);
-* trl_colocate: TRL's own `GRPOTrainer(tools=[python])` with `vllm_mode="colocate"` (benchmarks/trl_peer.py), the
-  peer: one synchronous `generate` per tool turn, all paths in lockstep.
+Needs, on the GPU machine: arpo-trl with vLLM in the range TRL 1.16 supports (`pip install -e ".[vllm]"`, vLLM 0.22 to
+0.31, which brings its CUDA torch), and the recipe's model in the Hugging Face cache (the runs set HF_HUB_OFFLINE=1
+unless it is set: `huggingface-cli download Qwen/Qwen2.5-3B-Instruct` first); nvidia-smi for the GPU's peak memory.
+The default run (two engines, 3 steps, the model cached) is sized to end within 8 minutes on one H100/H200-class GPU;
+it prints its expected time first.
 
-Per engine: step seconds (TRL's `step_time`: rollout + training of one optimizer step; the first step, which
+Engines, each a subprocess of its own so the GPU's memory is clean between them:
+* colocate: `arpo-trl train` with `vllm_mode: colocate` (the recipe);
+* trl_colocate: TRL's own `GRPOTrainer(tools=[python])` with `vllm_mode="colocate"` (benchmarks/trl_peer.py), the
+  peer: one synchronous `generate` per tool turn, all paths in lockstep;
+* server (not by default): `arpo-trl vllm-serve --config` on the same GPU (`vllm_mode: server`, LoRA adapters loaded
+  every step), then `arpo-trl train` against it;
+* in_process (not by default): `arpo-trl train` with `use_vllm: false` (the transformers cached engine).
+Both default engines run the recipe with chat-template tool calls (`tool_call_format: chat_template` and a system
+prompt without tags, `CHAT_OVERRIDES`), the format TRL's tool loop parses, in the recipe's dtype (bfloat16), on a
+shortened rollout (`RUN_OVERRIDES`: 4 prompts x M 8, 1024 new tokens) so that three steps fit.
+
+Per engine: the set-up seconds before the first step (model load and vLLM's start, from the process's start to
+`Trainer.train`), step seconds (TRL's `step_time`: rollout + training of one optimizer step; the first step, which
 includes warm-up, apart), rollout and training seconds, model tokens generated per step and per second of step,
 peak memory (the training process's `torch.cuda.max_memory_allocated`, and the GPU's `nvidia-smi` memory.used sampled
 every second, which counts a server's memory too; on CPU the process's peak RSS), and the prefix-cache hit rate and
@@ -46,10 +57,18 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "qwen2.5-3b_lora_colocate.yaml"
-ENGINES = ("colocate", "server", "in_process", "trl_colocate")
-# Guesses for the expected-time line and the default per-run timeout (x3), seconds: (start-up, one step).
-# GPU: the 3B recipe's 64 rows of up to 2048 tokens; CPU: a tiny smoke test.
-GUESS = {"gpu": {"start": 150, "step": 90, "server_start": 180}, "cpu": {"start": 60, "step": 180, "server_start": 240}}
+ENGINES = ("colocate", "trl_colocate", "server", "in_process")
+DEFAULT_ENGINES = ("colocate", "trl_colocate")
+# The chat-template call format for every engine: TRL's loop parses the template's tool calls only, and the recipe's
+# tag-format system prompt would ask for <python> tags it never runs (recipes/arpo_vs_grpo_chat.yaml's prompt).
+CHAT_OVERRIDES = {"tool_call_format": "chat_template", "system_prompt": (
+    "Solve the task. Use the python tool to run code. Think inside <think></think>, then give the final answer as "
+    "<answer>\\boxed{...}</answer>.")}
+# A shorter rollout than the recipe's 8 prompts x M 8 x 2048 tokens, so that two engines x 3 steps fit 8 minutes.
+RUN_OVERRIDES = {"gradient_accumulation_steps": 4, "max_completion_length": 1024}
+# Guesses for the expected-time line and the default per-run timeout, seconds: (set-up, one step). GPU: the 3B recipe
+# at RUN_OVERRIDES (32 rows of up to 1024 tokens); CPU: a tiny smoke test.
+GUESS = {"gpu": {"start": 90, "step": 45, "server_start": 120}, "cpu": {"start": 60, "step": 180, "server_start": 240}}
 
 
 def device_name() -> str:
@@ -109,7 +128,8 @@ def engine_recipe(base: dict, engine: str, overrides: dict, port: int | None = N
 
 
 def common_overrides(args: argparse.Namespace, gpu: bool) -> dict:
-    overrides = {"max_steps": args.steps, "logging_steps": 1, "save_strategy": "no", "report_to": "none"}
+    overrides = {"max_steps": args.steps, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
+                 **CHAT_OVERRIDES, **RUN_OVERRIDES}
     if args.model:
         overrides["model_name_or_path"] = args.model
     if args.max_completion_length:
@@ -222,16 +242,18 @@ def summarize(folder: Path, recipe: dict) -> dict:
 
 
 def table(report: dict) -> str:
-    lines = ["| engine | outcome | first step s | step s | rollout s | training s | tokens/step | tokens/s | "
-             "torch peak GiB | GPU peak GiB (nvidia-smi) | peak RSS GiB | prefix-cache hits | weight sync s |",
-             "|---" * 13 + "|"]
+    lines = ["| engine | outcome | set-up s | first step s | step s | rollout s | training s | tokens/step | "
+             "tokens/s | torch peak GiB | GPU peak GiB (nvidia-smi) | peak RSS GiB | prefix-cache hits | "
+             "weight sync s |",
+             "|---" * 14 + "|"]
 
     def cell(value, scale: float = 1.0) -> str:
         return "-" if value is None else (f"{value / scale:.2f}" if isinstance(value, float) or scale != 1.0
                                           else str(value))
 
     for name, r in report["engines"].items():
-        lines.append(f"| {name} | {r['outcome']} | {cell(r.get('first_step_s'))} | {cell(r.get('step_s'))} | "
+        lines.append(f"| {name} | {r['outcome']} | {cell(r.get('setup_s'))} | {cell(r.get('first_step_s'))} | "
+                     f"{cell(r.get('step_s'))} | "
                      f"{cell(r.get('rollout_s'))} | {cell(r.get('training_s'))} | "
                      f"{cell(r.get('tokens_generated_per_step'))} | {cell(r.get('tokens_per_s'))} | "
                      f"{cell(r.get('max_memory_allocated'), 1024**3)} | {cell(r.get('gpu_peak_mib'), 1024)} | "
@@ -246,9 +268,21 @@ def child(argv: list[str]) -> None:
     import atexit
 
     peak_file, target, *rest = argv
+    started, set_up = time.monotonic(), {}
+
+    def note_training_start() -> None:  # the set-up (model load, vLLM's start) ends where Trainer.train begins
+        from transformers import Trainer
+
+        train = Trainer.train
+
+        def timed(self, *args, **kwargs):
+            set_up.setdefault("setup_s", round(time.monotonic() - started, 1))
+            return train(self, *args, **kwargs)
+
+        Trainer.train = timed
 
     def write_peak() -> None:
-        peak = {"peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+        peak = {"peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, **set_up}
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             peak.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
@@ -256,6 +290,7 @@ def child(argv: list[str]) -> None:
         Path(peak_file).write_text(json.dumps(peak))
 
     atexit.register(write_peak)
+    note_training_start()
     sys.argv = [target, *rest]
     if target.endswith(".py"):
         runpy.run_path(target, run_name="__main__")
@@ -264,18 +299,17 @@ def child(argv: list[str]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", type=Path, default=RECIPE)
     parser.add_argument("--model", default=None, help="model_name_or_path override (e.g. smollm2)")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(DEFAULT_ENGINES))
     parser.add_argument("--max-completion-length", type=int, default=None)
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more recipe overrides (YAML)")
     parser.add_argument("--python", default=sys.executable, help="interpreter with arpo-trl (and vLLM for the "
                         "vLLM engines): e.g. $(python -m arpo_trl.server setup --colocate | tail -n 1)")
     parser.add_argument("--vllm-python", default=None, help="the server's interpreter, if not --python")
-    parser.add_argument("--timeout", type=float, default=None, help="per-run seconds (default: 3 x expected)")
+    parser.add_argument("--timeout", type=float, default=None, help="per-run seconds (default: 1.5 x expected)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_one_gpu")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/one_gpu_<device>.json")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and recipes; run nothing")
@@ -305,7 +339,7 @@ def plan(args: argparse.Namespace, gpu: bool) -> dict:
         (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
         expected = expected_seconds(engine, args.steps, gpu)
         runs[engine] = {"folder": folder, "recipe": recipe, "expected_s": expected,
-                        "timeout_s": args.timeout or 3 * expected,
+                        "timeout_s": args.timeout or 1.5 * expected,
                         "url": f"http://127.0.0.1:{port}" if port else None,
                         "commands": commands(engine, folder / "recipe.yaml", folder / "peak.json", args.python,
                                              args.vllm_python)}

@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         build_tools,
         load_dataset,
         load_reward,
+        model_init_kwargs,
         one_line_parser,
         parse_recipe,
         resolve_model,
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = grpo_recipe(list(sys.argv[1:] if argv is None else argv))
     parser = one_line_parser((ARPOScriptArguments, GRPOConfig, ModelConfig), "trl_peer")
     script_args, args, model_args = parse_recipe(parser, argv, "train")
+    args.model_init_kwargs = model_init_kwargs(model_args, args)  # as trl/scripts/grpo.py: dtype, attention, ...
     model = resolve_model(model_args.model_name_or_path)
     tools, seconds = build_tools(script_args), []
     if [t.tag for t in tools] != ["python"]:

@@ -72,6 +72,12 @@ def _recipe(name: str, path: Path, **overrides) -> str:
     return str(path)
 
 
+def _as_json(value) -> str:
+    """Reports compared as JSON text: a ratio undefined on both sides (0/0, e.g. a peak RSS that did not grow) is NaN,
+    and NaN != NaN in a dict comparison."""
+    return json.dumps(value, sort_keys=True)
+
+
 def _steps(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [row for row in rows if "step_time" in row]
@@ -178,18 +184,29 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
             assert value["low"] <= value["high"]
         if method == "arpo_chat":  # the random chat model makes no calls: no ratio of zeros
             assert "tool_calls_per_group" not in values
+    forks = report["fork_probabilities"]  # τ = 1, β = 0: every decision drew P = 1 and matches forking at random
+    assert {"arpo"} <= set(forks["M4N2"]) <= {"arpo", "aepo"} and set(forks["M2N1"]) == {"arpo"}
+    for setting, methods in forks.items():
+        recorded = sum(len(r.get("decisions", [])) for run in report["runs"] if (run["setting"], run["method"]) == (
+            setting, "arpo") for r in read_jsonl(Path(run["dir"]) / "trees.jsonl"))
+        pooled = methods["arpo"]["pooled"]
+        assert sum(stats["decisions"] for stats in pooled.values()) == recorded > 0
+        assert all(set(s["quantiles"].values()) == {1.0} and s["changed_share"] == s["mean_abs_shift"] == 0
+                   for s in pooled.values())
     table = (out / "results.md").read_text()
+    assert "Fork probabilities" in table and "| M4N2 | arpo | first |" in table
     assert "| M4N2 | trl_grpo |" in table and "| M4N2 arpo_chat vs trl_grpo |" in table and "(2 seeds)" in table
     for plot in report["plots"]:
         assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     published = json.loads((tmp_path / "published" / "results.json").read_text())
     assert published == json.loads((out / "results.json").read_text())
     assert published["commit"] and len(published["load_end"]) == 3
-    assert published["comparisons"] == json.loads(json.dumps(report["comparisons"]))
+    assert _as_json(published["comparisons"]) == _as_json(report["comparisons"])
     again = bench.main([*methods, "--report-only", "--seeds", "0", "1", "--peer-seeds", "0", "1", "--steps", "1",
                         "--settings", "4:2", "2:1", "--bootstrap", "200", "--recipe", train, "--chat-recipe", chat,
                         "--out", str(out)])
-    assert again["comparisons"] == report["comparisons"] and again["cold_start"] == report["cold_start"]
+    assert _as_json(again["comparisons"]) == _as_json(report["comparisons"])
+    assert again["cold_start"] == report["cold_start"]
 
 
 def test_arpo_vs_grpo_stacks_reach_their_runs(tool_model_dir, tmp_path):
@@ -303,7 +320,8 @@ def test_packed_training_reports_what_its_runs_measured(tmp_path, capsys):
     assert ratio["estimate"] == pytest.approx(sum(per_seed.values()) / 2)
     assert "| M4N2 | arpo_packed |" in capsys.readouterr().out
     again = bench.main(["--runs-from", str(tmp_path / "results.json"), "--out", str(tmp_path / "again")])
-    assert again["comparisons"] == json.loads(json.dumps(report["comparisons"])) and again["runs"] == report["runs"]
+    assert _as_json(again["comparisons"]) == _as_json(report["comparisons"])
+    assert again["runs"] == report["runs"]
 
 
 def test_prefill_batching_replays_the_joins_its_rollouts_made(tool_model_dir, capsys):
@@ -330,6 +348,16 @@ def test_packed_head_times_both_ways_on_the_same_steps(tiny_model_dir, capsys):
         assert step["plain_ms"] > 0 and step["packed_ms"] > 0 and step["pack_seconds"] >= 0
         assert step["max_logit_difference"] < 1e-4
     assert "| 3 |" in capsys.readouterr().out
+
+
+def test_fork_decision_statistics_measure_how_far_entropy_moved_p():
+    """P's quantiles, its mean distance from τ, and the share of decisions (u < P) that forking at random (u < τ)
+    would have decided the other way, on hand-counted decisions."""
+    bench = load("arpo_vs_grpo")
+    pairs = [(0.5, 0.1), (0.7, 0.6), (0.3, 0.4), (0.5, 0.9)]  # the 2nd forked (random not), the 3rd not (random did)
+    stats = bench.decision_statistics(pairs, tau=0.5)
+    assert stats["decisions"] == 4 and stats["changed_share"] == 0.5
+    assert stats["mean_abs_shift"] == pytest.approx(0.1) and stats["quantiles"]["p50"] == pytest.approx(0.5)
 
 
 def test_arpo_vs_grpo_curves_smooth_with_a_trailing_mean():

@@ -82,9 +82,25 @@ def test_the_one_gpu_recipe_uses_the_24gb_settings(memory):
     assert recipe["lora_target_modules"] == list(memory.LORA_TARGETS)
 
 
+def test_one_gpu_runs_arpo_and_trls_peer_by_default_with_chat_calls_in_bfloat16(tmp_path, capsys):
+    """The default run: both engines on the recipe with chat-template calls (which TRL's tool loop parses), the
+    recipe's bfloat16, three steps, each engine's set-up timed apart from its steps."""
+    bench = _load("one_gpu")
+    assert bench.main(["--dry-run", "--work", str(tmp_path)]) is None
+    assert capsys.readouterr().out.startswith("one_gpu: 2 engine(s) x 3 step(s)")
+    for engine in ("colocate", "trl_colocate"):
+        recipe = yaml.safe_load((tmp_path / engine / "recipe.yaml").read_text())
+        assert recipe["tool_call_format"] == "chat_template" and "<python>" not in recipe["system_prompt"]
+        assert recipe["dtype"] == "bfloat16" and recipe["max_steps"] == 3
+    gpu = bench.expected_seconds("colocate", 3, True) + bench.expected_seconds("trl_colocate", 3, True)
+    assert gpu <= 8 * 60  # the guess it prints: within one 8-minute GPU run
+    assert "vLLM in the range TRL 1.16 supports" in bench.__doc__ and "Hugging Face cache" in bench.__doc__
+
+
 def test_one_gpu_dry_run_derives_each_engines_recipe(tmp_path, capsys):
     bench = _load("one_gpu")
-    assert bench.main(["--dry-run", "--work", str(tmp_path), "--steps", "2", "--set", "seed=3"]) is None
+    assert bench.main(["--dry-run", "--work", str(tmp_path), "--steps", "2", "--set", "seed=3",
+                       "--engines", *bench.ENGINES]) is None
     printed = capsys.readouterr().out
     assert printed.startswith("one_gpu: 4 engine(s) x 2 step(s)") and "expected ~" in printed
     recipes = {e: yaml.safe_load((tmp_path / e / "recipe.yaml").read_text()) for e in bench.ENGINES}

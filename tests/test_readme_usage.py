@@ -89,11 +89,11 @@ def test_readme_usage_block_runs_as_written_and_earns_reward(monkeypatch, capsys
     """In an empty working folder (conftest) whose runs/quickstart-sft is the cached cold start, which the block's
     `quickstart_cold_start()` then finds (as after `arpo-trl quickstart`); then ARPO for STEPS steps.
 
-    Why the reward assertion does not hang on luck: seeds do not make the rollouts bit-identical (the same cold start
-    gave step-1 `arpo_math` means of 0.125 and -0.25 in two runs, i.e. at least 5 and 3 of 8 completions
-    well-formed), but the cold start writes the format on a large share of completions (the quickstart's step-1
-    rewards are 0.16-0.60 on three seeds, benchmarks/results/quickstart.json; all-malformed steps would log
-    `arpo_math` -1), and the test asks only that one of the 16 completions of two steps is well-formed."""
+    Why the reward assertion does not hang on luck: a seed fixes the rollouts on one machine (docs/differences.md,
+    "Seeds"), but not across machines (another CPU rounds the logits differently); the cold start writes the format
+    on a large share of completions (the quickstart's step-1 rewards are 0.16-0.60 on three seeds,
+    benchmarks/results/quickstart.json; all-malformed steps would log `arpo_math` -1), and the test asks only that
+    one of the 16 completions of two steps is well-formed."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     Path("runs").mkdir()
     Path("runs", "quickstart-sft").symlink_to(cached_cold_start(), target_is_directory=True)
@@ -107,7 +107,8 @@ def test_readme_usage_block_runs_as_written_and_earns_reward(monkeypatch, capsys
     logs = [log for log in trainer.state.log_history if "reward" in log]
     assert len(logs) == STEPS and readme_usage.step_rewards(trainer) == namespace["rewards"]
     printed = capsys.readouterr().out
-    assert f"training reward: step 1 {logs[0]['reward']:.2f}, step {STEPS} {logs[-1]['reward']:.2f}" in printed
+    first, last = readme_usage.thirds([log["reward"] for log in logs])  # the quickstart benchmark's statistic
+    assert f"mean training reward: first third {first:+.2f}, last third {last:+.2f}" in printed
     # Both rewards are logged: ARPO's (-1 for a malformed completion) and the format credit (0 to 0.7).
     math_means = [log["rewards/arpo_math_reward/mean"] for log in logs]
     credit_means = [log["rewards/format_credit_reward/mean"] for log in logs]

@@ -133,10 +133,13 @@ def test_without_max_prompt_length_the_longest_prompt_of_the_data_is_the_budget(
 
 @pytest.mark.parametrize("changes, expected", [
     ({"bf16": False}, "float32"), ({"bf16": False, "fp16": True}, "float16"),
-    ({"bf16": False, "dtype": "bfloat16"}, "bfloat16"),
+    ({"bf16": False, "dtype": "bfloat16"}, "bfloat16"), ({"bf16": False, "dtype": "auto"}, "float32"),
 ])
 def test_the_dtype_is_the_trainers_precision(long_context_model, tmp_path, changes, expected):
-    assert plan_from_recipe(_recipe(tmp_path, model_name_or_path=long_context_model, **changes)).dtype == expected
+    """bf16/fp16 decide; else the recipe's dtype; a recipe without one (the GPU recipe's is dropped) serves float32."""
+    drop = () if "dtype" in changes else ("dtype",)
+    recipe = _recipe(tmp_path, model_name_or_path=long_context_model, drop=drop, **changes)
+    assert plan_from_recipe(recipe).dtype == expected
 
 
 @pytest.mark.parametrize("changes, rank", [
