@@ -13,8 +13,8 @@ from arpo_trl.entropy import check_entropy_args, resolve_estimator
 from arpo_trl.generation.engine import check_generation_kwargs
 from arpo_trl.generation.speculation import check_draft_tokens
 from arpo_trl.preflight import vllm_importable
-from arpo_trl.rollout import SCHEDULERS, check_branching_args, default_initial_rollouts
-from arpo_trl.rollout.entropy_balance import check_aepo_args
+from arpo_trl.rollout import SCHEDULERS, SPECULATION_MODES, check_branching_args, default_initial_rollouts
+from arpo_trl.rollout.arpo import check_aepo_args
 from arpo_trl.rollout.tool_calls import check_call_format
 from arpo_trl.server.weight_sync import check_sync_mode
 from arpo_trl.training.advantages import check_attribution
@@ -58,8 +58,8 @@ def check_arpo_config(config) -> None:
         raise ValueError(f"tool_timeout must be > 0 seconds, got {config.tool_timeout}.")
     if config.rollout_scheduler not in SCHEDULERS:
         raise ValueError(f"rollout_scheduler must be one of {SCHEDULERS}, got {config.rollout_scheduler!r}.")
-    if config.fill_up_hedge is not None and not 0 < config.fill_up_hedge < 1:
-        raise ValueError(f"fill_up_hedge must be in (0, 1) (a probability) or None, got {config.fill_up_hedge}.")
+    if config.rollout_speculation not in SPECULATION_MODES:
+        raise ValueError(f"rollout_speculation must be one of {SPECULATION_MODES}, got {config.rollout_speculation!r}.")
     if config.max_tool_workers < 1:
         raise ValueError(f"max_tool_workers must be >= 1, got {config.max_tool_workers}.")
     if config.max_failed_tool_steps < 0:

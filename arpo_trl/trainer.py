@@ -183,8 +183,7 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, TRLToolList, EnvironmentRo
             call_format=make_call_format(args.tool_call_format, tokenizer, self.arpo_tools, args.tool_call_open,
                                          args.tool_call_close, args.chat_template_kwargs),
             scheduler=args.rollout_scheduler if self.engine is not None else "waves",
-            speculative_fill_ups=args.speculative_fill_ups, speculative_branches=args.speculative_branches,
-            fill_up_hedge=args.fill_up_hedge,
+            speculation=args.rollout_speculation,
             branch_penalty=args.branch_penalty, pre_monitoring_beta=args.pre_monitoring_beta,
             segment_statistic=args.segment_entropy,
         )

@@ -92,11 +92,15 @@ TARGETS = (
         "tests/test_tags.py", *_FUZZ_TAGS, "tests/test_rollout.py::test_cut_when_the_tag_ends_inside_a_token",
         "tests/test_rollout.py::test_straddling_token_is_rewritten",
     )),
-    Target("budget", "arpo_trl/rollout/budget.py", ("tests/test_budget.py", *_ROLLOUT_FAST)),
+    Target("budget", "arpo_trl/rollout/arpo.py", ("tests/test_budget.py", *_ROLLOUT_FAST), (
+        "BranchingSampler._fill_up", "BranchingSampler.capacity", "BranchingSampler.forking",
+        "BranchingSampler.live_lines", "ForkShares.split", "ForkShares.shares", "ForkShares.remaining",
+        "ForkShares.free")),
+    Target("speculation", "arpo_trl/rollout/speculation.py", ("tests/test_budget.py", *_ROLLOUT_FAST)),
     # The fork rule only: the rest of the sampler is the path program, covered by the slower rollout tests.
-    Target("fork_rule", "arpo_trl/rollout/sampler.py", ("tests/test_fork_rule.py", *_ROLLOUT_FAST), (
+    Target("fork_rule", "arpo_trl/rollout/arpo.py", ("tests/test_fork_rule.py", *_ROLLOUT_FAST), (
         "default_initial_rollouts", "BranchingSampler.fork_probability", "BranchingSampler._at_tool_result",
-        "BranchingSampler._branch", "BranchingSampler._may_fork", "BranchingSampler._decide_fork")),
+        "BranchingSampler.branch", "BranchingSampler._may_fork", "BranchingSampler._decide_fork")),
 )
 
 

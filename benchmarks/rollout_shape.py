@@ -30,7 +30,7 @@ latency, not in entropy; a fork-slot rule that does not depend on arrival order 
 branches it has of global paths (|gap| <= 0.05 is the target).
 
 Each rollout samples `--prompts` prompts; every method sees the same agent and fork seeds per rollout index
-(paired), and ratios are of means over rollouts. `--fill-up-hedge` sets the sampler's `fill_up_hedge` (<= 0: off).
+(paired), and ratios are of means over rollouts. `--fill-up-hedge` sets the speculation's `hedge` (<= 0: off).
 """
 
 from __future__ import annotations
@@ -203,9 +203,10 @@ def rollouts(tokenizer, regime: Regime, method: str, scheduler: str, args, count
         num_generations=m, initial_rollouts=m if policy == "none" else regime.initial_rollouts,
         branch_policy=policy, max_tool_calls=regime.max_calls, max_completion_length=regime.max_completion_length,
         seed=args.seed, scheduler=scheduler.split("/")[-1], max_tool_workers=64, tool_timeout=60.0,
-        speculative_fill_ups=not args.no_speculation, branch_threshold=threshold,
-        fill_up_hedge=None if args.fill_up_hedge <= 0 else args.fill_up_hedge, **extra,
+        branch_threshold=threshold, **extra,
     )
+    sampler.speculation.fill_ups_early = not args.no_speculation
+    sampler.speculation.hedge = None if args.fill_up_hedge <= 0 else args.fill_up_hedge
     for rollout in range(args.rollouts):
         prompts = [tokenizer.encode(f"<|im_start|>user\nWhat is {i}+{rollout}?<|im_end|>\n<|im_start|>assistant\n")
                    for i in range(args.prompts)]
@@ -337,7 +338,7 @@ def main(argv=None) -> dict:
                         help="simulated server: decode steps a request waits before its first token")
     parser.add_argument("--no-speculation", action="store_true", help="fill-ups only once certain (ablation)")
     parser.add_argument("--fill-up-hedge", type=float, default=0.9,
-                        help="the sampler's fill_up_hedge (<= 0: None, fill-ups for the expected count only)")
+                        help="the speculation's hedge (<= 0: None, fill-ups for the expected count only)")
     parser.add_argument("--thresholds", nargs="+", type=float, default=[0.3, 1.0], help="τ values of the bias regime")
     parser.add_argument("--segment-statistic", choices=["mean", "sum"], default=None,
                         help="the sampler's segment entropy statistic (default: the sampler's own)")

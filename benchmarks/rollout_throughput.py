@@ -60,11 +60,12 @@ IN_PROCESS_ENGINES = {
 def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") -> BranchingSampler:
     """`policy`: a branch policy, optionally with variants joined by '+' after a ':': 'speculative' or 'deferred' (an
     uncertain fork's copies start beside the probe, or once it keeps them; the sampler's default otherwise),
-    'certain-fills' (fill-ups start only once certain: `speculative_fill_ups=False`), 'early-fills' (speculative
+    'certain-fills' (fill-ups start only once certain: `Speculation.fill_ups_early=False`), 'early-fills' (speculative
     fill-ups from the rollout's start even on an engine that drafts late paths), 'late-fills' (speculative fill-ups
     wait for the prompt's first fork decision on every engine), 'mean-fills' (as many speculative fill-ups as forking
-    is expected not to fill: `fill_up_hedge=None`), 'hedge=P' (`fill_up_hedge=P`), 'surely=P' (while fill-ups wait
-    for the first fork decision, those needed with probability P start: `FillUps.surely`, 0.99 by default)."""
+    is expected not to fill: `Speculation.hedge=None`), 'hedge=P' (`Speculation.hedge=P`, 0.9 by default), 'surely=P'
+    (while fill-ups wait for the first fork decision, those needed with probability P start: `Speculation.surely`,
+    0.99 by default)."""
     given = policy
     policy, _, variants = policy.partition(":")
     variants = set(filter(None, variants.split("+")))
@@ -79,26 +80,25 @@ def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") 
             raise ValueError(f"--policies: {clash} contradict each other in {given!r}")
     variants -= hedges | surely
     n = args.num_generations if policy == "none" else args.initial_rollouts
-    mode = {}
-    if variants & {"speculative", "deferred"}:
-        mode["speculative_branches"] = "speculative" in variants
-    if "certain-fills" in variants:
-        mode["speculative_fill_ups"] = False
-    if "mean-fills" in variants:
-        mode["fill_up_hedge"] = None
-    for hedge in hedges:
-        mode["fill_up_hedge"] = float(hedge.removeprefix("hedge="))
+    speculation = "branches" if "speculative" in variants else "auto"
     sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
                                initial_rollouts=n, max_completion_length=args.max_tokens, branch_policy=policy,
-                               seed=args.seed, scheduler=scheduler, **mode)
+                               seed=args.seed, scheduler=scheduler, speculation=speculation)
+    early = sampler.speculation  # the knobs users no longer set: the benchmark reaches them here
+    if "certain-fills" in variants:
+        early.fill_ups_early = False
+    if "mean-fills" in variants:
+        early.hedge = None
+    for hedge in hedges:
+        early.hedge = float(hedge.removeprefix("hedge="))
     if variants & {"early-fills", "late-fills"}:  # when speculative fill-ups start, whatever the engine drafts
-        sampler.fill_ups.after_first_decision = "late-fills" in variants
+        early.after_first_decision = "late-fills" in variants
     for variant in surely:  # while fill-ups wait for the first fork decision: those needed this surely start
         probability = float(variant.removeprefix("surely="))
-        if not 0 < probability <= 1 or not sampler.fill_ups.after_first_decision:
+        if not 0 < probability <= 1 or not early.after_first_decision:
             raise ValueError(f"--policies: {variant} in {given!r} needs a probability in (0, 1] and fill-ups that wait "
                              "for the first fork decision (late-fills, or an engine that makes them wait)")
-        sampler.fill_ups.surely = probability
+        early.surely = probability
     return sampler
 
 

@@ -80,7 +80,8 @@ def forks(model_dir: str, out: dict) -> None:
     trees = _tree_records(out["dir"])
     out.update(steps=_steps(trainer), rollouts=trainer.rollouts, block_size=trainer.engine.llm.vllm_config
                .cache_config.block_size, weight_syncs=trainer._trl.weight_sync.syncs,
-               compute_bound=trainer.engine.compute_bound, fill_ups_wait=trainer.sampler.fill_ups.after_first_decision,
+               compute_bound=trainer.engine.compute_bound,
+               fill_ups_wait=trainer.sampler.speculation.after_first_decision,
                policy_dtype=str(next(trainer.model.parameters()).dtype),
                engine_dtype=trainer.engine.llm.vllm_config.model_config.dtype.__str__(),
                entropies=[(record["segments"], record["entropies"]) for record in trees])

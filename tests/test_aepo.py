@@ -10,7 +10,7 @@ from test_rollout import CALL, _prompts, _sampler, _waves_with_bare_prompts
 from test_trainer import length_reward
 
 from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool, arpo_math_reward
-from arpo_trl.rollout.entropy_balance import aepo_fork_probability, global_samples
+from arpo_trl.rollout.arpo import aepo_fork_probability, global_samples
 from arpo_trl.training.entropy_balanced_update import BOUND_MARGIN, entropy_aware_advantages, keep_clipped_gradients
 
 VOCAB_LOG = math.log(1000)  # the scripted engine's ln|V|
@@ -74,7 +74,7 @@ def test_pre_monitoring_sets_the_global_samples_after_one_path(tokenizer, h_root
     m = global_samples(M, H_root, its segment entropies). Speculation off: no fill-up before it is certain."""
     m_budget = 8
     sampler = _sampler(tokenizer, monitor_script(h_root, h_tools), num_generations=m_budget, branch_policy="aepo",
-                       entropy_window=WINDOW, max_tool_calls=3, speculative_fill_ups=False, seed=0)
+                       entropy_window=WINDOW, max_tool_calls=3, early_fill_ups=False, seed=0)
     prompts = _prompts(tokenizer, 2)
     result = sampler.sample(prompts)
     segments = [segment_entropy(h_root)] + [segment_entropy(h) for h in h_tools]
@@ -108,7 +108,7 @@ def segment_entropy_inverse(segment: float) -> float:
 def fork_tree(tokenizer, penalty: float, policy: str = "aepo", threshold: float = 0.4) -> list:
     sampler = _sampler(tokenizer, penalty_script, num_generations=16, initial_rollouts=1, branch_policy=policy,
                        pre_monitoring_beta=None, branch_penalty=penalty, branch_threshold=threshold, entropy_weight=0.2,
-                       entropy_window=WINDOW, max_tool_calls=3, speculative_fill_ups=False, seed=0)
+                       entropy_window=WINDOW, max_tool_calls=3, early_fill_ups=False, seed=0)
     return sampler.sample(_prompts(tokenizer, 1)).groups[0]
 
 

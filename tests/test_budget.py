@@ -1,14 +1,51 @@
-"""The fill-up rule (`arpo_trl.rollout.budget.FillUps`, paper §3.1 step 4) on hand-built rollouts: how many paths
-forking could still add, how many it is expected to add, and which fill-ups start, are confirmed or are dropped."""
+"""The fill-up rule (paper §3.1 step 4: `BranchingSampler._fill_up` and `capacity` in `arpo_trl.rollout.arpo`) and
+speculation's early fill-ups (`arpo_trl.rollout.speculation`) on hand-built rollouts: how many paths forking could
+still add, how many it is expected to add, and which fill-ups start, are confirmed or are dropped."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from arpo_trl.rollout.budget import FillUps
+from arpo_trl.rollout import BranchingSampler
 from arpo_trl.rollout.paths import Rollout, ToolCallRecord
 
 PROMPT = [5, 6, 7]
+
+
+class FillUps:
+    """The real rule and its speculation, driven one prompt at a time as the sampler drives them (`update` is the
+    rule's `_fill_up`); no engine runs, so none is needed but its EOS."""
+
+    def __init__(self, max_tool_calls: int, branch_factor: int, branch_threshold: float, speculative: bool = True,
+                 after_first_decision: bool = False, hedge: float | None = None):
+        self.rule = BranchingSampler(SimpleNamespace(eos_token_ids=[0]), None, max_tool_calls=max_tool_calls,
+                                     branch_factor=branch_factor, branch_threshold=branch_threshold, seed=0)
+        self.early = self.rule.speculation
+        self.early.fill_ups_early = speculative
+        self.early.after_first_decision = after_first_decision
+        self.early.hedge = hedge
+        self.shares = self.rule.shares
+        self.update, self.capacity = self.rule._fill_up, self.rule.capacity
+        self.expected, self.make_room, self.learn = self.early.expected, self.early.forked, self.early.learn
+        self._rates, self.likely_needed = self.early._rates, self.early.likely_needed
+
+    @property
+    def call_rate(self) -> float:
+        return self.early.call_rate
+
+    @call_rate.setter
+    def call_rate(self, value: float) -> None:
+        self.early.call_rate = value
+
+    @property
+    def fork_rate(self) -> float:
+        return self.early.fork_rate
+
+    @fork_rate.setter
+    def fork_rate(self, value: float) -> None:
+        self.early.fork_rate = value
 
 
 def rollout(m: int, n: int, policy: str = "entropy") -> Rollout:

@@ -241,7 +241,7 @@ def test_trees_have_the_waves_engines_distribution(tool_model_dir, tokenizer):
     """Sampled rollouts (entropy forking, tool calls) of one seeded model through each engine and scheduler: the
     distributions of tree shapes (branches per group, tool calls per trajectory), of first segments' lengths and of
     first tokens agree (two-sample chi-square at p = 1e-6: failing takes a real difference, not bad luck). Also with
-    a fork's copies started after the probe keeps them (`speculative_branches=False`)."""
+    a fork's copies started after the probe keeps them (speculation 'auto', not 'branches')."""
     model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
     prompts = [_prompt(tokenizer, f"What is {a}+{b}?") for a, b in ((12, 30), (7, 5), (40, 2), (3, 9))]
     sampling = SamplingSettings(temperature=1.3, entropy_top_k=None)
@@ -252,7 +252,8 @@ def test_trees_have_the_waves_engines_distribution(tool_model_dir, tokenizer):
             torch.manual_seed(seed)
             sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=4,
                                        max_completion_length=48, branch_threshold=0.6, seed=seed,
-                                       scheduler=scheduler, speculative_branches=speculative_branches)
+                                       scheduler=scheduler,
+                                       speculation="branches" if speculative_branches else "auto")
             result = sampler.sample(prompts)
             seen["branches"] += [sum(t.kind == "branch" for t in group) for group in result.groups]
             for t in result.trajectories:

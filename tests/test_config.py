@@ -42,7 +42,7 @@ def test_defaults_follow_the_reference(tmp_path):
     ({"use_vllm": True, "entropy_estimator": "exact"}, "entropy_estimator"),
     ({"entropy_estimator": "top10"}, "entropy_estimator"),
     ({"segment_entropy": "max"}, "segment_entropy"),
-    ({"fill_up_hedge": 1.0}, "fill_up_hedge"),
+    ({"rollout_speculation": "always"}, "rollout_speculation"),
 ])
 def test_invalid_values_name_the_field(tmp_path, kw, field):
     with pytest.raises(ValueError, match=field):
@@ -52,3 +52,35 @@ def test_invalid_values_name_the_field(tmp_path, kw, field):
 def test_max_failed_tool_steps_must_not_be_negative(tmp_path):
     with pytest.raises(ValueError, match=r"max_failed_tool_steps must be >= 0 steps \(0: never stop\), got -1"):
         ARPOConfig(output_dir=str(tmp_path), max_failed_tool_steps=-1, report_to="none", use_cpu=True, bf16=False)
+
+
+@pytest.mark.parametrize("field, value, replacement", [
+    ("speculative_fill_ups", "false", "rollout_speculation: auto"), ("fill_up_hedge", "0.5", "rollout_speculation"),
+    ("speculative_branches", "true", "rollout_speculation: branches"),
+])
+def test_a_removed_field_is_refused_in_one_line_saying_what_to_write(tmp_path, capsys, field, value, replacement):
+    """In a recipe or as a flag, through `arpo-trl train`: the field, that it was removed and what replaces it."""
+    from arpo_trl.cli import main
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'run'}\n{field}: {value}\n")
+    for argv in (["train", "--config", str(recipe)], ["train", "--output_dir", str(tmp_path), f"--{field}", value]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_info.value.code != 0 and f"{field} was removed; write {replacement}" in error
+
+
+def test_every_field_arpo_adds_has_a_two_line_help_and_a_row_in_the_docs():
+    """Help strings stay short (the measurement or the long story goes to docs/configuration.md), and the docs name
+    every field a user can set beyond GRPOConfig's."""
+    import dataclasses
+    from pathlib import Path
+
+    from trl import GRPOConfig
+
+    inherited = {f.name for f in dataclasses.fields(GRPOConfig)}
+    own = [f for f in dataclasses.fields(ARPOConfig) if f.name not in inherited]
+    docs = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    assert [f.name for f in own if len(f.metadata["help"]) > 230] == []
+    assert [f.name for f in own if f"`{f.name}`" not in docs] == []

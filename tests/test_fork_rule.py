@@ -39,7 +39,7 @@ def test_forks_never_exceed_the_budget(tokenizer, m, copies_started, shares):
     listed right after its global path (tree order)."""
     sampler = _sampler(tokenizer, call_then_answer(), num_generations=m, initial_rollouts=2, branch_factor=3,
                        branch_threshold=1.0, entropy_weight=0.0, entropy_window=2, max_tool_calls=1,
-                       speculative_fill_ups=False)
+                       early_fill_ups=False)
     result = sampler.sample(_prompts(tokenizer, 1))
     assert len(sampler.engine.calls[1]) == 2 + copies_started  # the two probes and the copies beside them
     lines = [path for path in result.groups[0] if path.kind == "global"]
@@ -57,7 +57,7 @@ def test_a_rollouts_policy_override_decides_its_forks(tokenizer):
     def script(text, rng):
         return (CALL, 50.0, "stop") if "</result>" not in text else (ANSWER, 0.0, "eos")
     sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=1.0,
-                       entropy_weight=1.0, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False)
+                       entropy_weight=1.0, entropy_window=2, max_tool_calls=1, early_fill_ups=False)
     assert kinds(sampler.sample(_prompts(tokenizer, 1))) == [["global", "fill"]]
     assert kinds(sampler.sample(_prompts(tokenizer, 1), branch_policy="random")) == [["global", "branch"]]
 
@@ -67,7 +67,7 @@ def test_no_probe_where_no_fork_can_follow(tokenizer, m, n, z):
     """With Z = 1, or once the prompt holds all M paths, a path goes on after a tool result with its whole budget:
     no k-token probe, no copies."""
     sampler = _sampler(tokenizer, call_then_answer(), num_generations=m, initial_rollouts=n, branch_factor=z,
-                       entropy_window=2, max_tool_calls=1, max_completion_length=200, speculative_fill_ups=False)
+                       entropy_window=2, max_tool_calls=1, max_completion_length=200, early_fill_ups=False)
     result = sampler.sample(_prompts(tokenizer, 1))
     assert all(budget > 2 for wave in sampler.engine.budgets for budget in wave)
     assert result.stats.forks == 0 and {path.kind for path in result.groups[0]} <= {"global", "fill"}
@@ -78,7 +78,7 @@ def test_each_tool_result_settles_one_fork_decision(tokenizer):
     decision, when no decision is left that could fill the slot; not after the first, not once the global ended."""
     sampler = _sampler(tokenizer, call_then_answer(calls=2), num_generations=2, initial_rollouts=1,
                        branch_threshold=0.0, entropy_weight=0.0, entropy_window=3, max_tool_calls=2,
-                       speculative_fill_ups=False)
+                       early_fill_ups=False)
     prompts = _prompts(tokenizer, 1)
     result = sampler.sample(prompts)
     # waves: the global to its call; its probe (P = 0: no copy starts); on to its second call; its probe; the
@@ -106,8 +106,8 @@ def test_a_branch_inherits_its_parents_settled_decisions(tokenizer):
     # continuation (the engine's rest went to the global); the probes (fork, no fork) beside the new copies
     script = entropy_per_request([1.0, 5.0, 1.0, 1.0, 5.0, 0.0], calls=2)
     sampler = _sampler(tokenizer, script, num_generations=4, initial_rollouts=1, branch_threshold=0.5,
-                       entropy_weight=10.0, entropy_window=2, max_tool_calls=2, speculative_fill_ups=False,
-                       speculative_branches=True)
+                       entropy_weight=10.0, entropy_window=2, max_tool_calls=2, early_fill_ups=False,
+                       speculation="branches")
     prompts = _prompts(tokenizer, 1)
     result = sampler.sample(prompts)
     assert _waves_with_bare_prompts(sampler.engine, prompts) == [1, 0, 0, 0, 1, 0, 0]
@@ -126,7 +126,7 @@ def test_decisions_at_a_full_prompt_do_not_count_in_the_fork_rate(tokenizer):
         return (CALL if "</result>" not in text else ANSWER), next(entropies, 1.0), \
             "stop" if "</result>" not in text else "eos"
     sampler = _sampler(tokenizer, script, num_generations=3, initial_rollouts=2, branch_threshold=1.0,
-                       entropy_weight=0.2, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False, seed=1)
+                       entropy_weight=0.2, entropy_window=2, max_tool_calls=1, early_fill_ups=False, seed=1)
     result = sampler.sample(_prompts(tokenizer, 1))
     assert kinds(result) == [["global", "branch", "global"]] and result.groups[0][1].parent == result.groups[0][0].id
     assert sampler.state_dict()["fork_rate"] == 1.0
@@ -136,7 +136,7 @@ def _one_call_event_rollout(tokenizer, branch_threshold: float):
     """M = 2, N = 1, one tool call, event-driven, zero-cost tokens: (result, call tokens, answer tokens + EOS)."""
     sampler = _sampler(tokenizer, call_then_answer(), num_generations=2, initial_rollouts=1,
                        branch_threshold=branch_threshold, entropy_weight=0.0, entropy_window=2, max_tool_calls=1,
-                       speculative_fill_ups=False, scheduler="events", engine_class=AsyncScriptedEngine)
+                       early_fill_ups=False, scheduler="events", engine_class=AsyncScriptedEngine)
     sampler.engine.token_seconds = 0.0
     result = sampler.sample(_prompts(tokenizer, 1))
     call = len(tokenizer.encode(CALL, add_special_tokens=False))
@@ -218,8 +218,8 @@ def _one_call_rollouts(tokenizer, probe_entropy: float, speculative_branches: bo
         return (CALL, 3.454, "stop") if "</result>" not in text else (ANSWER, probe_entropy, "eos")
     for seed in range(rollouts):
         sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=0.6,
-                           entropy_weight=0.4, entropy_window=2, max_tool_calls=1, speculative_fill_ups=False,
-                           speculative_branches=speculative_branches, seed=seed)
+                           entropy_weight=0.4, entropy_window=2, max_tool_calls=1, early_fill_ups=False,
+                           speculation="branches" if speculative_branches else "auto", seed=seed)
         result = sampler.sample(_prompts(tokenizer, 1))
         assert len(result.groups[0]) == 2 and result.stats.fill_ups == result.stats.forks ^ 1
         yield result, sampler.engine.calls
@@ -230,7 +230,7 @@ def test_a_fork_certain_before_its_probe_starts_at_once_and_forks_as_often_as_p(
     """k = 2, |V| = 1000: the call's entropy 3.454 gives H_initial = 2·3.454/ln 1000 = 1.0, the probe's 1.727 gives
     H = 0.5, so P = clip(τ + β·ΔH) = 0.6 - 0.4·0.5 = 0.4. The uniform number u is drawn at the tool result: with u
     below 0.6 - 0.4·1.0 = 0.2 (the P of a probe reading no entropy at all) the fork is certain and its copy starts
-    confirmed, beside the probe; otherwise the copy starts beside the probe only with `speculative_branches`, and is
+    confirmed, beside the probe; otherwise the copy starts beside the probe only with speculation 'branches', and is
     dropped unless u < P. Over 300 rollouts the forks follow Binomial(300, 0.4), within 4.5 standard deviations;
     without speculation the copies that start beside the probe follow Binomial(300, 0.2), every one of them is kept,
     and nothing is discarded."""

@@ -93,10 +93,14 @@ def calls_then_answers(max_calls):
     return script
 
 
-def _sampler(tokenizer, script, tools=None, engine_class=None, **kw):
+def _sampler(tokenizer, script, tools=None, engine_class=None, early_fill_ups=True, **kw):
+    """A sampler over a scripted engine; `early_fill_ups=False`: speculation's fill-ups off (certain forks still start
+    at their tool result), so that a test counts only the fill-ups the rule is certain of."""
     engine = (engine_class or ScriptedEngine)(tokenizer, script, seed=kw.pop("engine_seed", 0))
     kw.setdefault("seed", 0)  # a seed fixes every fork draw: no test depends on an unseeded one
-    return BranchingSampler(engine, tokenizer, tools if tools is not None else [Tool("python", lambda c: "2")], **kw)
+    sampler = BranchingSampler(engine, tokenizer, tools if tools is not None else [Tool("python", lambda c: "2")], **kw)
+    sampler.speculation.fill_ups_early = early_fill_ups
+    return sampler
 
 
 def _is_prompt(prefix, prompts) -> bool:
@@ -133,11 +137,11 @@ def test_exactly_m_per_prompt_and_branch_prefixes(tokenizer, policy, seed, sched
 @pytest.mark.parametrize("scheduler", ["waves", "events"])
 @pytest.mark.parametrize("seed", range(3))
 def test_deferred_branches_start_from_the_tool_result_and_discard_nothing(tokenizer, seed, scheduler):
-    """`speculative_branches=False`: a fork's copies start once the probe keeps them, from the path as it was at the
+    """Speculation 'auto': an uncertain fork's copies start once the probe keeps them, from the path as it was at the
     tool result (its probe's tokens not included); nothing is generated for copies that are not kept."""
     sampler = _sampler(tokenizer, calls_then_answers(3), num_generations=8, initial_rollouts=2, seed=seed,
-                       engine_seed=seed, max_completion_length=200, scheduler=scheduler, speculative_branches=False,
-                       speculative_fill_ups=False, engine_class=AsyncScriptedEngine if scheduler == "events" else None)
+                       engine_seed=seed, max_completion_length=200, scheduler=scheduler,
+                       early_fill_ups=False, engine_class=AsyncScriptedEngine if scheduler == "events" else None)
     result = sampler.sample(_prompts(tokenizer, 3))
     assert [len(g) for g in result.groups] == [8, 8, 8] and result.stats.forks > 0
     assert result.stats.discarded_tokens == 0 and not any(not t.committed for t in result.trajectories)
@@ -223,14 +227,14 @@ def test_fill_ups_start_at_once_when_forks_cannot_fill_the_budget(tokenizer):
     per round once every path has ended; here all missing paths start together as soon as they are certain."""
     answer = lambda text, rng: ("<answer>\\boxed{2}</answer>", 0.1, "eos")  # noqa: E731  (no call: nothing forks)
     prompts = _prompts(tokenizer, 2)
-    sampler = _sampler(tokenizer, answer, num_generations=6, initial_rollouts=2, speculative_fill_ups=False)
+    sampler = _sampler(tokenizer, answer, num_generations=6, initial_rollouts=2, early_fill_ups=False)
     result = sampler.sample(prompts)
     # wave 1: the 2 globals of each prompt; they end without a call, so wave 2 starts the 4 missing of each prompt
     assert _waves_with_bare_prompts(sampler.engine, prompts) == [4, 8]
     assert [[t.kind for t in g] for g in result.groups] == [["global"] * 2 + ["fill"] * 4] * 2
     # no tool calls allowed: forking can never fill, so every path starts in wave 1
     sampler = _sampler(tokenizer, calls_then_answers(2), num_generations=6, initial_rollouts=2, max_tool_calls=0,
-                       speculative_fill_ups=False)
+                       early_fill_ups=False)
     sampler.sample(prompts)
     assert _waves_with_bare_prompts(sampler.engine, prompts) == [12]
 
@@ -243,8 +247,8 @@ def test_fill_ups_wait_for_the_last_fork_decision_that_could_fill(tokenizer):
         return (CALL, 0.1, "stop") if "</result>" not in text else ("<answer>\\boxed{2}</answer>", 0.1, "eos")
     prompts = _prompts(tokenizer, 1)
     sampler = _sampler(tokenizer, script, num_generations=4, initial_rollouts=2, branch_threshold=0.0,
-                       entropy_weight=0.0, entropy_window=3, max_tool_calls=1, speculative_fill_ups=False,
-                       speculative_branches=True)
+                       entropy_weight=0.0, entropy_window=3, max_tool_calls=1, early_fill_ups=False,
+                       speculation="branches")
     result = sampler.sample(prompts)
     engine = sampler.engine
     # wave 1: globals to their call; wave 2: their probes (3 tokens) beside the unconfirmed copies; wave 3: the probes
@@ -263,7 +267,7 @@ def test_branches_start_beside_their_parents_probe(tokenizer):
                                                                      0.1, "eos")
     prompts = _prompts(tokenizer, 1)
     sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=1.0,
-                       entropy_window=2, max_tool_calls=1, speculative_fill_ups=False)
+                       entropy_window=2, max_tool_calls=1, early_fill_ups=False)
     result = sampler.sample(prompts)
     parent, child = result.groups[0]
     assert child.kind == "branch" and child.parent == parent.id and child.fork_position == len(parent.completion_ids
@@ -299,8 +303,8 @@ def test_speculative_fill_ups_leave_the_trees_unchanged(tokenizer, seed):
     shapes, stats = [], []
     for speculate, after_first_decision in ((True, False), (False, False), (True, True)):
         sampler = _sampler(tokenizer, None, num_generations=8, initial_rollouts=3, seed=seed, engine_class=PrefixPolicy,
-                           speculative_fill_ups=speculate)
-        sampler.fill_ups.after_first_decision = after_first_decision  # as on an engine that drafts late paths
+                           early_fill_ups=speculate)
+        sampler.speculation.after_first_decision = after_first_decision  # as on an engine that drafts late paths
         result = sampler.sample(_prompts(tokenizer, 6))
         stats.append(result.stats)
         by_id = {t.id: t for t in result.trajectories}  # a path: its kind, tokens and its parent's (ids differ)

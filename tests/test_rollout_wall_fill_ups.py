@@ -1,14 +1,14 @@
 """Fill-ups hedged (issue 55): with many prompts, one prompt whose lines fork less than expected started a fill-up
 hundreds of tokens into the rollout, and the rollout waited for it (the longest chain grew 11 % on the paper-like
-benchmark). `FillUps(hedge=q)` also starts the fill-ups needed with probability q; what is kept is unchanged."""
+benchmark). Speculation's `hedge=q` also starts the fill-ups needed with probability q; what is kept is unchanged."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+from test_budget import FillUps
 
-from arpo_trl.rollout.budget import FillUps
 from arpo_trl.rollout.paths import Rollout
 
 PROMPT = [5, 6, 7]

@@ -49,14 +49,14 @@ def trees(result) -> list[list[tuple]]:
             for group in result.groups]
 
 
-def grow(model, tokenizer, *, seed=5, scheduler="events", policy="entropy", drafts=8, speculative=True,
-         speculative_branches=False, rollouts=2, tool=None):
+def grow(model, tokenizer, *, seed=5, scheduler="events", policy="entropy", drafts=8, speculation="auto", rollouts=2,
+         tool=None):
     """`rollouts` rollouts of the three questions (M = 6) from a fresh sampler and engine; their trees and the tool."""
     engine = CachedTransformersEngine(model, tokenizer, sampling=SAMPLING, max_draft_tokens=drafts)
     tool = tool or JitteryTool()
     sampler = BranchingSampler(engine, tokenizer, [tool], num_generations=6, initial_rollouts=6 if policy == "none"
                                else 2, max_completion_length=64, branch_policy=policy, seed=seed, scheduler=scheduler,
-                               speculative_fill_ups=speculative, speculative_branches=speculative_branches)
+                               speculation=speculation)
     prompts = [_prompt(tokenizer, q) for q in QUESTIONS]
     return [sampler.sample(prompts) for _ in range(rollouts)], tool
 
@@ -82,8 +82,9 @@ def test_a_seed_reproduces_the_trees_under_events_with_a_concurrent_tool(tool_mo
 def test_the_same_seed_grows_the_same_trees_under_every_schedule(tool_model64, tokenizer, policy):
     """Waves or events, drafts or none, speculative fill-ups and branches or none: one seed, one tree per prompt."""
     expected = trees(grow(tool_model64, tokenizer, policy=policy, rollouts=1)[0][0])
-    for schedule in ({"scheduler": "waves"}, {"drafts": 0}, {"speculative": False},
-                     {"speculative_branches": True}, {"scheduler": "waves", "drafts": 0, "speculative": False}):
+    for schedule in ({"scheduler": "waves"}, {"drafts": 0}, {"speculation": "off"}, {"speculation": "branches"},
+                     {"scheduler": "waves", "speculation": "branches"},
+                     {"scheduler": "waves", "drafts": 0, "speculation": "off"}):
         result = grow(tool_model64, tokenizer, policy=policy, rollouts=1, **schedule)[0][0]
         assert trees(result) == expected, schedule
 

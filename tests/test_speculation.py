@@ -186,7 +186,7 @@ def test_fill_ups_wait_for_the_first_fork_decision_on_an_engine_that_drafts_late
     every fill-up a fork drops, so it waits too; one that is not starts them with the rollout."""
     def waits(engine, scheduler="auto"):
         return BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=4, seed=0,
-                                scheduler=scheduler).fill_ups.after_first_decision
+                                scheduler=scheduler).speculation.after_first_decision
 
     assert waits(CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY))
     assert not waits(CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY), "waves")

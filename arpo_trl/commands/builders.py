@@ -163,6 +163,21 @@ RENAMED_FIELDS = {"activation_checkpointing": "gradient_checkpointing",
                   "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
 
 
+# arpo-trl fields since removed -> what to write instead
+REMOVED_FIELDS = {
+    "speculative_fill_ups": "rollout_speculation: auto (fill-ups early, the default) or off",
+    "fill_up_hedge": "rollout_speculation (the hedge is fixed at 0.9; docs/differences.md)",
+    "speculative_branches": "rollout_speculation: branches (true) or auto (false)",
+}
+
+
+def check_removed_fields(keys: Sequence[str], where: str) -> None:
+    """One line naming the first removed field in `keys` and what replaces it."""
+    for key in keys:
+        if key in REMOVED_FIELDS:
+            raise UserInputError(f"{where}: {key} was removed; write {REMOVED_FIELDS[key]}.")
+
+
 def older_names(keys: Sequence[str], known: set[str]) -> dict[str, str]:
     """Of `keys` (a recipe's fields), those this transformers does not know, mapped to the older name it does."""
     return {key: old for key in keys if (old := RENAMED_FIELDS.get(key)) and key not in known and old in known}
@@ -178,6 +193,7 @@ def renamed_recipe(argv: Sequence[str], known: set[str]):
         name, equals, value = arg[2:].partition("=")
         return f"--{older_names([name], known).get(name, name)}{equals}{value}" if arg.startswith("--") else arg
 
+    check_removed_fields([arg[2:].partition("=")[0] for arg in argv if arg.startswith("--")], "a flag")
     argv = [flag(arg) for arg in argv]
     with contextlib.ExitStack() as stack:
         for i, arg in enumerate(argv):
@@ -186,6 +202,8 @@ def renamed_recipe(argv: Sequence[str], known: set[str]):
             if not path or not Path(path).is_file():
                 continue  # TRL's parser reports a missing recipe
             recipe = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            if isinstance(recipe, dict):
+                check_removed_fields(list(recipe), path)
             if isinstance(recipe, dict) and (renames := older_names(list(recipe), known)):
                 copy = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False))
                 stack.callback(os.unlink, copy.name)

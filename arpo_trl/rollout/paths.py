@@ -68,6 +68,7 @@ class Trajectory:
     fork_decisions: int = 0  # tool results whose fork decision is settled (inherited by branches)
     consecutive_forks: int = 0  # AEPO's l: the latest fork decisions on this path's line that forked, in a row
     committed: bool = True  # False: a speculative fill-up or branch, dropped if forks take its slot / not kept
+    pending_draw: float | None = None  # the uniform its pending fork decision compares with P (drawn at the result)
     environment: Any = None  # environment_factory: this path's own environment (docs/environments.md)
     line: int | None = None  # the id of the global path this one descends from (itself if global; None: fill-up)
     # Where the path sits in its tree, whatever the order paths were started in: ('global', g, i), the i-th global
@@ -167,8 +168,6 @@ class Rollout:
     started: list[tuple[Trajectory, Trajectory | None]] = field(default_factory=list)  # (new path, its creator)
     cancelled: list[Trajectory] = field(default_factory=list)  # speculative paths to stop
     committed: list[Trajectory] = field(default_factory=list)  # speculative branches just confirmed
-    pending_branches: dict[int, list[Trajectory]] = field(default_factory=dict)  # path id -> its undecided copies
-    fork_draws: dict[int, float] = field(default_factory=dict)  # path id -> the uniform draw its pending fork compares
     chains: dict[int, int] = field(default_factory=dict)  # event-driven: path id -> tokens on its chain
     next_id: int = 0
     segments: int = 0  # segments finished so far, and how many ended with a tool call (speculation's estimate)
@@ -214,6 +213,12 @@ class Rollout:
                 path.line = renumbered.get(path.line)
         self.chains = {renumbered[old]: tokens for old, tokens in self.chains.items() if old in renumbered}
 
+    def confirm(self, path: Trajectory) -> None:
+        """A speculative path becomes one of its prompt's M (a waiting copy is told by `committed`)."""
+        if not path.committed:
+            self.committed.append(path)
+        path.committed = True
+
     def drop(self, path: Trajectory) -> None:
         """Stop a speculative path; its tokens and tool calls count as discarded, not as the rollout's."""
         self.groups[path.group].remove(path)
@@ -240,6 +245,3 @@ def tree_order(key: tuple) -> tuple[int, ...]:
 def committed_count(group: list[Trajectory]) -> int:
     return sum(path.committed for path in group)
 
-
-def speculative_fills(group: list[Trajectory]) -> list[Trajectory]:
-    return [path for path in group if path.kind == "fill" and not path.committed]
