@@ -1,7 +1,7 @@
 """Every engine the sampler can drive, and their contract (`engine`: `GenerationEngine`, `Segment`,
 `SamplingSettings`): in process, the waves engine (`transformers_engine`) and the cached engine, event-driven with a
 persistent prefix KV cache (`cached_engine`, with `admission`, `prefill`, `kv_batch`, `kv_budget`, `prefix_cache`,
-`speculation`, `sampling`, `calibration`, `weights`, `support`, `held_model`); which one a trainer
+`speculation`, `sampling`, `calibration`, `support`); which one a trainer
 gets (`in_process`); the model an engine generates with (`model_context`); ranks in lockstep (`distributed`). The
 vLLM engines implement the same contract in `server/engine.py` and `colocate/engine.py`.
 

@@ -10,27 +10,29 @@ step are prefilled together, a forward per group (`admission.py`, `prefill.py`);
 ARPO probe) keeps its row for one step, and its continuation goes on in it. Entropy and logprobs come from the logits
 at hand, exactly as `TransformersEngine` records them. The cache lives for one rollout (`aclose` frees it and lets the
 weights go), so every rollout samples the current weights, LoRA adapters included; a request that joins after the
-weights changed (an optimizer step between two `agenerate` calls) finds it dropped (`weights.py`). The model samples in
-eval mode (no dropout), and is back in its own mode whenever no request runs (`held_model.py`).
+weights changed (an optimizer step between two `agenerate` calls) finds it dropped (`WeightsVersion`). The model samples
+in eval mode (no dropout), and is back in its own mode whenever no request runs (`HeldModel`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Literal
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers.generation.logits_process import LogitsProcessorList
 
 from arpo_trl.entropy import sampling_warpers
 from arpo_trl.generation.admission import Admission, Request
 from arpo_trl.generation.calibration import ForwardCosts, device_costs, measured_costs
 from arpo_trl.generation.engine import SamplingSettings, Segment, check_budgets, stop_window, tail_has_stop
-from arpo_trl.generation.held_model import HeldModel
 from arpo_trl.generation.kv_batch import LEFT_SLACK, KVBatch
 from arpo_trl.generation.kv_budget import KVAccounting
+from arpo_trl.generation.model_context import eval_mode, model_for_generation
 from arpo_trl.generation.prefix_cache import CachedPrefix, PrefixCache
 from arpo_trl.generation.sampling import distributions, keyed_uniforms, penalized, sample_tokens
 from arpo_trl.generation.speculation import (
@@ -42,7 +44,6 @@ from arpo_trl.generation.speculation import (
 )
 from arpo_trl.generation.support import SUPPORTED_KEYS, check_full_attention
 from arpo_trl.generation.transformers_engine import TransformersEngine
-from arpo_trl.generation.weights import WeightsVersion
 from arpo_trl.tools.training_thread import run_coroutine
 
 
@@ -354,3 +355,112 @@ def _fail(requests: list[Request], error: BaseException) -> None:
     for request in requests:
         if not request.future.done():
             request.future.set_exception(error)
+
+
+# ---- the model it holds ----------------------------------------------------------------------------------------------
+# The model the engine holds while its requests run: taken once through
+# `model_for_generation` (the trainer's model context, SDPA decoding, the packed head) and kept until the engine lets it
+# go, in eval mode only while requests run, so that the callers' code between steps sees the model in its own mode.
+
+
+class HeldModel:
+    """Holds a model (through its context where given) from `take` to `release`."""
+
+    def __init__(self):
+        self._stack: contextlib.ExitStack | None = None
+        self._held = None
+        self._mode: contextlib.ExitStack | None = None  # the held model in eval mode, while requests run
+
+    def take(self, model, model_context: Callable[[], AbstractContextManager] | None) -> tuple[object, bool]:
+        """The held model (`model` through `model_context`, once), and whether it was taken just now: the context may
+        have gathered other weights."""
+        if self._held is not None:
+            return self._held, False
+        self._stack = contextlib.ExitStack()
+        self._held = self._stack.enter_context(model_for_generation(model, model_context))
+        return self._held, True
+
+    def in_eval_mode(self, model) -> None:
+        """`model` (the held one) in eval mode until `restore_mode`."""
+        if self._mode is None:
+            self._mode = contextlib.ExitStack()
+            self._mode.enter_context(eval_mode(model))
+
+    def restore_mode(self) -> None:
+        if self._mode is not None:
+            self._mode.close()
+        self._mode = None
+
+    def release(self) -> None:
+        """Give the model back (its context exits: merged or gathered weights go, the head is unpacked)."""
+        self.restore_mode()
+        if self._stack is not None:
+            self._stack.close()
+        self._stack = self._held = None
+
+# ---- which weights its cache was computed with -----------------------------------------------------------------------
+# Which weights the cached engine's KV and logits were computed with, and whether they changed since: checked when
+# requests join, so that a caller of the async API who updates the model between two requests samples the new policy.
+#
+# Three signals, each cheap (some 20 microseconds per hundred parameters on a CPU): an update in place bumps a
+# parameter's version counter (`add_`, `copy_`, a foreach optimizer step); new storage (`param.data = ...`) changes its
+# data pointer; and a fused optimizer step (torch's `fused=True`, the `adamw_torch_fused` default of transformers'
+# Trainer), which writes in place without bumping the counters, is noted on the parameters it updated by a process-wide
+# post-step hook on `torch.optim.Optimizer` (an attribute holding the step's number; the optimizer itself may be gone by
+# the next look).
+
+_STEP = "_arpo_optimizer_step"  # on a parameter: the number of the last optimizer step that updated it
+_steps = 0  # optimizer steps taken in this process since the hook was registered
+_hook: object | None = None
+
+
+def _note_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    global _steps
+    _steps += 1
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            setattr(param, _STEP, _steps)
+
+
+def _watch_optimizers() -> None:
+    global _hook
+    if _hook is None:
+        _hook = register_optimizer_step_post_hook(_note_step)
+
+
+def _has_storage(param: torch.Tensor) -> bool:
+    try:
+        param.data_ptr()
+    except RuntimeError:
+        return False
+    return True
+
+
+class WeightsVersion:
+    """The state of a model's parameters when taken; `changed()` tells whether any was updated since."""
+
+    def __init__(self, model: torch.nn.Module):
+        _watch_optimizers()
+        self.params = list(model.parameters())
+        self.ids = [id(param) for param in self.params]
+        self._counted = [param for param in self.params if not param.is_inference()]  # the others have no counter
+        self._stored = [param for param in self.params if _has_storage(param)]  # not a wrapper such as a DTensor
+        self.stamp = self._stamp()
+        self.steps = _steps
+
+    def _stamp(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return tuple(param.data_ptr() for param in self._stored), tuple(param._version for param in self._counted)
+
+    def same_parameters(self, model: torch.nn.Module) -> bool:
+        """Whether `model` has the parameters this version was taken of (a model context may yield another model)."""
+        return [id(param) for param in model.parameters()] == self.ids
+
+    def changed(self) -> bool:
+        return self._stamp() != self.stamp or self._stepped()
+
+    def _stepped(self) -> bool:
+        """Whether an optimizer step updated one of these parameters since the last look."""
+        if self.steps == _steps:
+            return False
+        since, self.steps = self.steps, _steps
+        return any(getattr(param, _STEP, 0) > since for param in self.params)
