@@ -186,10 +186,10 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
             assert "tool_calls_per_group" not in values
     forks = report["fork_probabilities"]  # τ = 1, β = 0: every decision drew P = 1 and matches forking at random
     assert {"arpo"} <= set(forks["M4N2"]) <= {"arpo", "aepo"} and set(forks["M2N1"]) == {"arpo"}
-    for setting, methods in forks.items():
+    for setting, by_method in forks.items():
         recorded = sum(len(r.get("decisions", [])) for run in report["runs"] if (run["setting"], run["method"]) == (
             setting, "arpo") for r in read_jsonl(Path(run["dir"]) / "trees.jsonl"))
-        pooled = methods["arpo"]["pooled"]
+        pooled = by_method["arpo"]["pooled"]
         assert sum(stats["decisions"] for stats in pooled.values()) == recorded > 0
         assert all(set(s["quantiles"].values()) == {1.0} and s["changed_share"] == s["mean_abs_shift"] == 0
                    for s in pooled.values())

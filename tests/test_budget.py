@@ -31,22 +31,6 @@ class FillUps:
         self.expected, self.make_room, self.learn = self.early.expected, self.early.forked, self.early.learn
         self._rates, self.likely_needed = self.early._rates, self.early.likely_needed
 
-    @property
-    def call_rate(self) -> float:
-        return self.early.call_rate
-
-    @call_rate.setter
-    def call_rate(self, value: float) -> None:
-        self.early.call_rate = value
-
-    @property
-    def fork_rate(self) -> float:
-        return self.early.fork_rate
-
-    @fork_rate.setter
-    def fork_rate(self, value: float) -> None:
-        self.early.fork_rate = value
-
 
 def rollout(m: int, n: int, policy: str = "entropy") -> Rollout:
     """One prompt with budget M and its N global paths, as `BranchingSampler.sample` starts it."""
@@ -161,7 +145,7 @@ def test_speculative_fill_ups_can_wait_for_the_prompts_first_fork_decision():
     assert ("fill", False) in kinds(r) and r.stats.speculative_fill_ups > 0
     fills, r = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5, after_first_decision=True), \
         rollout(m=8, n=2)
-    fills.call_rate = 0.0  # learned from a rollout in which no path called a tool: no line is expected to fork
+    fills.early.call_rate = 0.0  # learned from a rollout in which no path called a tool: no line is expected to fork
     fills.update(r, 0, None)
     assert kinds(r) == [("global", True)] * 2 + [("fill", False)] * 6  # all missing paths start with the globals
     certain, lone = FillUps(max_tool_calls=0, branch_factor=2, branch_threshold=0.5, after_first_decision=True), \
@@ -200,13 +184,13 @@ def test_a_fork_takes_the_slot_of_the_youngest_speculative_fill_up():
 
 def test_each_rollouts_rates_become_the_next_ones_priors():
     fills = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.3)
-    assert (fills.call_rate, fills.fork_rate) == (0.5, 0.3)
+    assert (fills.early.call_rate, fills.early.fork_rate) == (0.5, 0.3)
     r = rollout(m=4, n=2)
     fills.learn(r)  # nothing seen: the priors stay
-    assert (fills.call_rate, fills.fork_rate) == (0.5, 0.3)
+    assert (fills.early.call_rate, fills.early.fork_rate) == (0.5, 0.3)
     r.segments, r.segments_calling, r.fork_probabilities = 4, 1, [0.2, 0.6]
     fills.learn(r)
-    assert fills.call_rate == 0.25 and fills.fork_rate == pytest.approx(0.4)
+    assert fills.early.call_rate == 0.25 and fills.early.fork_rate == pytest.approx(0.4)
 
 
 @pytest.mark.parametrize("m,n", [(16, 8), (8, 3), (5, 2), (4, 4), (12, 1)])

@@ -18,6 +18,7 @@ import tomllib
 import torch
 import yaml
 from peft import LoraConfig, get_peft_model
+from test_colocate import _FakeLLM, _Logprob
 
 from arpo_trl.colocate import weight_sync
 from arpo_trl.colocate.engine import ColocatedVLLMEngine, EngineSteps, _LoopDriver
@@ -160,27 +161,17 @@ def test_the_trainers_torch_threads_survive_the_engine_start(monkeypatch):
         restore_environment(previous)
 
 
-class _QueuedLLM:
+class _QueuedLLM(_FakeLLM):
     """vLLM's `LLMEngine` with a batch queue of 2 (`EngineCore.step_with_batch_queue`, async scheduling): a request's
     output comes one step after the step that computed it, so `step()` returns nothing on every other call while
     requests run, and a batch can still be in flight when no request is unfinished for the caller."""
 
     def __init__(self, steps: int = 3):
-        self.steps, self.running, self.in_flight, self.aborted, self.calls = steps, {}, [], [], 0
-
-    def add_request(self, request_id, prompt, params):
-        self.running[request_id] = self.steps
-
-    def abort_request(self, ids):
-        self.aborted.extend(ids)
-        for request_id in ids:
-            self.running.pop(request_id, None)
+        super().__init__(steps)
+        self.in_flight, self.calls = [], 0
 
     def has_unfinished_requests(self):
         return bool(self.running or self.in_flight)
-
-    def get_num_unfinished_requests(self):
-        return len(self.running)
 
     def step(self):
         self.calls += 1
@@ -469,18 +460,14 @@ def test_the_trainer_runs_the_check_before_the_model_loads_on_cuda(tiny_model_di
 
 # ---- 9. top-k logprobs only on a segment's first k tokens ----------------------------------------------------------
 
-class _Logprob:
-    def __init__(self, value: float):
-        self.logprob = value
-
-
-class _ScriptLLM:
+class _ScriptLLM(_FakeLLM):
     """vLLM's `LLMEngine` on a scripted continuation: a request whose prompt is the script's prompt plus its first j
     tokens goes on from token j; as vLLM, it stops at EOS, at its budget, or at a stop string matched in the
     request's own output text only (`include_stop_str_in_output`), and returns `logprobs` top logprobs per token."""
 
     def __init__(self, tokenizer, prompt: list[int], script: list[int]):
-        self.tokenizer, self.prompt, self.script, self.running, self.requests = tokenizer, prompt, script, {}, []
+        super().__init__()
+        self.tokenizer, self.prompt, self.script, self.requests = tokenizer, prompt, script, []
         self.vllm_config = types.SimpleNamespace(device_config=types.SimpleNamespace(device_type="cuda"))
 
     def add_request(self, request_id, prompt, params):
@@ -490,17 +477,7 @@ class _ScriptLLM:
         self.requests.append((len(ids) - len(self.prompt), params.kwargs["max_tokens"], params.kwargs["logprobs"],
                               params.kwargs["stop"]))
 
-    def abort_request(self, ids):
-        for request_id in ids:
-            self.running.pop(request_id, None)
-
-    def has_unfinished_requests(self):
-        return bool(self.running)
-
-    def get_num_unfinished_requests(self):
-        return len(self.running)
-
-    def step(self):
+    def step(self):  # every running request finishes in one step (abort and the counts: `_FakeLLM`'s)
         outputs = [self._finish(request_id, *request) for request_id, request in self.running.items()]
         self.running.clear()
         return outputs

@@ -67,7 +67,7 @@ def test_the_rates_follow_the_rollout_and_the_priors():
     r.fork_probabilities.append(1.0)
     r.segments, r.segments_calling = 2, 2
     assert fills._rates(r) == pytest.approx(((2 + 8 * 0.5) / 10, (1.0 + 8 * 0.5) / 9))
-    fills.call_rate = 0.0
+    fills.early.call_rate = 0.0
     assert fills._rates(r)[0] == pytest.approx(2 / 10)
     other = rollout(16, 8)  # a new rollout: its own counts
     assert fills._rates(other) == (0.0, 0.5)
