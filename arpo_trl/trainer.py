@@ -163,8 +163,7 @@ class ARPOTrainer(TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpd
             raise NotImplementedError("engine= with sharded parameters (ZeRO-3/FSDP) and several processes: leave "
                                       "engine unset, so that ARPO keeps the ranks' model calls in step.")
         self.engine = engine or self.backend.start_engine()
-        if use_vllm and not colocate:  # colocate installs its sync as its engine starts
-            self.backend.install_weight_sync()
+        self.backend.install_weight_sync()  # server mode's file sync; colocate's is installed as its engine starts
         tokenizer = self._trl.tokenizer
         self.sampler = BranchingSampler(
             self.engine, tokenizer, self.arpo_tools,
