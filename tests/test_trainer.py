@@ -108,13 +108,16 @@ def check_masks(trainer, tokenizer, before, hard=False):
                 # a closing tag that ended inside a token: its rewritten tail is the environment's too (mask 0),
                 # followed by the result (which the token budget may cut anywhere, even inside its opening tag)
                 text = re.sub(r"^[\w/]*>(?= <|$)", "", tokenizer.decode(span))
-                if k == len(spans) - 1 and ids[len(ids) - len(span):] == span and not text.endswith(
-                        ("</result>", "<|im_end|>")):  # cut by the token budget
+                whole = re.fullmatch(r" <result>\n.*\n</result>(<\|im_end\|>)?|<\|im_end\|>", text, re.DOTALL)
+                at_end = k == len(spans) - 1 and ids[len(ids) - len(span):] == span
+                # cut by the token budget (the cut may fall just after a `</result>` that the tool's output quotes)
+                if at_end and not whole and (rows[i]["arpo_finish_reason"] == "length" or not text.endswith(
+                        ("</result>", "<|im_end|>"))):
                     assert text.startswith(" <result>\n") or " <result>\n".startswith(text), text
                     blocks += text != ""  # "": a closing tag's tail with no call behind it (no opening tag)
                     continue
                 blocks += text.startswith(" <result>\n")
-                assert re.fullmatch(r" <result>\n.*\n</result>(<\|im_end\|>)?|<\|im_end\|>", text, re.DOTALL), text
+                assert whole, text
             if not hard:  # the row's every call (its own and those in a copied prefix) has its masked result
                 assert blocks == rows[i]["arpo_tool_calls"], (blocks, rows[i]["arpo_tool_calls"])
             blocks_in_batch += blocks
