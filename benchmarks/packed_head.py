@@ -1,5 +1,5 @@
-"""A decode step with the LM head packed once (`arpo_trl.generation.model_context.packed_head`) against the model's own
-head, on the CPU.
+"""A decode step with the LM head packed once (`arpo_trl.generation.cpu.packed_head`) against the model's own head, on
+the CPU.
 
 Per number of rows: a cache of `--context` positions, then decode steps of one token per row, the two ways
 alternating step by step (so that the machine's load falls on both alike); the median step of each, their ratio, the
@@ -22,7 +22,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from arpo_trl.generation.model_context import packed_head
+from arpo_trl.generation.cpu.packed_head import packed_head
 
 
 def step_seconds(model, rows: int, context: int, steps: int, seed: int) -> dict:

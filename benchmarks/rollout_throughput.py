@@ -36,7 +36,7 @@ from arpo_trl import BranchingSampler, PythonTool, TransformersEngine, VLLMClien
 from arpo_trl.data import SYSTEM_PROMPTS, named_dataset
 from arpo_trl.data.models import smollm2_path
 from arpo_trl.generation import CachedTransformersEngine
-from arpo_trl.generation.calibration import CPU_COSTS
+from arpo_trl.generation.cpu.costs import CPU_COSTS
 from arpo_trl.server.launcher import VLLMServer
 from arpo_trl.server.weight_sync import LoRAAdapterSync
 

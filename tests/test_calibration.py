@@ -8,12 +8,14 @@ from transformers import AutoModelForCausalLM
 
 from arpo_trl.generation import CachedTransformersEngine, calibration
 from arpo_trl.generation import admission as admission_module
-from arpo_trl.generation.calibration import CPU_COSTS, DRAFTS, ROWS, SHAPES, ForwardCosts, fit_costs
+from arpo_trl.generation.calibration import DRAFTS, ROWS, SHAPES, fit_costs
+from arpo_trl.generation.cost_model import DecodeCost, ForwardCosts
+from arpo_trl.generation.cpu.costs import CPU_COSTS, CPU_DECODE_COST
 from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, MAX_FORWARD_POSITIONS, group_by_length
-from arpo_trl.generation.speculation import CPU_DECODE_COST, Acceptance, DecodeCost
+from arpo_trl.generation.speculation import Acceptance
 from tests.test_cached_engine import GREEDY, _prompt
 
-# The development CPU's steps (speculation.py's docstring, ms): 1 row fed 1 / 2 tokens, 16 rows fed 1 / 2 / 5.
+# The development CPU's steps (docs/cpu_measurements.md, ms): 1 row fed 1 / 2 tokens, 16 rows fed 1 / 2 / 5.
 CPU_STEPS = {(1, 0): 101.0, (ROWS, 0): 181.0, (1, 1): 157.0, (ROWS, 1): 340.0, (ROWS, DRAFTS): 413.0}
 # A GPU-like device: 20 ms a forward whatever its shape up to far more positions, 0.01 ms a position.
 GPU_STEPS = {(rows, drafts): 20.0 + 0.01 * rows * (1 + drafts) for rows, drafts in SHAPES}

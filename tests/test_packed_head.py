@@ -1,4 +1,4 @@
-"""`generation.model_context.packed_head`: while an engine holds the model on the CPU, the LM head multiplies with a
+"""`generation.cpu.packed_head`: while an engine holds the model on the CPU, the LM head multiplies with a
 weight packed once (oneDNN); the same product as `F.linear`, the model's own forward afterwards, the packed
 copy gone."""
 
@@ -9,8 +9,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from arpo_trl.generation import CachedTransformersEngine
+from arpo_trl.generation.cpu.packed_head import packable_head, packed_head
 from arpo_trl.generation.engine import SamplingSettings
-from arpo_trl.generation.model_context import model_for_generation, packable_head, packed_head
+from arpo_trl.generation.model_context import model_for_generation
 from arpo_trl.generation.transformers_engine import TransformersEngine
 from tests.tiny import tiny_model
 

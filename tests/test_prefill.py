@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from arpo_trl.generation import CachedTransformersEngine
-from arpo_trl.generation.calibration import CPU_COSTS
+from arpo_trl.generation.cpu.costs import CPU_COSTS
 from arpo_trl.generation.engine import SamplingSettings
 from arpo_trl.generation.prefill import PrefillJob, group_by_length, prefill
 from arpo_trl.generation.prefix_cache import kv_length, stack_layers

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from arpo_trl.generation import CachedTransformersEngine
-from arpo_trl.generation.calibration import CPU_COSTS
+from arpo_trl.generation.cpu.costs import CPU_COSTS
 from arpo_trl.generation.engine import SamplingSettings
 from arpo_trl.generation.speculation import Acceptance, DraftIndex, step_cost
 from arpo_trl.generation.transformers_engine import TransformersEngine
@@ -68,7 +68,7 @@ def test_draft_length_weighs_each_row_at_its_own_rate():
 
 
 def test_step_cost_follows_the_measured_steps():
-    """The cost model against the step times measured on the development CPU (speculation.py's docstring, ms for
+    """The cost model against the step times measured on the development CPU (docs/cpu_measurements.md, ms for
     D = 0, 1, 2, 4, 8 at 1, 16, 32 and 64 rows): within 25 % where drafts can pay, and never cheaper than measured
     where many positions make them too dear."""
     measured = {1: [101, 157, 180, 154, 170], 16: [181, 340, 387, 413, 568], 32: [288, 518, 660, 773, 903],

@@ -3,53 +3,38 @@
 Two decisions weigh a forward's fixed cost against its cost per position: how many forwards the requests that join in
 one step are prefilled in (`prefill.group_by_length`, and whether a request waits a round for a longer shared prefix:
 `admission.py`), and how many n-gram drafts a decode step feeds (`speculation.Acceptance.draft_length`). Their ratio
-differs by orders of magnitude between devices: on a 2-core CPU a SmolLM2-135M forward's fixed part is worth ~90
-prefilled positions and a decode step of 64 rows costs 4× one of 1 row; on a GPU a forward is kernel launches and one
-read of the weights until thousands of positions, so the same constants would split prefills that one forward does as
-fast and refuse drafts that are nearly free.
+differs by orders of magnitude between devices (on a GPU a forward is kernel launches and one read of the weights until
+thousands of positions), so constants fitted on one device would split prefills and refuse drafts on another.
 
 `measure_costs` times forwards of the model itself (random tokens, no gradients, in the mode the engine holds it):
 decode steps after `PAST` cached positions of 1 and `ROWS` rows, fed 1, 2 and `1 + DRAFTS` tokens each, and one
 prefill of `PREFILL` tokens, each shape the fastest of up to `REPEATS` rounds after a warm-up round (the fastest is
 the least disturbed by other work on the machine), synchronizing the device around each. `fit_costs` turns those
-times into the cost model: exact arithmetic on given times, tested on its own. On the 2-core CPU it took ~4 s for
-SmolLM2-135M, the time of some 30 decode steps of a rollout; a tiny test model, milliseconds.
+times into the cost model: exact arithmetic on given times, tested on its own.
 
 The decisions then depend on timings: a seed fixes the trees only as long as the cost model is the same, so it is
 measured once per process and kind of model (`_MEASURED`: engines of one process share it) and an engine may be given
-one (`CachedTransformersEngine(cost_model=...)`, e.g. `CPU_COSTS`) to pin it across processes. By default
-(`device_costs`) only an accelerator is measured; a CPU keeps the constants measured on the development CPU.
+one (`CachedTransformersEngine(cost_model=...)`, e.g. `cpu.costs.CPU_COSTS`) to pin it across processes. By default
+(`device_costs`) only an accelerator is measured; a CPU keeps the development CPU's constants (`cpu/costs.py`). What
+these took and found on the development CPU: docs/cpu_measurements.md.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, MAX_FORWARD_POSITIONS
+from arpo_trl.generation.cost_model import DecodeCost, ForwardCosts
+from arpo_trl.generation.cpu.costs import CPU_COSTS
+from arpo_trl.generation.prefill import MAX_FORWARD_POSITIONS
 from arpo_trl.generation.prefix_cache import layer_pairs, stack_layers
-from arpo_trl.generation.speculation import CPU_DECODE_COST, DecodeCost
 
 PAST, ROWS, DRAFTS, PREFILL = 64, 16, 4, 128  # the shapes timed (module docstring)
 REPEATS, MAX_SECONDS = 3, 3.0  # timed rounds at most; no further round once this much time went into timing
 SHAPES = ((1, 0), (ROWS, 0), (1, 1), (ROWS, 1), (ROWS, DRAFTS))  # decode steps: (rows, drafts per row)
-
-
-@dataclass(frozen=True)
-class ForwardCosts:
-    """The cost model of one device and model: a decode step's (`DecodeCost`, seconds where measured), and a
-    forward's fixed cost in prefilled positions (`forward_cost_tokens`); `source` says where it comes from."""
-
-    decode: DecodeCost
-    forward_cost_tokens: float
-    source: str = "given"
-
-
-CPU_COSTS = ForwardCosts(CPU_DECODE_COST, FORWARD_COST_TOKENS, "the 2-core development CPU's constants")
 
 
 def fit_costs(decode_seconds: dict[tuple[int, int], float], prefill_seconds: float, source: str = "given",
@@ -79,9 +64,8 @@ def fit_costs(decode_seconds: dict[tuple[int, int], float], prefill_seconds: flo
 
 def device_costs(model) -> ForwardCosts:
     """The cost model the cached engine decides with unless given one: measured on an accelerator (`measured_costs`);
-    on a CPU, the development CPU's constants (`CPU_COSTS`). On a shared CPU a measurement is as loaded as the
-    machine (at load 8 the fixed part measured 7× and a draft position 50× their quiet values), no rollout
-    measured faster with it than with the constants, and the constants keep a seed's trees the same across
+    on a CPU, the development CPU's constants (`cpu.costs.CPU_COSTS`): on a shared CPU a measurement reads the
+    machine's load as cost and bought no faster rollout, and the constants keep a seed's trees the same across
     processes (docs/in_process_engine.md)."""
     return CPU_COSTS if next(model.parameters()).device.type == "cpu" else measured_costs(model)
 

@@ -1,10 +1,10 @@
 """The running rows' KV cache, preallocated and written in place.
 
 A decode step appends one key and one value per row and layer. transformers' `DynamicCache` does it by
-concatenation, which copies the whole batch's cache every step: at 84 rows of ~190 positions that copy was 190 of a
-470 ms SmolLM2-135M step on this CPU. Here the rows live in buffers with spare columns and rows; a step writes one
-column, a row joins by writing its own positions, a row leaves by moving the last row into its slot. Only when the
-spare room runs out is the batch copied, into buffers with room again (amortised over many steps).
+concatenation, which copies the whole batch's cache every step, a large share of a step at many rows
+(docs/cpu_measurements.md). Here the rows live in buffers with spare columns and rows; a step writes one column, a
+row joins by writing its own positions, a row leaves by moving the last row into its slot. Only when the spare room
+runs out is the batch copied, into buffers with room again (amortised over many steps).
 
 Rows are left-padded: every row's next position is the same column (`width`), and a row's positions are the
 columns just before it, except for holes: a decode step with drafts writes several columns for every row, and a
@@ -14,9 +14,8 @@ when they enter the model's view: new buffers are not zero-filled); the model se
 of the buffers.
 
 All layers' keys and values live in one buffer, so a row joining, leaving or copied out for the prefix cache is one
-tensor operation instead of two per layer (60 on SmolLM2-135M). In one M16N8 rollout per policy on a 2-core CPU,
-moving rows out (`remove`) took 0.5 s instead of 0.9-1.0 s, and copying them out (`row`) 1.2-2.5 s instead of
-1.6-3.1 s; joining and regrowing, which copy whole rows and batches, are bound by memory and did not change.
+tensor operation instead of two per layer: moving and copying rows out took less time, joining and regrowing, bound by
+memory, the same (docs/cpu_measurements.md).
 """
 
 from __future__ import annotations
@@ -179,8 +178,8 @@ class KVBatch:
 
 
 def _new_buffer(reference: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Uninitialised: `add` and `_regrow` write or zero every column inside the view before the model reads it (the
-    regrowth at 128 rows of SmolLM2-135M took 2.1 s with zero-filled buffers, 1.2 s without)."""
+    """Uninitialised: `add` and `_regrow` write or zero every column inside the view before the model reads it
+    (zero-filling the whole buffer made a regrowth markedly slower: docs/cpu_measurements.md)."""
     return reference.new_empty(shape)
 
 

@@ -76,8 +76,8 @@ def keyed_uniforms(seeds: Sequence[int], positions: Sequence[int]) -> torch.Tens
 def sample_tokens(logprobs: torch.Tensor, uniforms: torch.Tensor, block: int = 256) -> torch.Tensor:
     """One token per row of `logprobs` ([rows, vocab]), the inverse of its cumulative distribution at the row's
     uniform (`uniforms`: [rows], float64), in two levels: a block of the vocabulary by its mass, then a token within it,
-    both cumulated in float64. `torch.multinomial` draws from the same distribution, but on this CPU it took 63 ms for
-    84 rows of SmolLM2's 49k vocabulary (and cannot take the row's own uniform); this takes a few."""
+    both cumulated in float64. `torch.multinomial` draws from the same distribution, but cannot take the row's own
+    uniform, and was an order of magnitude slower on the development CPU (docs/cpu_measurements.md)."""
     probs = logprobs.exp()
     rows, vocab = probs.shape
     blocks = (torch.nn.functional.pad(probs, (0, -vocab % block)) if vocab % block else probs).view(rows, -1, block)

@@ -13,14 +13,11 @@ and keeps the drafts the target distribution accepts:
   not, and the trees too. Logprobs and entropies come from the same logits plain decoding uses. Greedy: accepted iff
   argmax.
 * D is chosen per step to maximise expected tokens per unit of forward time: a row with L drafts yields
-  1 + Σ_{j≤min(D, L)} α_rowʲ tokens, and a forward costs `DecodeCost.step(rows, D)`. On a CPU a step with drafts
-  pays a jump (several query positions take a slower attention path), then little per draft position, until the
-  positions of all rows together outgrow the CPU's caches. Measured for SmolLM2-135M on a 2-core CPU (250 cached
-  positions, ms per step for D = 0, 1, 2, 4, 8): 1 row 101, 157, 180, 154, 170; 16 rows 181, 340, 387, 413, 568;
-  32 rows 288, 518, 660, 773, 903; 64 rows 432, 930, 1885, 2717, 3500. So drafts pay in a rollout's tail, where few
-  rows run, and not in its bulk; drafts that are rarely accepted give D = 0, a plain step. A GPU's step is mostly
-  fixed cost up to far more positions, so drafts pay there at many more rows: the cached engine measures the cost
-  on its own device and model (`calibration.py`); `CPU_DECODE_COST` is the table above, fitted.
+  1 + Σ_{j≤min(D, L)} α_rowʲ tokens, and a forward costs `DecodeCost.step(rows, D)` (`cost_model.py`). Drafts pay
+  where few rows run (a rollout's tail), since a step's fixed cost dominates there; drafts that are rarely accepted
+  give D = 0, a plain step. A GPU's step is mostly fixed cost up to far more positions than a CPU's, so drafts pay
+  there at many more rows: the cost is the device's own, measured (`calibration.py`), or on a CPU the development
+  CPU's constants (`cpu/costs.py`; their measurements: docs/cpu_measurements.md).
 * α is each row's own: a path that starts late (a fill-up, a fork's copy) finds its siblings' text ahead of it and
   drafts from it nearly always accepted, while rows decoding side by side find little. It is learned at every step
   whether or not drafts are verified, for free: before a row samples, the probability that the distribution gives
@@ -32,48 +29,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from arpo_trl.generation.cost_model import DecodeCost
+from arpo_trl.generation.cpu.costs import CPU_DECODE_COST
 from arpo_trl.generation.sampling import accept_drafts, keyed_uniforms
 
 NGRAM_SIZES = (4, 3, 2)  # the longest suffix that occurred before wins
 MAX_DRAFT_TOKENS = 8
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 16  # α before any draft was observed, worth this many drafted tokens
 ROW_MEMORY = 0.5  # a row's α keeps this share of its previous value at each observation (recent steps weigh most)
-
-
-@dataclass(frozen=True)
-class DecodeCost:
-    """What a decode step costs, in any unit (seconds where measured): a fixed part per forward, a part per row fed
-    one token; with drafts, a jump per forward and per row (several query positions take another attention path on a
-    CPU) and a part per draft position; each position beyond `wide_positions` in all costs `wide_position` more (the
-    model is trusted up to the widest step it was fitted on, beyond which a position costs at least a row's)."""
-
-    fixed: float
-    per_row: float
-    draft_fixed: float = 0.0
-    draft_per_row: float = 0.0
-    per_draft_position: float = 0.0
-    wide_positions: int = 160
-    wide_position: float = 0.0
-
-    def step(self, rows: int, draft_length: int) -> float:
-        """What a decode step of `rows` rows, each fed its token and `draft_length` drafts, costs."""
-        if not draft_length:
-            return self.fixed + rows * self.per_row
-        wide = max(0, rows * (1 + draft_length) - self.wide_positions)
-        return (self.fixed + self.draft_fixed + rows * (self.per_row + self.draft_per_row
-                                                          + self.per_draft_position * draft_length)
-                + self.wide_position * wide)
-
-
-# The 2-core development CPU's (module docstring), in units of one row of a plain step (~5.3 ms): fixed part (~96 ms),
-# the jump a step with drafts pays (fixed and per row), each draft position, and each position beyond 160 in all. Only
-# where no measurement is given: the cached engine measures its own device (`calibration.py`).
-CPU_DECODE_COST = DecodeCost(fixed=18, per_row=1, draft_fixed=6, draft_per_row=1.5, per_draft_position=0.4,
-                             wide_positions=160, wide_position=1.0)
 
 
 def step_cost(rows: int, draft_length: int, cost: DecodeCost = CPU_DECODE_COST) -> float:
