@@ -82,7 +82,7 @@ def test_engines_of_one_process_share_one_measurement_per_kind_of_model(tiny_mod
                      for _ in range(2))
     assert first.costs is None
     first.generate([prompt], [3], []), second.generate([prompt], [3], [])
-    assert len(calls) == 1 and first.costs is second.costs is fixed and first.acceptance.cost is fixed.decode
+    assert len(calls) == 1 and first.costs is second.costs is fixed and first.speculator.acceptance.cost is fixed.decode
     assert "calibrate" in first.counters.seconds and "calibrate" in second.counters.seconds
     other = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
     CachedTransformersEngine(other, tokenizer, sampling=GREEDY, cost_model="measure").generate([prompt], [3], [])
@@ -95,7 +95,7 @@ def test_by_default_a_cpu_keeps_the_constants_and_an_accelerator_is_measured(tin
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     engine = CachedTransformersEngine(model, tokenizer, sampling=GREEDY)
     engine.generate([_prompt(tokenizer, "What is 3+4?")], [3], [])
-    assert engine.costs is CPU_COSTS and engine.acceptance.cost is CPU_DECODE_COST and not calls
+    assert engine.costs is CPU_COSTS and engine.speculator.acceptance.cost is CPU_DECODE_COST and not calls
 
     class OnAnAccelerator(torch.nn.Module):  # only its parameters' device is read before the (fake) measurement
         def __init__(self):
@@ -112,7 +112,7 @@ def test_a_given_cost_model_is_used_as_is(tiny_model_dir, tokenizer, fake_measur
     prefill = admission_module.prefill
     monkeypatch.setattr(admission_module, "prefill", lambda m, jobs, cost: seen.append(cost) or prefill(m, jobs, cost))
     engine = CachedTransformersEngine(model, tokenizer, sampling=GREEDY, cost_model=CPU_COSTS)
-    assert engine.acceptance.cost is CPU_DECODE_COST
+    assert engine.speculator.acceptance.cost is CPU_DECODE_COST
     engine.generate([_prompt(tokenizer, "What is 3+4?"), _prompt(tokenizer, "What is 12+30?")], [3, 3], [])
     assert not calls and engine.costs is CPU_COSTS and seen and set(seen) == {FORWARD_COST_TOKENS}
     assert "calibrate" not in engine.counters.seconds

@@ -247,7 +247,7 @@ def test_a_request_running_when_the_weights_change_fails_and_later_ones_sample_t
 
     async def caller():
         running = asyncio.create_task(engine.agenerate(PREFIXES[0], 40, []))
-        while not engine._rows:
+        while not engine.running.requests:
             await asyncio.sleep(0)
         _new_weights(model)
         later = await engine.agenerate(PREFIXES[1], 5, [])

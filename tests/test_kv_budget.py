@@ -30,7 +30,7 @@ def _most_rows(engine):
 
     def counted(model):
         step(model)
-        engine.most_rows = max(engine.most_rows, len(engine._rows))
+        engine.most_rows = max(engine.most_rows, len(engine.running))
 
     engine._step = counted
     return engine

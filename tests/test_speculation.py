@@ -105,8 +105,8 @@ def test_a_late_row_learns_its_own_rate_and_drafts_from_text_written_before_it(t
     engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, cost_model=CPU_COSTS)  # the steps
     with engine.rollout_scope():  # below need drafts that pay: a cost model measured on the tiny model may not say so
         first = engine.generate(prompts[:1], [30], [])
-        engine.acceptance.record(drafted=10_000, accepted=0)
-        assert not engine.acceptance.may_pay(3)
+        engine.speculator.acceptance.record(drafted=10_000, accepted=0)
+        assert not engine.speculator.acceptance.may_pay(3)
         accepted = engine.counters.accepted_tokens
         again = engine.generate(prompts, [30] * 3, [])
         assert engine.counters.accepted_tokens - accepted >= 10
@@ -128,8 +128,8 @@ def test_greedy_trees_equal_plain_decoding(tool_model64, tokenizer, scheduler):
 
     (plain, _), (speculative, engine) = grow(0), grow(8)
     assert engine.counters.accepted_tokens > 0 and engine.counters.drafted_tokens > engine.counters.accepted_tokens
-    assert not engine.drafts.seen and engine.acceptance.drafted == 0  # both live for one rollout, as the prefix
-    # cache does: a seed alone fixes what the next rollout samples
+    # both live for one rollout, as the prefix cache does: a seed alone fixes what the next rollout samples
+    assert not engine.speculator.drafts.seen and engine.speculator.acceptance.drafted == 0
     assert any(t.kind == "branch" for t in plain.trajectories)
     for a, b in zip(plain.trajectories, speculative.trajectories, strict=True):
         assert (a.id, a.kind, a.parent, a.completion_ids, a.mask) == (b.id, b.kind, b.parent, b.completion_ids, b.mask)
@@ -163,8 +163,9 @@ def test_tokens_after_a_verified_draft_follow_the_model_distribution(tiny_model_
     marginal = (weights[:, None] * second).sum(0) / weights.sum()
     likeliest = dict(zip(support.tolist(), second.argmax(1).tolist()))
 
-    engine.drafts.draft = lambda tokens, limit: [likeliest[tokens[-1]]][:limit]  # under test: the verification
-    engine.acceptance.draft_length = lambda available, alphas=None: max(available)
+    # under test: the verification
+    engine.speculator.drafts.draft = lambda tokens, limit: [likeliest[tokens[-1]]][:limit]
+    engine.speculator.acceptance.draft_length = lambda available, alphas=None: max(available)
     torch.manual_seed(0)
     segments = engine.generate([prefix] * n, [2] * n, [])
     counters = engine.counters

@@ -27,27 +27,23 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers.generation.logits_process import LogitsProcessorList
 
 from arpo_trl.entropy import sampling_warpers
-from arpo_trl.generation.admission import Admission, Request
-from arpo_trl.generation.calibration import ForwardCosts, device_costs, measured_costs
+from arpo_trl.generation.admission import Admission
+from arpo_trl.generation.calibration import device_costs, measured_costs
+from arpo_trl.generation.cost_model import ForwardCosts
 from arpo_trl.generation.engine import SamplingSettings, Segment, check_budgets, stop_window, tail_has_stop
 from arpo_trl.generation.kv_batch import LEFT_SLACK, KVBatch
-from arpo_trl.generation.kv_budget import KVAccounting
+from arpo_trl.generation.kv_budget import KVAccounting, log_budget
 from arpo_trl.generation.model_context import eval_mode, model_for_generation
-from arpo_trl.generation.prefix_cache import CachedPrefix, PrefixCache
-from arpo_trl.generation.sampling import distributions, keyed_uniforms, penalized, sample_tokens
-from arpo_trl.generation.speculation import (
-    MAX_DRAFT_TOKENS,
-    Acceptance,
-    DraftIndex,
-    SpeculativeDecoding,
-    check_draft_tokens,
-)
+from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache
+from arpo_trl.generation.running_batch import Request, RunningBatch
+from arpo_trl.generation.sampling import accept_drafts, distributions, keyed_uniforms, penalized, sample_tokens
+from arpo_trl.generation.speculation import MAX_DRAFT_TOKENS, Speculator
 from arpo_trl.generation.support import SUPPORTED_KEYS, check_full_attention
 from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.tools.training_thread import run_coroutine
 
 
-class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, TransformersEngine):
+class CachedTransformersEngine(TransformersEngine):
     """`TransformersEngine`'s sampling settings and segment rules, generated event-driven with a KV cache.
 
     `max_cached_tokens` bounds the positions the prefix cache keeps between requests of one rollout (None: unbounded).
@@ -58,6 +54,9 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
     (None: measured at the first step on an accelerator, the development CPU's constants on a CPU; "measure":
     measured on any device; `calibration.py`). `counters` accumulate over the engine's life (positions, forwards,
     and each phase's seconds).
+
+    The engine owns its running batch (`running`) and hands it to its parts: `admission` (who joins, and how their
+    prefixes are prefilled), `kv` (the KV budget's accounting) and `speculator` (n-gram drafts).
     """
 
     request_options = frozenset({"seed"})  # a token's draw depends on its path's seed and its position alone
@@ -73,22 +72,17 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
         # the parent resolved temperature, top-k/p, min-p and the estimator (generation_kwargs included)
         self.repetition_penalty = self.sampling.get("repetition_penalty")
         self.prefix_cache = PrefixCache(max_cached_tokens)
-        check_draft_tokens(max_draft_tokens)
-        self.drafts, self.acceptance = DraftIndex(), Acceptance(max_draft_tokens)
+        self.running = RunningBatch()
+        self.kv = KVAccounting(self.running, self.prefix_cache, self.counters)
+        self.admission = Admission(self.prefix_cache, self.counters, self.kv)
+        self.speculator = Speculator(max_draft_tokens, max_draft_tokens > 0 and self.repetition_penalty in (None, 1.0))
+        self.drafts_late_paths = self.speculator.enabled  # a late path decodes its siblings' text in a few steps
         self.costs: ForwardCosts | None = None
         self._measure = cost_model == "measure"
         if isinstance(cost_model, ForwardCosts):
             self._set_costs(cost_model)
-        self.speculating = max_draft_tokens > 0 and self.repetition_penalty in (None, 1.0)
-        self.drafts_late_paths = self.speculating  # a path started late decodes its siblings' text in a few steps
         self._warpers = LogitsProcessorList(sampling_warpers(*self.warper_settings))
-        self._pending: list[Request] = []
-        self._rows: list[Request] = []
-        self._batch: KVBatch | None = None  # the running rows' KV, in the order of `_rows`
-        self._positions: torch.Tensor | None = None  # [rows] next position
-        self._logits: torch.Tensor | None = None  # [rows, vocab] next-token logits
-        self._tokens: torch.Tensor | None = None  # [rows] the tokens just sampled, fed by the next decode
-        self._rejected: torch.Tensor | None = None  # [rows] bool: the last step rejected a draft at the next position
+        self._pending: list[Request] = []  # arrived, not yet running
         self._held = HeldModel()
         self._weights: WeightsVersion | None = None  # the weights the cached KV and logits were computed with
         self._driver: asyncio.Task | None = None
@@ -153,8 +147,8 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
             with contextlib.suppress(asyncio.CancelledError):
                 await self._driver
         self._driver = None
-        if keep_cache and self._batch is not None:  # a wave's held rows: the next wave's continuations find them
-            self._release([row for row, request in enumerate(self._rows) if request.held], fed=True)
+        if keep_cache and self.running.kv is not None:  # a wave's held rows: the next wave's continuations find them
+            self._release([row for row, request in enumerate(self.running.requests) if request.held], fed=True)
         self._fail_all(RuntimeError("CachedTransformersEngine closed with requests in flight"))
         if not keep_cache:
             self._forget_cache()
@@ -162,16 +156,16 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
 
     def _forget_cache(self) -> None:
         self.prefix_cache.clear()
-        self.drafts.clear(), self.acceptance.reset()
-        self._weights = self._budget = None  # the next rollout measures the free memory anew
+        self.speculator.reset()
+        self._weights = self.kv.budget = None  # the next rollout measures the free memory anew
 
     # --- the driver: one batched step at a time, yielding to the event loop in between ----------------------
 
     async def _drive(self) -> None:
         try:
-            while self._pending or self._rows:
+            while self._pending or self.running.requests:
                 self._step(self._current_model())
-                if all(request.held for request in self._rows):  # the callers' code runs next: their mode
+                if self.running.all_held():  # the callers' code runs next: their mode
                     self._held.restore_mode()
                 await asyncio.sleep(0)  # let paths react: tool results, new requests join before the next step
         except asyncio.CancelledError:
@@ -182,23 +176,19 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
             self._held.restore_mode()
 
     def _fail_all(self, error: BaseException) -> None:
-        _fail(self._pending + self._rows, error)
+        _fail(self._pending + self.running.requests, error)
         self._pending = []
-        self._drop_rows()
-
-    def _drop_rows(self) -> None:
-        self._rows, self._batch = [], None
-        self._positions = self._logits = self._rejected = self._tokens = None
+        self.running.clear()
 
     def _current_model(self):
         """The held model in eval mode. When requests join after its weights changed, what was computed with the
         old ones goes: the prefix cache, the drafts, the held rows, and the requests running (failed)."""
         model = self._model()
         if self._pending and self._weights.changed():
-            _fail(self._rows, RuntimeError(
+            _fail(self.running.requests, RuntimeError(
                 "CachedTransformersEngine: the model's weights changed while this request was generating, so its "
                 "tokens would mix two policies. Change the weights between requests, or after aclose()."))
-            self._drop_rows()
+            self.running.clear()
             self._forget_cache()
             self._held.release()  # taken again: a model context gathers the new weights, the head is packed anew
             model = self._model()
@@ -216,7 +206,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
         return model
 
     def _set_costs(self, costs: ForwardCosts) -> None:
-        self.costs, self.acceptance.cost = costs, costs.decode
+        self.costs, self.speculator.acceptance.cost = costs, costs.decode
 
     @torch.no_grad()
     def _step(self, model) -> None:
@@ -225,47 +215,56 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
             with timed("calibrate"):  # measured once per process and kind of model (`calibration.measured_costs`)
                 self._set_costs(measured_costs(model) if self._measure else device_costs(model))
         pending, self._pending = self._pending, []
-        self._start_budget(model, LEFT_SLACK + 1 + (self.acceptance.max_draft if self.speculating else 0))
+        if self.kv.budget is None:  # the rollout's, at its first step: a row may open its drafts' columns too
+            drafts = self.speculator.acceptance.max_draft if self.speculator.enabled else 0
+            self.kv.budget = log_budget(self, self.kv_setting.resolve(model, LEFT_SLACK + 1 + drafts, batch_share=0.5))
         joining = [request for request in pending if not request.future.done()]  # not cancelled
-        if any(request.held for request in self._rows):
+        if any(request.held for request in self.running.requests):
             with timed("admit"):
-                joining = self._adopt(joining)
-        joining = self._gate(joining)  # those the KV budget holds; the others wait
+                joining, unclaimed = self.admission.adopt(self.running, joining)
+                self._release(unclaimed, fed=True)
+        joining, waiting = self.kv.gate(joining)  # those the KV budget holds; the others wait, ahead of later ones
+        self._pending = waiting + self._pending
         if joining:
             with timed("admit"):  # prefix-cache lookups, prefill forwards, rows written into the batch
                 try:
-                    self._join(self._admit(model, joining))
+                    self._join(self.admission.admit(model, joining, self.costs.forward_cost_tokens))
                 except BaseException:
                     self._pending += joining  # answered with the error by the driver, not left waiting
                     raise
-        if not self._rows:
+        if not self.running.requests:
             return
         with timed("sample"):  # a token per row; the rows that finished are released
             self._release(self._sample())
-        if self._rows:
+        if self.running.requests:
             with timed("decode"):  # the forward, and the verification of drafts
                 self._decode_step(model)
             self.counters.decode_steps += 1
 
+    def _join(self, rows: list[tuple[Request, KV, torch.Tensor]]) -> None:
+        """Add the admitted rows to the batch (written into its preallocated buffers)."""
+        self.running.join(rows, lambda: KVBatch(self.kv.room, self.kv.allocated))
+        self.speculator.joined([request for request, _, _ in rows])
+
     def _sample(self) -> list[int]:
         """One token per running row; returns the rows that finished."""
-        scores = penalized(self._logits, self.repetition_penalty, self._rows)
+        rows = self.running.requests
+        scores = penalized(self.running.logits, self.repetition_penalty, rows)
         tempered, entropies, sampled = self._distributions(scores)
-        if self.speculating:
-            self._observe_acceptance(tempered, sampled)
+        self.speculator.observe(self.running, tempered, sampled)
         if sampled is not None:  # a draft rejected here is not F⁻¹(u) (`accept_drafts`): the same u draws another
-            uniforms = keyed_uniforms([r.seed for r in self._rows], [len(r.text) for r in self._rows])
+            uniforms = keyed_uniforms([r.seed for r in rows], [len(r.text) for r in rows])
             tokens = sample_tokens(sampled, uniforms)
         else:  # greedy: a rejected draft was not the argmax, so the argmax stands
             sampled, tokens = tempered, scores.argmax(-1)
         chosen = sampled.gather(-1, tokens[:, None]).squeeze(1).tolist()
         finished = []
-        for row, (request, token, entropy) in enumerate(zip(self._rows, tokens.tolist(), entropies.tolist())):
+        for row, (request, token, entropy) in enumerate(zip(rows, tokens.tolist(), entropies.tolist())):
             self._append(request, token, chosen[row], entropy)
             if request.future.done() or self._is_done(request):
                 finished.append(row)
-        self._tokens = tokens
-        self._rejected.fill_(False)
+        self.running.tokens = tokens
+        self.running.rejected.fill_(False)
         return finished
 
     def _distributions(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -275,8 +274,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
     def _append(self, request: Request, token: int, logprob: float, entropy: float) -> None:
         request.ids.append(token), request.logprobs.append(logprob), request.entropies.append(entropy)
         request.text.append(token)
-        if self.speculating:
-            self.drafts.add(request.text, len(request.text) - 2)
+        self.speculator.extended(request)
 
     def _is_done(self, request: Request) -> bool:
         return len(request.ids) >= request.budget or request.ids[-1] in self.eos_token_ids or tail_has_stop(
@@ -293,7 +291,7 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
             return
         gone = []
         for row in finished:
-            request = self._rows[row]
+            request = self.running.requests[row]
             if not request.held and request.future.done():  # cancelled
                 gone.append(row)
                 continue
@@ -305,50 +303,80 @@ class CachedTransformersEngine(Admission, SpeculativeDecoding, KVAccounting, Tra
                     continue
             self._store(row, fed)
             gone.append(row)
-        if not fed and all(request.held for row, request in enumerate(self._rows) if row not in gone):
-            held = [row for row in range(len(self._rows)) if row not in gone]  # a forward only to feed them costs
+        if not fed and self.running.all_held(but=frozenset(gone)):
+            held = [row for row in range(len(self.running)) if row not in gone]  # a forward only to feed them costs
             for row in held:  # what their continuations' prefill would: released as before
                 self._store(row, fed=False)
             gone += held
-        if not gone:
-            return
-        order = self._batch.remove(gone)
-        if not order:  # the batch is empty: its buffers go
-            self._drop_rows()
-            return
-        self._rows, index = [self._rows[row] for row in order], torch.tensor(order, device=self._positions.device)
-        self._positions, self._tokens = self._positions[index], self._tokens[index]
-        self._logits, self._rejected = self._logits[index], self._rejected[index]
+        if gone:
+            self.running.remove(gone)
 
     def _store(self, row: int, fed: bool) -> None:
         """Keep a row's KV in the prefix cache; `fed`: its last token is in it, with the next-token logits."""
-        request = self._rows[row]
+        request = self.running.requests[row]
         tokens = request.prefix + (request.ids if fed else request.ids[:-1])
-        logits = self._logits[row: row + 1].clone() if fed else None
-        self._keep(CachedPrefix(tuple(tokens), self._batch.row(row), logits))
+        logits = self.running.logits[row: row + 1].clone() if fed else None
+        self.kv.keep(CachedPrefix(tuple(tokens), self.running.kv.row(row), logits))
 
     def _decode_step(self, model) -> None:
         """Run the sampled tokens of all rows, and their drafts if any pay, in one forward; each layer writes its new
         columns in place. Drafts are then verified (`_verify`)."""
-        drafts = self._drafts()
+        batch = self.running
+        drafts = self.speculator.propose(batch)
         width = 1 + max(map(len, drafts))
-        tokens = self._tokens[:, None]
+        tokens = batch.tokens[:, None]
         if width > 1:
             padded = [draft + [0] * (width - 1 - len(draft)) for draft in drafts]  # padding: its columns are holes
             tokens = torch.cat([tokens, torch.tensor(padded, device=tokens.device)], dim=1)
-        mask = self._batch.open_columns(width)
-        start = self._batch.width  # after open_columns, which may regrow the buffers
-        positions = self._positions[:, None] + torch.arange(width, device=self._positions.device)
-        out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self._batch.cache,
+        mask = batch.kv.open_columns(width)
+        start = batch.kv.width  # after open_columns, which may regrow the buffers
+        positions = batch.positions[:, None] + torch.arange(width, device=batch.positions.device)
+        out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=batch.kv.cache,
                     use_cache=True)
-        self._batch.close_columns(width)
-        self.counters.decode_tokens += len(self._rows) * width
+        batch.kv.close_columns(width)
+        self.counters.decode_tokens += len(batch) * width
         logits = out.logits.float()
         if width == 1:
-            self._positions = self._positions + 1
-            self._logits = logits[:, -1]
+            batch.positions = batch.positions + 1
+            batch.logits = logits[:, -1]
         else:
             self._verify(logits, drafts, start)
+
+    def _verify(self, logits: torch.Tensor, drafts: list[list[int]], start: int) -> None:
+        """Keep each row's drafts while plain decoding would draw them (`accept_drafts`; greedy: d is the argmax),
+        append them as sampled tokens, and leave the next position's logits, from which the next step draws what
+        plain decoding would. The columns of rejected drafts become holes."""
+        batch, (rows, width) = self.running, logits.shape[:2]
+        tempered, entropies, sampled = self._distributions(logits[:, :-1].flatten(0, 1))
+        entropies = entropies.view(rows, width - 1).tolist()
+        uniforms = keyed_uniforms([r.seed for r in batch.requests for _ in range(width - 1)],
+                                  [len(r.text) + j for r in batch.requests for j in range(width - 1)])
+        accepted, chosen = accept_drafts(tempered.view(rows, width - 1, -1),
+                                         None if sampled is None else sampled.view(rows, width - 1, -1), drafts,
+                                         uniforms.view(rows, width - 1))
+        finished, kept = [], []
+        for row, request in enumerate(batch.requests):
+            count, done = 0, False
+            while count < accepted[row] and not done:
+                self._append(request, drafts[row][count], chosen[row][count], entropies[row][count])
+                count += 1
+                done = self._is_done(request)
+            if done:
+                finished.append(row)
+            tried = min(len(drafts[row]), accepted[row] + 1)
+            self.speculator.verified(request, tried, accepted[row], None if sampled is None else chosen[row])
+            self.counters.drafted_tokens += len(drafts[row])
+            self.counters.accepted_tokens += count
+            end = start + count + 1  # the last token's column is kept, a finished row's too (released `fed`)
+            if end < start + width:
+                batch.kv.hole(row, end, start + width)
+            kept.append(count)
+            if not done and count < len(drafts[row]):
+                batch.rejected[row] = True
+        advanced = torch.tensor(kept, device=logits.device)
+        batch.positions = batch.positions + 1 + advanced
+        batch.logits = logits[torch.arange(rows, device=logits.device), advanced]
+        self._release(finished, fed=True)
 
 
 def _fail(requests: list[Request], error: BaseException) -> None:

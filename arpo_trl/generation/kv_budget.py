@@ -185,70 +185,59 @@ def wave_batches(budget: KVBudget, prefix_lengths: Sequence[int], max_new_tokens
 
 
 class KVAccounting:
-    """The cached engine's side of the budget: the rollout's budget, who joins, the prefix cache kept within what the
-    running rows leave, and the peak held (`counters.kv_peak_bytes`; with a regrowing batch's old buffer,
-    `kv_peak_copy_bytes`). Mixed into `CachedTransformersEngine`, whose `_rows`, `_batch`, `_pending`,
-    `prefix_cache`, `kv_setting` and counters it uses."""
+    """The cached engine's side of the budget, over the running batch and the prefix cache it is handed: the rollout's
+    budget (`budget`, resolved at its first step), who joins, the prefix cache kept within what the running rows leave,
+    and the peak held (`counters.kv_peak_bytes`; with a regrowing batch's old buffer, `kv_peak_copy_bytes`)."""
 
-    _budget: KVBudget | None = None  # the rollout's, resolved at its first step
+    def __init__(self, running, prefix_cache, counters):
+        self.running, self.prefix_cache, self.counters = running, prefix_cache, counters
+        self.budget: KVBudget | None = None
 
-    def _start_budget(self, model, overhead_columns: int) -> None:
-        if self._budget is None:
-            self._budget = log_budget(self, self.kv_setting.resolve(model, overhead_columns, batch_share=0.5))
-
-    @staticmethod
-    def _span(request) -> int:
-        """The positions a request's row holds at most: its prefix and max_new_tokens."""
-        return len(request.prefix) + request.budget
-
-    def _gate(self, joining: list) -> list:
-        """The requests that join now: in arrival order, while the budget holds the running rows and them at their
-        worst case. The others wait in `_pending`, ahead of later arrivals; one that alone exceeds it fails."""
-        spans = [self._span(request) for request in self._rows]
+    def gate(self, joining: list) -> tuple[list, list]:
+        """The requests that join now, and those that wait: in arrival order, while the budget holds the running rows
+        and them at their worst case (a request waits behind an earlier one that waits). One that alone exceeds the
+        budget fails."""
+        spans = [request.span for request in self.running.requests]
         admitted, waiting = [], []
         for request in joining:
-            span = self._span(request)
-            if not self._budget.fits([span]):
-                request.future.set_exception(self._budget.too_large(span, "CachedTransformersEngine"))
-            elif waiting or not self._budget.fits(spans + [span]):
+            span = request.span
+            if not self.budget.fits([span]):
+                request.future.set_exception(self.budget.too_large(span, "CachedTransformersEngine"))
+            elif waiting or not self.budget.fits(spans + [span]):
                 waiting.append(request)
             else:
                 spans.append(span)
                 admitted.append(request)
-        self._pending = waiting + self._pending
         self.counters.kv_waits += len(waiting)
-        return admitted
+        return admitted, waiting
 
-    def _keep(self, entry) -> None:
+    def keep(self, entry) -> None:
         """Store a prefix-cache entry, within what the running rows leave of the budget (older entries go)."""
         self.prefix_cache.store(entry)
-        self._fit_cache(self._batch_bytes())
+        self._fit_cache(self.running.bytes)
         self._note_kv()
 
     def _fit_cache(self, other: float) -> None:
-        if self._budget is not None and not math.isinf(self._budget.bytes):
-            self.prefix_cache.shrink(max(0, int(self._budget.bytes - other)))
+        if self.budget is not None and not math.isinf(self.budget.bytes):
+            self.prefix_cache.shrink(max(0, int(self.budget.bytes - other)))
 
-    def _room(self, needed: int) -> float:
+    def room(self, needed: int) -> float:
         """Before the batch allocates `needed` bytes at least, while it holds its old buffer: the prefix cache gives
         way to both; returns the bytes the new buffer may take (its spare room fits in what is left, and in the
         batch's share of the budget, so that the next regrowth's old and new buffers fit together too)."""
-        if self._budget is None:
+        if self.budget is None:
             return math.inf
-        old = self._batch_bytes()
+        old = self.running.bytes
         self._fit_cache(needed + old)
-        return min(self._budget.bytes * self._budget.batch_share, self._budget.bytes - self.prefix_cache.bytes - old)
+        return min(self.budget.bytes * self.budget.batch_share, self.budget.bytes - self.prefix_cache.bytes - old)
 
-    def _allocated(self, old_bytes: int) -> None:
+    def allocated(self, old_bytes: int) -> None:
         """After the batch allocated its buffer (while the old one, `old_bytes`, was still held for the copy)."""
-        cache, new = self.prefix_cache.bytes, self._batch_bytes()
+        cache, new = self.prefix_cache.bytes, self.running.bytes
         self.counters.kv_peak_copy_bytes = max(self.counters.kv_peak_copy_bytes, cache + new + old_bytes)
         self._note_kv()
 
-    def _batch_bytes(self) -> int:
-        return self._batch.bytes if self._batch is not None else 0
-
     def _note_kv(self) -> None:
-        held = self._batch_bytes() + self.prefix_cache.bytes
+        held = self.running.bytes + self.prefix_cache.bytes
         self.counters.kv_peak_bytes = max(self.counters.kv_peak_bytes, held)
         self.counters.kv_peak_copy_bytes = max(self.counters.kv_peak_copy_bytes, held)

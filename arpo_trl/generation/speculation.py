@@ -34,7 +34,6 @@ import torch
 
 from arpo_trl.generation.cost_model import DecodeCost
 from arpo_trl.generation.cpu.costs import CPU_DECODE_COST
-from arpo_trl.generation.sampling import accept_drafts, keyed_uniforms
 
 NGRAM_SIZES = (4, 3, 2)  # the longest suffix that occurred before wins
 MAX_DRAFT_TOKENS = 8
@@ -133,16 +132,39 @@ class Acceptance:
         return best
 
 
-class SpeculativeDecoding:
-    """The cached engine's side of speculative decoding: each row's α learned as it samples, the drafts a step feeds,
-    and their verification. Mixed into `CachedTransformersEngine`, whose batch state (`_rows`, `_batch`,
-    `_positions`, `_logits`, `_rejected`) and token bookkeeping (`_append`, `_is_done`, `_release`) it uses."""
+class Speculator:
+    """The cached engine's n-gram drafts over its running batch: the rollout's text indexed (`drafts`), each row's α
+    learned as it samples and the rollout's (`acceptance`), and the drafts a step feeds. The engine verifies them
+    (`CachedTransformersEngine._verify`) and reports what was accepted (`verified`). `enabled` False: no drafts."""
 
-    def _observe_acceptance(self, tempered: torch.Tensor, sampled: torch.Tensor | None) -> None:
+    def __init__(self, max_draft_tokens: int, enabled: bool):
+        check_draft_tokens(max_draft_tokens)
+        self.drafts, self.acceptance, self.enabled = DraftIndex(), Acceptance(max_draft_tokens), enabled
+
+    def reset(self) -> None:
+        """A new rollout: its text and acceptance rate are learned anew."""
+        self.drafts.clear(), self.acceptance.reset()
+
+    def extended(self, request) -> None:
+        """A row appended a token: index its newest n-grams."""
+        if self.enabled:
+            self.drafts.add(request.text, len(request.text) - 2)
+
+    def joined(self, requests: Sequence) -> None:
+        """Rows joined: index their text beyond what the prefix cache held; each starts from the rollout's α."""
+        if self.enabled:
+            for request in requests:
+                self.drafts.add(request.text, request.cached - 1)
+                request.alpha = self.acceptance.rate
+
+    def observe(self, running, tempered: torch.Tensor, sampled: torch.Tensor | None) -> None:
         """Before the rows sample from `sampled` (None: greedy, from `tempered`'s argmax): for each row with a draft,
         the chance its first token would be accepted here, p(guess), which moves the row's α and the rollout's rate.
         A row whose draft was just rejected at this position was observed by the verification already."""
-        guesses, rejected = [self.drafts.guess(request.text) for request in self._rows], self._rejected.tolist()
+        if not self.enabled:
+            return
+        guesses = [self.drafts.guess(request.text) for request in running.requests]
+        rejected = running.rejected.tolist()
         rows = [row for row, guess in enumerate(guesses) if guess >= 0 and not rejected[row]]
         if not rows:
             return
@@ -151,57 +173,28 @@ class SpeculativeDecoding:
         chances = (sampled[index, tokens].exp() if sampled is not None
                    else (tempered[index].argmax(-1) == tokens).double()).tolist()
         for row, chance in zip(rows, chances):
-            self._learn_alpha(self._rows[row], [chance])
+            _learn_alpha(running.requests[row], [chance])
         self.acceptance.record(len(rows), sum(chances))
 
-    @staticmethod
-    def _learn_alpha(request, chances: list[float]) -> None:
-        for chance in chances:
-            request.alpha = ROW_MEMORY * request.alpha + (1 - ROW_MEMORY) * chance
-
-    def _drafts(self) -> list[list[int]]:
+    def propose(self, running) -> list[list[int]]:
         """Per row, the draft tokens this step feeds after its sampled one: as many as pay at the rows' own α."""
-        alphas = [request.alpha for request in self._rows]
-        if not self.speculating or not self.acceptance.may_pay(len(self._rows), max(alphas)):
-            return [[] for _ in self._rows]
+        requests = running.requests
+        alphas = [request.alpha for request in requests]
+        if not self.enabled or not self.acceptance.may_pay(len(requests), max(alphas)):
+            return [[] for _ in requests]
         found = [self.drafts.draft(request.text, min(self.acceptance.max_draft, request.budget - len(request.ids)))
-                 for request in self._rows]
+                 for request in requests]
         length = self.acceptance.draft_length([len(draft) for draft in found], alphas)
         return [draft[:length] for draft in found]
 
-    def _verify(self, logits: torch.Tensor, drafts: list[list[int]], start: int) -> None:
-        """Keep each row's drafts while plain decoding would draw them (`accept_drafts`; greedy: d is the argmax),
-        append them as sampled tokens, and leave the next position's logits, from which the next step draws what
-        plain decoding would. The columns of rejected drafts become holes."""
-        rows, width = logits.shape[:2]
-        tempered, entropies, sampled = self._distributions(logits[:, :-1].flatten(0, 1))
-        entropies = entropies.view(rows, width - 1).tolist()
-        uniforms = keyed_uniforms([r.seed for r in self._rows for _ in range(width - 1)],
-                                  [len(r.text) + j for r in self._rows for j in range(width - 1)])
-        accepted, chosen = accept_drafts(tempered.view(rows, width - 1, -1),
-                                         None if sampled is None else sampled.view(rows, width - 1, -1), drafts,
-                                         uniforms.view(rows, width - 1))
-        finished, kept = [], []
-        for row, request in enumerate(self._rows):
-            count, done, tried = 0, False, min(len(drafts[row]), accepted[row] + 1)
-            while count < accepted[row] and not done:
-                self._append(request, drafts[row][count], chosen[row][count], entropies[row][count])
-                count += 1
-                done = self._is_done(request)
-            if done:
-                finished.append(row)
-            self.acceptance.record(tried, accepted[row])
-            if sampled is not None:  # greedy rows keep the argmax observations
-                self._learn_alpha(request, [math.exp(logprob) for logprob in chosen[row][:tried]])
-            self.counters.drafted_tokens += len(drafts[row])
-            self.counters.accepted_tokens += count
-            end = start + count + 1  # the last token's column is kept, a finished row's too (released `fed`)
-            if end < start + width:
-                self._batch.hole(row, end, start + width)
-            kept.append(count)
-            if not done and count < len(drafts[row]):
-                self._rejected[row] = True
-        advanced = torch.tensor(kept, device=logits.device)
-        self._positions = self._positions + 1 + advanced
-        self._logits = logits[torch.arange(rows, device=logits.device), advanced]
-        self._release(finished, fed=True)
+    def verified(self, request, tried: int, accepted: int, logprobs: Sequence[float] | None) -> None:
+        """A row's verification: `tried` drafts judged, `accepted` kept; `logprobs` of the tokens judged (None:
+        greedy, whose rows keep the argmax observations) move its α."""
+        self.acceptance.record(tried, accepted)
+        if logprobs is not None:
+            _learn_alpha(request, [math.exp(logprob) for logprob in logprobs[:tried]])
+
+
+def _learn_alpha(request, chances: list[float]) -> None:
+    for chance in chances:
+        request.alpha = ROW_MEMORY * request.alpha + (1 - ROW_MEMORY) * chance
