@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from arpo_trl.config_checks import check_arpo_config, resolve_engine_default
+from arpo_trl.generation.support import IN_PROCESS_ENGINES
 from arpo_trl.preflight import adopt_checkpointing_default
 from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS, SPECULATION_MODES
 from arpo_trl.rollout.tool_calls import TOOL_CALL_FORMATS
@@ -185,14 +186,12 @@ class ARPOConfig(GRPOConfig):
             "choices": list(SCHEDULERS),
         },
     )
-    use_transformers_continuous_batching: bool | None = field(  # TRL's knob; its default False becomes None
-        default=None,
+    in_process_engine: str = field(
+        default="auto",
         metadata={
-            "help": "The in-process engine (without a vLLM server). True: the cached engine, event-driven with a "
-            "prefix KV cache (docs/in_process_engine.md); False: the waves engine (left-padded model.generate per "
-            "wave); None: the cached engine wherever it can run (not with sharded parameters over several processes, "
-            "generation_kwargs it does not sample with, cache_implementation, or non-full-attention layers), else the "
-            "waves engine. Trees are seed-reproducible under rollout_scheduler='waves' with either engine.",
+            "help": "The engine without vLLM: 'cached' (event-driven, prefix KV cache), 'waves' (left-padded "
+            "model.generate per wave) or 'auto' (cached wherever it can run, else waves; docs/in_process_engine.md).",
+            "choices": list(IN_PROCESS_ENGINES),
         },
     )
     rollout_speculation: str = field(

@@ -12,6 +12,7 @@ from arpo_trl.dropin.grpo_fields import check_grpo_fields
 from arpo_trl.entropy import check_entropy_args, resolve_estimator
 from arpo_trl.generation.engine import check_generation_kwargs
 from arpo_trl.generation.speculation import check_draft_tokens
+from arpo_trl.generation.support import IN_PROCESS_ENGINES
 from arpo_trl.preflight import vllm_importable
 from arpo_trl.rollout import SCHEDULERS, SPECULATION_MODES, check_branching_args, default_initial_rollouts
 from arpo_trl.rollout.arpo import check_aepo_args
@@ -58,6 +59,8 @@ def check_arpo_config(config) -> None:
         raise ValueError(f"tool_timeout must be > 0 seconds, got {config.tool_timeout}.")
     if config.rollout_scheduler not in SCHEDULERS:
         raise ValueError(f"rollout_scheduler must be one of {SCHEDULERS}, got {config.rollout_scheduler!r}.")
+    if config.in_process_engine not in IN_PROCESS_ENGINES:
+        raise ValueError(f"in_process_engine must be one of {IN_PROCESS_ENGINES}, got {config.in_process_engine!r}.")
     if config.rollout_speculation not in SPECULATION_MODES:
         raise ValueError(f"rollout_speculation must be one of {SPECULATION_MODES}, got {config.rollout_speculation!r}.")
     if config.max_tool_workers < 1:

@@ -89,7 +89,7 @@ COLD_STARTS = {"headroom": {"tags": "recipes/headroom_sft.yaml", "chat_template"
 # (about 5x ours); per held-out trajectory through the vLLM-CPU server (plain weights; 800 in about 7.5 minutes) and
 # per evaluation for the merge and the server start.
 STEP_SECONDS, PEER_STEP_SECONDS, EVAL_TRAJECTORY_SECONDS, EVAL_OVERHEAD_SECONDS = 18.0, 90.0, 0.5, 60.0
-# How a run trains and generates (tree_packing, use_transformers_continuous_batching), None: the recipe's default.
+# How a run trains and generates (tree_packing, the cached in-process engine), None: the recipe's default.
 # `default` runs land in <method>/, the others in <method>@<stack>/. TRL's peer has no tree packing: its packed
 # stacks train unpacked rows, and `cached` gives it TRL's own continuous batching (its fastest in-process setting).
 STACKS = {"default": (None, None), "base": (False, False), "packed": (True, False), "packed_cached": (True, True)}
@@ -229,7 +229,11 @@ def run_label(method: str, stack: str) -> str:
 def stack_flags(method: str, stack: str) -> list[str]:
     packing, cached = STACKS[stack]
     flags = [] if packing is None or METHODS[method][1] == "trl" else ["--tree_packing", str(packing).lower()]
-    return flags + ([] if cached is None else ["--use_transformers_continuous_batching", str(cached).lower()])
+    if cached is None:
+        return flags
+    if METHODS[method][1] == "trl":  # TRL's own knob, with TRL's meaning: transformers' continuous batching engine
+        return flags + ["--use_transformers_continuous_batching", str(cached).lower()]
+    return flags + ["--in_process_engine", "cached" if cached else "waves"]
 
 
 def train(args: argparse.Namespace, method: str, setting: tuple[int, int], seed: int, stack: str = "default") -> Path:

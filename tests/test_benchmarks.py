@@ -214,8 +214,7 @@ def test_arpo_vs_grpo_stacks_reach_their_runs(tool_model_dir, tmp_path):
     the trainer: a base run forwards all M rows in full (per group, M × (prompt + longest completion)), a packed run
     the group's tree once (≤ prompt + each trajectory's tokens after its fork), for the same seed's prompt."""
     bench = load("arpo_vs_grpo")
-    assert bench.stack_flags("arpo", "base") == ["--tree_packing", "false", "--use_transformers_continuous_batching",
-                                                 "false"]
+    assert bench.stack_flags("arpo", "base") == ["--tree_packing", "false", "--in_process_engine", "waves"]
     assert bench.stack_flags("trl_grpo", "packed_cached") == ["--use_transformers_continuous_batching", "true"]
     assert bench.stack_flags("grpo", "default") == []
     train_file = _addition_questions(tmp_path / "train.jsonl", [(a, 2 * a + 1) for a in range(8)])

@@ -384,9 +384,9 @@ def test_unsupported_generation_kwargs_are_refused(tokenizer, tool_model64):
                                  sampling=SamplingSettings(generation_kwargs={"typical_p": .5}))
 
 
-def test_trainer_selects_it_with_trls_knob_and_samples_the_current_lora_weights(tool_model_dir, tokenizer,
-                                                                                addition_dataset, tmp_path):
-    """`use_transformers_continuous_batching=True` (TRL's knob) picks the cached engine; after the adapter changes,
+def test_trainer_selects_it_by_name_and_samples_the_current_lora_weights(tool_model_dir, tokenizer,
+                                                                         addition_dataset, tmp_path):
+    """`in_process_engine='cached'` picks the cached engine; after the adapter changes,
     its logprobs are the adapted model's (the cache is rebuilt per rollout, through TRL's unwrap context)."""
     from peft import LoraConfig
 
@@ -395,7 +395,7 @@ def test_trainer_selects_it_with_trls_knob_and_samples_the_current_lora_weights(
     args = ARPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, initial_rollouts=2,
                       max_completion_length=16, max_steps=1, use_cpu=True, bf16=False, report_to="none",
                       save_strategy="no", beta=0.0, gradient_checkpointing=False,
-                      use_transformers_continuous_batching=True,
+                      in_process_engine="cached",
                       transformers_continuous_batching_config={"num_blocks": 64, "block_size": 32})
     trainer = ARPOTrainer(model=str(tool_model_dir), reward_funcs=[arpo_math_reward], args=args,
                           train_dataset=addition_dataset, processing_class=tokenizer,
@@ -419,8 +419,10 @@ def test_trainer_selects_it_with_trls_knob_and_samples_the_current_lora_weights(
 
 
 def test_the_cached_engine_is_the_default_where_it_can_run(tool_model_dir, tokenizer, addition_dataset, tmp_path):
-    """ARPOConfig's use_transformers_continuous_batching=None picks the cached engine, and the waves engine where
-    the cached one cannot run (here: a generation_kwarg it does not sample with); True there is a clear error."""
+    """ARPOConfig's in_process_engine='auto' picks the cached engine, and the waves engine where the cached one
+    cannot run (here: a generation_kwarg it does not sample with); 'cached' there is a clear error. TRL's
+    use_transformers_continuous_batching (transformers' own engine, which ARPO does not use) is refused in one line,
+    and so is its deprecated name, which TRL maps to it."""
     from arpo_trl import ARPOConfig, ARPOTrainer, arpo_math_reward
 
     def engine(**kw):
@@ -429,13 +431,20 @@ def test_the_cached_engine_is_the_default_where_it_can_run(tool_model_dir, token
         return ARPOTrainer(model=str(tool_model_dir), reward_funcs=[arpo_math_reward], args=args,
                            train_dataset=addition_dataset, processing_class=tokenizer).engine
 
-    assert ARPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).use_transformers_continuous_batching is None
+    assert ARPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).in_process_engine == "auto"
     assert type(engine()) is CachedTransformersEngine
-    assert type(engine(use_transformers_continuous_batching=False)) is TransformersEngine
+    assert type(engine(in_process_engine="waves")) is TransformersEngine
+    assert type(engine(use_transformers_continuous_batching=False)) is CachedTransformersEngine  # TRL's default
     ngrams = {"generation_kwargs": {"no_repeat_ngram_size": 3}}
     assert type(engine(**ngrams)) is TransformersEngine
-    with pytest.raises(NotImplementedError, match=r"no_repeat_ngram_size.*leave it unset"):
-        engine(use_transformers_continuous_batching=True, **ngrams)
+    with pytest.raises(NotImplementedError, match=r"no_repeat_ngram_size.*'waves' or 'auto'"):
+        engine(in_process_engine="cached", **ngrams)
+    for refused in ({"use_transformers_continuous_batching": True}, {"use_transformers_paged": True}):
+        with pytest.raises(ValueError, match=r"^use_transformers_continuous_batching=True is not supported by "
+                                             r"ARPOTrainer: .*set in_process_engine \(auto, cached or waves\)\.$"):
+            ARPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **refused)
+    with pytest.raises(ValueError, match=r"in_process_engine must be one of \('auto', 'cached', 'waves'\)"):
+        ARPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, in_process_engine="paged")
 
 
 def test_logprobs_are_those_of_the_distribution_sampled(tiny_model_dir, tokenizer):

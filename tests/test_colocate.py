@@ -244,7 +244,7 @@ def test_prefix_cache_counters_give_the_share_of_prompt_tokens_served():
 
 def test_the_cached_engine_steps_aside_for_transformers_older_than_its_cache_api(monkeypatch, tokenizer, tmp_path):
     """The colocate environment's transformers (vLLM 0.31 pins < 5.18) leaves the cache layers the cached engine
-    reads empty: `use_transformers_continuous_batching=None` then picks the waves engine, saying why."""
+    reads empty: `in_process_engine='auto'` then picks the waves engine, saying why."""
     import transformers
     from tiny import tiny_model
 

@@ -128,7 +128,7 @@ def _train(tool_model_dir, tokenizer, addition_dataset, tmp_path, lora: bool, **
     args = ARPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, initial_rollouts=2,
                       max_completion_length=48, max_steps=2, learning_rate=5e-3, logging_steps=1, bf16=True,
                       report_to="none", save_strategy="no", seed=0, beta=0.04, log_trees=False,
-                      use_transformers_continuous_batching=True, **kw)
+                      in_process_engine="cached", **kw)
     trainer = ARPOTrainer(model=str(tool_model_dir), reward_funcs=[arpo_math_reward, _distinct_rewards],
                           args=args, train_dataset=addition_dataset, processing_class=tokenizer,
                           tools=[Tool("python", lambda code: "42")],

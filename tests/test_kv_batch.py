@@ -103,5 +103,5 @@ def test_layers_of_different_shapes_are_refused_with_the_way_out():
     same = (torch.zeros(1, HEADS, 5, DIM), torch.zeros(1, HEADS, 5, DIM))
     other = (torch.zeros(1, HEADS + 1, 5, DIM), torch.zeros(1, HEADS + 1, 5, DIM))
     assert stack_layers([same, same]).shape == (2, 2, 1, HEADS, 5, DIM)
-    with pytest.raises(ValueError, match="layers differ in shape.*use_transformers_continuous_batching=False"):
+    with pytest.raises(ValueError, match="layers differ in shape.*in_process_engine=.waves."):
         stack_layers([same, other])

@@ -12,6 +12,11 @@ REFUSED_FIELDS: dict[str, tuple[Any, str]] = {
         "TRL's own tool loop is off under ARPO; the sampler limits tool calls per path with max_tool_calls "
         "(default 3): set max_tool_calls instead",
     ),
+    "use_transformers_continuous_batching": (  # TRL sets it from its deprecated use_transformers_paged too
+        lambda value: bool(value),
+        "ARPO generates in process with its own engines, which continue and fork each path in a KV cache; "
+        "transformers' continuous batching engine is not used: set in_process_engine (auto, cached or waves)",
+    ),
     "vllm_structured_outputs_regex": (
         lambda value: value is not None,
         "the sampler continues paths segment by segment (after each tool result and at each fork), which a single "

@@ -1,7 +1,7 @@
 """A trainer's generation backend: one object, chosen once from the config, that starts the engine the rollouts run
 on, installs its weight sync, and does what its mode needs around each rollout (`GenerationBackend`). This module's
 is the in-process one (`InProcessBackend`): the cached engine (`cached_engine.py`) where it can run
-(`use_transformers_continuous_batching`; unset: wherever it can), else the waves engine (`transformers_engine.py`),
+(`in_process_engine`; 'auto': wherever it can), else the waves engine (`transformers_engine.py`),
 both under the KV budget of `transformers_continuous_batching_config`; ranks with sharded parameters generate in
 lockstep. vLLM's are `server/trainer_mode.py` and `colocate/trainer_mode.py`."""
 
@@ -31,11 +31,10 @@ def in_process_engine(args, model, tokenizer, sampling: SamplingSettings,
         args.transformers_continuous_batching_config)
     engine_class, extra = TransformersEngine, {"synced_gpus": lockstep, "kv_budget": budget}
     blocker = cached_engine_blocker(model, args.generation_kwargs, args.cache_implementation, lockstep)
-    if args.use_transformers_continuous_batching and blocker:
-        raise NotImplementedError(f"use_transformers_continuous_batching=True: the cached engine cannot run here: "
-                                  f"{blocker}. Set it to False (the waves engine) or leave it unset (auto).")
-    if args.use_transformers_continuous_batching or (args.use_transformers_continuous_batching is None
-                                                     and blocker is None):  # TRL's knob; None: where it can
+    if args.in_process_engine == "cached" and blocker:
+        raise NotImplementedError(f"in_process_engine='cached': the cached engine cannot run here: {blocker}. Set "
+                                  f"in_process_engine to 'waves' or 'auto'.")
+    if args.in_process_engine == "cached" or (args.in_process_engine == "auto" and blocker is None):
         engine_class, extra = CachedTransformersEngine, {
             "max_cached_tokens": cache_budget(args.transformers_continuous_batching_config),
             "max_draft_tokens": args.max_draft_tokens, "kv_budget": budget}

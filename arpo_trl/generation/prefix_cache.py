@@ -29,7 +29,7 @@ def stack_layers(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> KV:
     if len(shapes) != 1:
         raise ValueError(f"CachedTransformersEngine keeps all layers' keys and values in one tensor, but this model's "
                          f"layers differ in shape ({sorted(shapes)}): use the waves engine "
-                         f"(use_transformers_continuous_batching=False).")
+                         f"(in_process_engine='waves').")
     return torch.stack([tensor for pair in zip(*pairs) for tensor in pair]).unflatten(0, (2, len(pairs)))
 
 

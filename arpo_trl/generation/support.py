@@ -10,6 +10,7 @@ from packaging.version import Version
 # transformers' cache API as the engine reads it (`DynamicCache.layers` filled by a forward); older releases (those
 # vLLM 0.31 pins, < 5.18) leave it empty, so the colocate environment's in-process runs use the waves engine.
 MIN_TRANSFORMERS = "5.20"
+IN_PROCESS_ENGINES = ("auto", "cached", "waves")  # ARPOConfig.in_process_engine
 
 
 def cache_budget(config: dict | str | None) -> int | None:
@@ -44,14 +45,13 @@ def check_full_attention(model) -> None:
     """Cache entries are built as plain full-attention layers; a windowed or recurrent layer would be wrong."""
     if other := non_full_attention(model.config):
         raise ValueError(f"CachedTransformersEngine needs full-attention layers only; this model has {other} "
-                         f"(layer_types / sliding_window): use the waves engine "
-                         f"(use_transformers_continuous_batching=False).")
+                         f"(layer_types / sliding_window): use the waves engine (in_process_engine='waves').")
 
 
 def cached_engine_blocker(model, generation_kwargs: dict | None, cache_implementation: str | None,
                           sharded_processes: bool) -> str | None:
-    """Why this engine cannot serve a run (a sentence), or None: what `use_transformers_continuous_batching=None`
-    (ARPOConfig's default) checks before it picks this engine over the waves engine."""
+    """Why this engine cannot serve a run (a sentence), or None: what `in_process_engine='auto'` (ARPOConfig's
+    default) checks before it picks this engine over the waves engine."""
     if sharded_processes:
         return "sharded parameters (ZeRO-3/FSDP) over several processes need the ranks' model calls in step"
     if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release:

@@ -40,7 +40,6 @@ class Speculation:
         if mode not in MODES:
             raise ValueError(f"speculation must be one of {MODES}, got {mode!r}.")
         self.rule = rule
-        self.mode = mode
         self.fill_ups_early = mode != "off"
         self.certain_forks_early = mode != "off"
         self.branches_early = mode == "branches"
@@ -180,7 +179,7 @@ class Speculation:
         remaining share times the chance that the line forks at all (a line that ends without forking leaves its
         whole share to fill-ups, which the mean alone would hide)."""
         total = 0.0
-        for line, paths in self.rule.live_lines(rollout, g).items():
+        for line, paths in self._live_lines(rollout, g).items():
             forks = 1 - math.prod(self.never_forks(rollout, path) for path in paths)
             total += min(sum(self.expected(rollout, path) for path in paths),
                          self.rule.shares.remaining(rollout, g, line) * forks)
@@ -207,7 +206,7 @@ class Speculation:
     def _unforked_slots(self, rollout: Rollout, g: int) -> list[float]:
         """P(the live lines that never fork leave k slots), for k = 0, 1, ...: each leaves its remaining share."""
         left = [1.0]
-        for line, paths in self.rule.live_lines(rollout, g).items():
+        for line, paths in self._live_lines(rollout, g).items():
             never = math.prod(self.never_forks(rollout, path) for path in paths)
             share = self.rule.shares.remaining(rollout, g, line)
             spread = [0.0] * (len(left) + share)
@@ -216,6 +215,14 @@ class Speculation:
                 spread[k + share] += chance * never
             left = spread
         return left
+
+    def _live_lines(self, rollout: Rollout, g: int) -> dict:
+        """The rule's live lines of prompt `g`: while `fill_ups` runs, computed once for its several sums."""
+        if self._terms is None:
+            return self.rule.live_lines(rollout, g)
+        if ("lines", g) not in self._terms:
+            self._terms["lines", g] = self.rule.live_lines(rollout, g)
+        return self._terms["lines", g]
 
     @staticmethod
     def _heard_from(group: list[Trajectory]) -> bool:
