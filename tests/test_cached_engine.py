@@ -439,10 +439,10 @@ def test_the_cached_engine_is_the_default_where_it_can_run(tool_model_dir, token
     assert type(engine(**ngrams)) is TransformersEngine
     with pytest.raises(NotImplementedError, match=r"no_repeat_ngram_size.*'waves' or 'auto'"):
         engine(in_process_engine="cached", **ngrams)
-    for refused in ({"use_transformers_continuous_batching": True}, {"use_transformers_paged": True}):
-        with pytest.raises(ValueError, match=r"^use_transformers_continuous_batching=True is not supported by "
-                                             r"ARPOTrainer: .*set in_process_engine \(auto, cached or waves\)\.$"):
-            ARPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **refused)
+    for refused in ("use_transformers_continuous_batching", "use_transformers_paged"):
+        with pytest.raises(ValueError, match=rf"^{refused}=True is not supported by ARPOTrainer: .*set "
+                                             r"in_process_engine \(auto, cached or waves\)\.$"):
+            ARPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **{refused: True})
     with pytest.raises(ValueError, match=r"in_process_engine must be one of \('auto', 'cached', 'waves'\)"):
         ARPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, in_process_engine="paged")
 

@@ -22,7 +22,7 @@ TRAINING_ARGUMENTS = [f.name for f in dataclasses.fields(TrainingArguments)]
 GRPO_FIELDS = [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in set(TRAINING_ARGUMENTS)]
 GRPO_ARGUMENTS = [name for name in inspect.signature(GRPOTrainer.__init__).parameters if name != "self"]
 TRIGGERS = {"max_tool_calling_iterations": 3, "vllm_structured_outputs_regex": "[0-9]+",
-            "use_transformers_continuous_batching": True}
+            "use_transformers_continuous_batching": True, "use_transformers_paged": True}
 
 
 def test_every_grpo_field_and_argument_is_marked():

@@ -12,7 +12,12 @@ REFUSED_FIELDS: dict[str, tuple[Any, str]] = {
         "TRL's own tool loop is off under ARPO; the sampler limits tool calls per path with max_tool_calls "
         "(default 3): set max_tool_calls instead",
     ),
-    "use_transformers_continuous_batching": (  # TRL sets it from its deprecated use_transformers_paged too
+    "use_transformers_paged": (  # checked first: TRL sets use_transformers_continuous_batching from it
+        lambda value: bool(value),
+        "it is TRL's deprecated name of use_transformers_continuous_batching, transformers' continuous batching "
+        "engine, which ARPO does not use: set in_process_engine (auto, cached or waves)",
+    ),
+    "use_transformers_continuous_batching": (
         lambda value: bool(value),
         "ARPO generates in process with its own engines, which continue and fork each path in a KV cache; "
         "transformers' continuous batching engine is not used: set in_process_engine (auto, cached or waves)",

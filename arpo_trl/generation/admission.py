@@ -20,7 +20,9 @@ class Admission:
     keeps the prefix cache within the budget), and at each step the running batch."""
 
     def __init__(self, prefix_cache: PrefixCache, counters, kv: KVAccounting):
-        self.prefix_cache, self.counters, self.kv = prefix_cache, counters, kv
+        self.prefix_cache = prefix_cache
+        self.counters = counters
+        self.kv = kv
 
     def adopt(self, running: RunningBatch, joining: list[Request]) -> tuple[list[Request], list[int]]:
         """A request whose prefix is a held row's text (an ARPO probe's continuation: its k tokens were answered one

@@ -52,7 +52,9 @@ class LockstepEngine:
         if getattr(engine, "max_batch_size", None):
             raise ValueError("max_batch_size splits a wave into a number of model calls that differs between ranks; "
                              "leave it unset with sharded parameters (ZeRO-3/FSDP) and several processes.")
-        self.engine, self.accelerator, self.idle_prefix = engine, accelerator, list(idle_prefix)
+        self.engine = engine
+        self.accelerator = accelerator
+        self.idle_prefix = list(idle_prefix)
         self.idle_calls = 0  # calls made only to keep step with the other ranks
 
     def __getattr__(self, name: str):  # tokenizer, vocab_size, eos_token_ids...: the wrapped engine's

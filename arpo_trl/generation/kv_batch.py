@@ -44,8 +44,11 @@ class KVBatch:
     after (the old buffer is freed once the rows are copied)."""
 
     def __init__(self, room: Callable[[int], float] | None = None, allocated: Callable[[int], None] | None = None):
-        self.room, self.allocated = room, allocated
-        self.rows, self.first, self.width = 0, 0, 0
+        self.room = room
+        self.allocated = allocated
+        self.rows = 0
+        self.first = 0
+        self.width = 0
         self.starts: list[int] = []  # per row, its first column
         self.buffer: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
@@ -150,8 +153,10 @@ class KVBatch:
                     self.buffer[:, :, : self.rows, :, self.first: self.width]
                 mask[: self.rows, width - used: width] = self.mask[: self.rows, self.first: self.width]
             self.starts = [start + shift for start in self.starts]
-        self.buffer, self.mask = buffer, mask
-        self.first, self.width = width - used, width
+        self.buffer = buffer
+        self.mask = mask
+        self.first = width - used
+        self.width = width
         if self.allocated is not None:
             self.allocated(old_bytes)
 
@@ -188,7 +193,9 @@ class _BufferLayer(DynamicLayer):
 
     def __init__(self, batch: KVBatch, layer: int):
         super().__init__()
-        self.batch, self.layer, self.is_initialized = batch, layer, True
+        self.batch = batch
+        self.layer = layer
+        self.is_initialized = True
         self.keys = batch.buffer[0, layer, : batch.rows, :, batch.first: batch.width]
         self.values = batch.buffer[1, layer, : batch.rows, :, batch.first: batch.width]
         self.device = self.keys.device

@@ -190,7 +190,9 @@ class KVAccounting:
     and the peak held (`counters.kv_peak_bytes`; with a regrowing batch's old buffer, `kv_peak_copy_bytes`)."""
 
     def __init__(self, running, prefix_cache, counters):
-        self.running, self.prefix_cache, self.counters = running, prefix_cache, counters
+        self.running = running
+        self.prefix_cache = prefix_cache
+        self.counters = counters
         self.budget: KVBudget | None = None
 
     def gate(self, joining: list) -> tuple[list, list]:

@@ -89,7 +89,9 @@ class RunningBatch:
             return
         index = torch.tensor(order, device=self.positions.device)
         self.requests = [self.requests[row] for row in order]
-        self.positions, self.logits, self.rejected = self.positions[index], self.logits[index], self.rejected[index]
+        self.positions = self.positions[index]
+        self.logits = self.logits[index]
+        self.rejected = self.rejected[index]
         self.tokens = None if self.tokens is None else self.tokens[index]
 
 

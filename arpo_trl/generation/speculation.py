@@ -98,7 +98,9 @@ class Acceptance:
     pay."""
 
     def __init__(self, max_draft: int = MAX_DRAFT_TOKENS, cost: DecodeCost = CPU_DECODE_COST):
-        self.max_draft, self.drafted, self.accepted = max_draft, 0, 0
+        self.max_draft = max_draft
+        self.drafted = 0
+        self.accepted = 0
         self.cost = cost  # the cached engine sets its device's, measured (`calibration.py`)
 
     @property
@@ -139,7 +141,9 @@ class Speculator:
 
     def __init__(self, max_draft_tokens: int, enabled: bool):
         check_draft_tokens(max_draft_tokens)
-        self.drafts, self.acceptance, self.enabled = DraftIndex(), Acceptance(max_draft_tokens), enabled
+        self.drafts = DraftIndex()
+        self.acceptance = Acceptance(max_draft_tokens)
+        self.enabled = enabled
 
     def reset(self) -> None:
         """A new rollout: its text and acceptance rate are learned anew."""
