@@ -17,7 +17,7 @@ A setting that fails one says which field to change, and to what.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from dataclasses import replace as replace_shape
 
 GIB = 1024**3
@@ -173,9 +173,6 @@ class MemoryPlan:
         return (f"fits: vLLM {_gib(self.vllm_request)} GiB of {_gib(self.free_at_vllm_start)} free at its start "
                 f"({self.kv_tokens:,} KV tokens, {self.paths_held} paths), rollout phase {_gib(self.rollout_phase)} "
                 f"GiB, training phase {_gib(self.training_phase)} GiB, of {_gib(self.usable)} GiB usable")
-
-    def as_dict(self) -> dict:
-        return asdict(self) | {"fits": self.fits, "verdict": self.verdict()}
 
 
 def _gib(value: float) -> str:
