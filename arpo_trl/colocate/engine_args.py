@@ -27,8 +27,9 @@ vLLM's defaults, and why (what vLLM does otherwise is read from the source of vL
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
+
+from arpo_trl.server.launcher import free_port
 
 CPU_BLOCK_SIZE = 32
 DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
@@ -77,12 +78,6 @@ def engine_kwargs(settings: ColocateSettings) -> dict:
     return kwargs
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def prepare_environment(settings: ColocateSettings, threads: int) -> dict[str, str | None]:
     """Set what an in-process engine reads from the environment; returns the previous values, for `restore`.
 
@@ -94,7 +89,7 @@ def prepare_environment(settings: ColocateSettings, threads: int) -> dict[str, s
     * on a CPU, its KV cache size (`cpu_kv_cache_gib`)."""
     wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
               "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-              "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port()),
+              "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port()),
               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(threads),
               "VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER") or "0"}
     if settings.device == "cpu":

@@ -99,11 +99,6 @@ def _add_vllm_metadata_alias(venv: Path, version: str) -> None:
     (alias / "RECORD").write_text("")
 
 
-def _vllm_lora_rank(rank: int) -> int:
-    """The smallest `--max-lora-rank` vLLM accepts that serves adapters of rank `rank`."""
-    return vllm_lora_rank(rank, "lora_rank")
-
-
 def _die_with_parent() -> None:
     """In the child before exec: ask Linux to SIGTERM it when the process that started it dies (a trainer killed
     by SIGTERM/SIGKILL runs no atexit handler)."""
@@ -123,6 +118,7 @@ def _port_is_free(host: str, port: int) -> bool:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -171,8 +167,8 @@ class VLLMServer:
             "--model", self.model, "--host", host, "--port", str(self.port), "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
             *(["--enforce-eager"] if enforce_eager else []),
-            *(["--enable-lora", "--max-lora-rank", str(_vllm_lora_rank(lora_rank)), "--max-loras", str(max_loras)]
-              if lora_rank else []),
+            *(["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(lora_rank, "lora_rank")),
+               "--max-loras", str(max_loras)] if lora_rank else []),
             *extra_args,
         ]
         self.process: subprocess.Popen | None = None
