@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from arpo_trl.server.launcher import free_port
+from arpo_trl.preflight import free_port
 
 CPU_BLOCK_SIZE = 32
 DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}

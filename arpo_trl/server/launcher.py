@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from arpo_trl.data.assets import default_cache_dir
+from arpo_trl.preflight import free_port
 from arpo_trl.server.client import VLLMClient, VLLMServerError
 from arpo_trl.server.server_check import vllm_lora_rank
 
@@ -115,13 +116,6 @@ def _port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class VLLMServer:
