@@ -63,6 +63,13 @@ def check_writable_dir(path: str | os.PathLike, field: str = "output_dir") -> No
                              "you can write to.") from error
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def check_port_free(host: str, port: int, field: str = "port") -> None:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:

@@ -393,10 +393,6 @@ class ColocatedVLLMEngine:
                                "so KV computed with the previous weights could be reused; refusing to go on.")
 
     @property
-    def asleep(self) -> bool:
-        return bool(self._sleeping)
-
-    @property
     def weights_discarded(self) -> bool:
         """Level-2 sleep dropped vLLM's weights: they must be loaded again before it generates."""
         return "weights" in self._sleeping and self.sleep_level == 2

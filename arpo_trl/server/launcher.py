@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from arpo_trl.data.assets import default_cache_dir
+from arpo_trl.preflight import free_port
 from arpo_trl.server.client import VLLMClient, VLLMServerError
 from arpo_trl.server.server_check import vllm_lora_rank
 
@@ -99,11 +100,6 @@ def _add_vllm_metadata_alias(venv: Path, version: str) -> None:
     (alias / "RECORD").write_text("")
 
 
-def _vllm_lora_rank(rank: int) -> int:
-    """The smallest `--max-lora-rank` vLLM accepts that serves adapters of rank `rank`."""
-    return vllm_lora_rank(rank, "lora_rank")
-
-
 def _die_with_parent() -> None:
     """In the child before exec: ask Linux to SIGTERM it when the process that started it dies (a trainer killed
     by SIGTERM/SIGKILL runs no atexit handler)."""
@@ -120,12 +116,6 @@ def _port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class VLLMServer:
@@ -171,8 +161,8 @@ class VLLMServer:
             "--model", self.model, "--host", host, "--port", str(self.port), "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
             *(["--enforce-eager"] if enforce_eager else []),
-            *(["--enable-lora", "--max-lora-rank", str(_vllm_lora_rank(lora_rank)), "--max-loras", str(max_loras)]
-              if lora_rank else []),
+            *(["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(lora_rank, "lora_rank")),
+               "--max-loras", str(max_loras)] if lora_rank else []),
             *extra_args,
         ]
         self.process: subprocess.Popen | None = None

@@ -15,19 +15,10 @@ Pieces: a `PageBackend` opens pages (`arpo_trl.tools.pages`: `PageStore` for off
 the web), and a condenser cuts them to the budget (`arpo_trl.tools.condense`: `ExtractiveCondenser`, the default,
 or `ModelCondenser`, a causal LM that summarises).
 
-Where we follow / differ from the reference (`evaluation/src/tools/search_tool_sds.py`):
-
-* The reference has no browse tag: in its deep-search evaluation the *search* tool fetches every result URL
-  (`requests`, BeautifulSoup `get_text`, 20k chars), keeps a window of `max_doc_len` chars around the sentence
-  with the best word-F1 to the search snippet, and has a separate summariser LLM (Qwen3-8B/14B or QwQ-32B behind
-  a vLLM server, T=0.6, 4096 new tokens) turn the pages into "helpful information" (a `**Final Information**`
-  section) given the previous reasoning steps and the query. We make opening a page a tool of its own, which the
-  model calls with its own goal, so that search stays cheap (snippets, as in training) and reading is a choice.
-* `ModelCondenser` follows the reference's summariser in spirit; its differences are listed in
-  `arpo_trl.tools.condense`.
-* The reference's browser is not used in RL training, only at deep-search evaluation (docs/reference.md#tools);
-  this tool works in training and evaluation alike. Its output is bounded by a token budget, the reference's
-  by the summariser's generation length.
+Unlike the reference, whose deep-search evaluation fetches and summarises every search result's page (at evaluation
+only: docs/reference.md#tools), opening a page is a tool of its own, which the model calls with its own goal, in
+training and evaluation alike: search stays cheap (snippets, as in training) and reading is a choice. Its output is
+bounded by a token budget; `ModelCondenser`'s differences from the reference's summariser: `arpo_trl.tools.condense`.
 """
 
 from __future__ import annotations

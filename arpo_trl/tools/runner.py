@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 
@@ -168,13 +168,3 @@ class ToolRunner:
                             self._add_workers()
                 self._changed.wait(self._deadlines[0][0] - now if self._deadlines else None)
 
-
-def run_calls(calls: Sequence[Callable[[], object]], max_workers: int, timeout: float) -> list[CallOutcome]:
-    """Run `calls` at most `max_workers` at a time, each under `timeout` seconds; their outcomes in order."""
-    runner = ToolRunner(max_workers, timeout)
-    try:
-        futures = [runner.submit(call) for call in calls]
-        wait(futures)
-        return [future.result() for future in futures]
-    finally:
-        runner.close()
