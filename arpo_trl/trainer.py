@@ -142,8 +142,10 @@ class ARPOTrainer(TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpd
                 eval_dataset=eval_dataset, processing_class=processing_class, peft_config=peft_config,
                 rollout_func=self._arpo_rollout, **kwargs,
             )
-        self._trl, self._environments = TRLState(self), environments
-        self._listed_tools, self._tools_for_trl = trl_tool_list(listed_tools, environments), False
+        self._trl = TRLState(self)
+        self._environments = environments
+        self._listed_tools = trl_tool_list(listed_tools, environments)
+        self._tools_for_trl = False
         self._trl.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
         self._tool_failures = ToolFailureWatch(self.arpo_tools, args.max_failed_tool_steps)

@@ -139,22 +139,37 @@ CASES = [
 def sandbox_processes() -> set[int]:
     """Processes of the sandbox machinery or its uids (not counting idle pool workers, filtered by the caller).
 
-    Only this checkout's: their interpreter is this test's `sys.executable` (sandboxes of other checkouts running
-    on the same machine at the same time are not leftovers of these tests)."""
-    found, ours = set(), os.fsencode(sys.executable) + b"\0"
+    Only this checkout's: their interpreter is this test's `sys.executable` and they are not (descendants of) another
+    checkout's `_sandbox_child.py`: sandboxes of other checkouts running on the same machine with the same interpreter
+    at the same time are not leftovers of these tests."""
+    ours, child = os.fsencode(sys.executable) + b"\0", os.fsencode(str(Path(sandbox_module.__file__).parent))
+    found, parents, foreign = set(), {}, set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
             uid = os.stat(f"/proc/{entry}").st_uid
-        except OSError:
+            parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
         if not cmdline.startswith(ours):
             continue
-        if b"_sandbox_child.py" in cmdline or b"time.sleep(100)" in cmdline or uid >= 2_000_000_000:
+        if b"_sandbox_child.py" in cmdline and child not in cmdline:
+            foreign.add(int(entry))
+        elif b"_sandbox_child.py" in cmdline or b"time.sleep(100)" in cmdline or uid >= 2_000_000_000:
             found.add(int(entry))
-    return found
+    return {pid for pid in found if not _descends_from(pid, foreign, parents)}
+
+
+def _descends_from(pid: int, ancestors: set[int], parents: dict[int, int]) -> bool:
+    seen = set()
+    while pid in parents and pid not in seen:
+        seen.add(pid)
+        pid = parents[pid]
+        if pid in ancestors:
+            return True
+    return False
 
 
 def idle_worker_tree(tool: PythonTool) -> set[int]:

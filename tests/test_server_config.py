@@ -359,7 +359,8 @@ def test_check_server_serves_passes_a_matching_server(tokenizer):
 def served_recipe(tool_model_dir, tmp_path_factory):
     """`arpo-trl vllm-serve --config R` as a user types it, R being the one-GPU recipe on the tiny tool model and a
     small offline dataset (the tiny model has 1024 positions), on a free port; no other flag."""
-    from arpo_trl.server.launcher import free_port, setup_vllm_venv
+    from arpo_trl.preflight import free_port
+    from arpo_trl.server.launcher import setup_vllm_venv
 
     setup_vllm_venv()
     tmp = tmp_path_factory.mktemp("served-recipe")

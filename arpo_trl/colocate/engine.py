@@ -80,7 +80,8 @@ class _LoopDriver:
     future. A cancelled request is aborted in the engine."""
 
     def __init__(self, owner: ColocatedVLLMEngine):
-        self.owner, self.loop = owner, asyncio.get_running_loop()
+        self.owner = owner
+        self.loop = asyncio.get_running_loop()
         self.waiting: dict[str, asyncio.Future] = {}
         self.probes: dict[str, tuple[int, asyncio.Future]] = {}  # request id -> (k, the future of its first k tokens)
         self.adds: list[tuple[str, list[int], Any]] = []
@@ -191,11 +192,16 @@ class ColocatedVLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         self.reader = reader = SegmentReader(tokenizer, sampling, WHERE, "ColocatedVLLMEngine", "colocated vLLM")
-        self.llm, self.tokenizer, self.sleep_level = llm_engine, tokenizer, sleep_level
-        self.vocab_size, self.eos_token_ids = reader.vocab_size, reader.eos_token_ids
-        self.entropy_estimator, self.entropy_top_k = reader.estimator, reader.top_k
+        self.llm = llm_engine
+        self.tokenizer = tokenizer
+        self.sleep_level = sleep_level
+        self.vocab_size = reader.vocab_size
+        self.eos_token_ids = reader.eos_token_ids
+        self.entropy_estimator = reader.estimator
+        self.entropy_top_k = reader.top_k
         # top-k logprobs for a segment's first `probe_tokens` only (`_continue`)
-        self.split_logprobs, self.probe_tokens = split_logprobs, probe_tokens
+        self.split_logprobs = split_logprobs
+        self.probe_tokens = probe_tokens
         eos = reader.eos_token_ids
         extra = dict(sampling.generation_kwargs or {})
         self._params = lambda budget, stop, kind=RequestOutputKind.FINAL_ONLY, logprobs=None: SamplingParams(
@@ -207,7 +213,8 @@ class ColocatedVLLMEngine:
         self._cumulative = RequestOutputKind.CUMULATIVE
         self._params(1, [])  # vLLM checks the settings (generation_kwargs included) now, not mid-rollout
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-colocate")
-        self.counters, self.load = PrefixCacheCounters(), EngineSteps()
+        self.counters = PrefixCacheCounters()
+        self.load = EngineSteps()
         # on a CPU every running row costs a forward pass its share of compute, so a speculative fill-up that a fork
         # later drops is time lost; on a GPU a decode step costs about the same for 64 rows or 128 (the sampler reads
         # this to let such fill-ups wait for the prompt's first fork decision)

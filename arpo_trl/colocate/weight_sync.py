@@ -124,7 +124,8 @@ class ColocatedWeightSync:
     `coverage`: what every sync must send (`SyncCoverage`; default: the ones the first sync sent)."""
 
     def __init__(self, engine, model_getter, coverage: SyncCoverage | None = None):
-        self.engine, self.model_getter = engine, model_getter
+        self.engine = engine
+        self.model_getter = model_getter
         self.coverage = coverage or SyncCoverage(None)
         self.last_seconds: float | None = None  # logged as arpo/weight_sync_seconds, then cleared
         self.syncs = 0

@@ -184,7 +184,8 @@ class EnvironmentRollouts:
 
     def _generate_and_score_completions(self, inputs):  # TRL 1.16: (inputs) -> dict; `reset` needs the examples
         # TRL resets `self.environments` with the new batch's examples when it is set; ARPO resets its own
-        self._batch_examples, self.environments = inputs, None
+        self._batch_examples = inputs
+        self.environments = None
         try:
             return super()._generate_and_score_completions(inputs)
         finally:

@@ -66,8 +66,11 @@ class SampledDistributionRecorder:
 
     def __init__(self, warpers: list[LogitsProcessor], temperature: float, estimator: str, top_k: int | None,
                  vocab_size: int):
-        self.warpers, self.temperature = warpers, temperature if temperature > 0 else 1.0
-        self.estimator, self.top_k, self.vocab_size = estimator, top_k, vocab_size
+        self.warpers = warpers
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.estimator = estimator
+        self.top_k = top_k
+        self.vocab_size = vocab_size
         self.entropies: list[torch.Tensor] = []
         self.logprobs: list[torch.Tensor] = []
         self._previous: torch.Tensor | None = None

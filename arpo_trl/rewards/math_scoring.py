@@ -74,7 +74,8 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 class _Worker:
     def __init__(self, pid: int, conn: Connection):
-        self.pid, self.conn = pid, conn
+        self.pid = pid
+        self.conn = conn
 
 
 class _Zygote:
@@ -141,7 +142,8 @@ class MathScorer:
                  workers: int | None = None, cache_size: int = 4096, start_timeout: float = 120.0):
         self.configure(timeout=timeout, batch_timeout=batch_timeout, max_chars=max_chars, max_depth=max_depth,
                        workers=workers or min(4, max(2, os.cpu_count() or 1)))
-        self.cache_size, self.start_timeout = cache_size, start_timeout
+        self.cache_size = cache_size
+        self.start_timeout = start_timeout
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []
@@ -257,9 +259,12 @@ class MathScorer:
     def _zygote_process(self) -> _Zygote:
         with self._lock:
             if self._pid != os.getpid():  # a forked copy of this object: never touch the parent's processes
-                self._zygote, self._idle, self._pid = None, [], os.getpid()
+                self._zygote = None
+                self._idle = []
+                self._pid = os.getpid()
             if self._zygote is None or self._zygote.process.poll() is not None:
-                self._zygote, self._idle = _Zygote(self.start_timeout), []
+                self._zygote = _Zygote(self.start_timeout)
+                self._idle = []
             return self._zygote
 
     def _lease(self, count: int) -> list[_Worker]:
@@ -288,7 +293,8 @@ class MathScorer:
         """End the worker processes (a later call starts new ones)."""
         with self._lock:
             zygote, idle = self._zygote, self._idle
-            self._zygote, self._idle = None, []
+            self._zygote = None
+            self._idle = []
         if zygote is not None and self._pid == os.getpid():
             for worker in idle:
                 worker.conn.close()

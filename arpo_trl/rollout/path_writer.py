@@ -26,8 +26,11 @@ class PathWriter:
 
     def __init__(self, tokenizer, call_format: CallFormat, eos_token_id: int, max_completion_length: int,
                  max_tool_calls: int, tool_timeout: float):
-        self.tokenizer, self.call_format, self.eos_token_id = tokenizer, call_format, eos_token_id
-        self.max_completion_length, self.max_tool_calls = max_completion_length, max_tool_calls
+        self.tokenizer = tokenizer
+        self.call_format = call_format
+        self.eos_token_id = eos_token_id
+        self.max_completion_length = max_completion_length
+        self.max_tool_calls = max_tool_calls
         self.tool_timeout = tool_timeout
         self._max_token_chars: int | None = None
 

@@ -123,7 +123,10 @@ class _Activity:
     """Splits wall time into generation in progress, tools alone in progress, and the rest."""
 
     def __init__(self, stats):
-        self.stats, self.generating, self.calling, self.last = stats, 0, 0, time.perf_counter()
+        self.stats = stats
+        self.generating = 0
+        self.calling = 0
+        self.last = time.perf_counter()
 
     def _tick(self) -> None:
         now = time.perf_counter()
@@ -167,7 +170,10 @@ class _EventRollout:
     cancelled as they drop them; the rollout ends when every task has, or at the first failure."""
 
     def __init__(self, sampler: Sampler, rollout: Rollout, runner: ToolRunner):
-        self.sampler, self.rollout, self.stats, self.runner = sampler, rollout, rollout.stats, runner
+        self.sampler = sampler
+        self.rollout = rollout
+        self.stats = rollout.stats
+        self.runner = runner
         self.activity = _Activity(rollout.stats)
         self.clock: dict[int, int] = {}  # path id -> tokens on its chain so far
         self.started_at: dict[int, int] = {}  # path id -> tokens on its chain when it started
@@ -308,7 +314,8 @@ class WaveScheduler:
     event_driven = False  # paths join in path order, so a seed fixes the trees with either in-process engine
 
     def run(self, sampler: Sampler, rollout: Rollout) -> None:
-        self.sampler, self.rollout = sampler, rollout
+        self.sampler = sampler
+        self.rollout = rollout
         self.runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
         self.programs: dict[int, Program] = {}
         self.waiting: dict[int, Trajectory] = {}  # branches waiting for their parent's decision

@@ -46,7 +46,8 @@ class Speculation:
         self.after_first_decision = after_first_decision
         self.hedge: float | None = HEDGE  # None: the expected count only (benchmarks/rollout_throughput.py)
         self.surely = SURELY
-        self.call_rate, self.fork_rate = 0.5, rule.branch_threshold  # priors, learned from each rollout
+        self.call_rate = 0.5  # priors, learned from each rollout
+        self.fork_rate = rule.branch_threshold
         self.copies: dict[int, list[Trajectory]] = {}  # path id -> the copies started at its pending tool result
         self._terms: dict | None = None  # (kind, path id) -> a path's term, while `fill_ups` runs
 

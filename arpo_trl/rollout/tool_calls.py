@@ -88,7 +88,8 @@ class ChatTemplateFormat:
         self.tokenizer = tokenizer
         self.tools = {tool.tag: tool for tool in tools}
         self.schemas = [tool.schema() for tool in tools]
-        self.open_marker, self.close_marker = open_marker, close_marker
+        self.open_marker = open_marker
+        self.close_marker = close_marker
         self.stop_strings = [close_marker]
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._anchors: dict[str, tuple[list[dict], str, str]] = {}

@@ -52,7 +52,9 @@ class _Attempts:
     fault is raised as one `VLLMServerError`."""
 
     def __init__(self, client: VLLMClient, timeout: float | None, retry: bool = True):
-        self.client, self.started, self.count = client, time.monotonic(), 0
+        self.client = client
+        self.started = time.monotonic()
+        self.count = 0
         self.max_retries = client.max_retries if retry else 0
         self.deadline = self.started + (timeout or client.request_timeout)
 

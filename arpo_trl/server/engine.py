@@ -37,8 +37,10 @@ class VLLMServerEngine:
         self.reader = reader = SegmentReader(tokenizer, sampling, Where(client.base_url, "POST /v1/completions"),
                                              "VLLMServerEngine", "a vLLM server")
         self.client, self.tokenizer, extra = client, tokenizer, sampling.generation_kwargs or {}
-        self.vocab_size, self.eos_token_ids = reader.vocab_size, reader.eos_token_ids
-        self.entropy_estimator, self.entropy_top_k = reader.estimator, reader.top_k
+        self.vocab_size = reader.vocab_size
+        self.eos_token_ids = reader.eos_token_ids
+        self.entropy_estimator = reader.estimator
+        self.entropy_top_k = reader.top_k
         self.model_name = model_name or client.base_model()
         reserved = {"model", "prompt", "max_tokens", "n", "logprobs", "stop", "stop_token_ids", "return_token_ids",
                     "return_tokens_as_token_ids", "include_stop_str_in_output", "skip_special_tokens"}

@@ -151,7 +151,8 @@ class VLLMServer:
         self._explicit_port = port is not None
         self.model = str(model)
         self.python = Path(python) if python else None
-        self.host, self.port = host, port or free_port()
+        self.host = host
+        self.port = port or free_port()
         self.cpu = cpu if cpu is not None else python is None
         self.lora_rank = lora_rank
         self.kv_cache_gib = kv_cache_gib

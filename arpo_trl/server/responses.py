@@ -34,7 +34,9 @@ class VLLMServerError(RuntimeError):
     def __init__(self, message: str, *, base_url: str | None = None, endpoint: str | None = None,
                  field: str | None = None):
         super().__init__(message)
-        self.base_url, self.endpoint, self.field = base_url, endpoint, field
+        self.base_url = base_url
+        self.endpoint = endpoint
+        self.field = field
 
 
 @dataclass(frozen=True)

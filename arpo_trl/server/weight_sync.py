@@ -111,7 +111,9 @@ class _FileSync(ABC):
     """
 
     def __init__(self, client: VLLMClient, engine, accelerator, model, sync_dir: str | Path, name: str = "arpo"):
-        self.client, self.engine, self.accelerator = client, engine, accelerator
+        self.client = client
+        self.engine = engine
+        self.accelerator = accelerator
         self._model = model if callable(model) and not isinstance(model, torch.nn.Module) else lambda: model
         self.sync_dir = Path(sync_dir)
         self.name = name

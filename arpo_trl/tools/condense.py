@@ -169,7 +169,8 @@ class ModelCondenser:
         if max_new_tokens < 1 or max_input_tokens < 1:
             raise ValueError("ModelCondenser needs max_new_tokens >= 1 and max_input_tokens >= 1.")
         self.model_name_or_path = model_name_or_path
-        self.max_new_tokens, self.max_input_tokens = max_new_tokens, max_input_tokens
+        self.max_new_tokens = max_new_tokens
+        self.max_input_tokens = max_input_tokens
         self.generation_kwargs = dict(generation_kwargs or {})
         self.tokenizer, self.model = self._load(model_name_or_path, device, dtype)
         self._extractive = ExtractiveCondenser()

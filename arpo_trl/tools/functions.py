@@ -39,7 +39,8 @@ class FunctionTool(Tool):
                              f"docstring, https://huggingface.co/docs/transformers/en/chat_extras#passing-tools).") \
                 from exc
         super().__init__(schema["function"]["name"])
-        self.fn, self._schema = fn, schema
+        self.fn = fn
+        self._schema = schema
         self.thread_safe = is_async_callable(fn)  # TRL: sync tools on the training thread, async ones on a loop thread
         self._signature = inspect.signature(fn)
         self._parameters = list(schema["function"]["parameters"].get("properties", {}))

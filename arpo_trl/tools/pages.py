@@ -68,7 +68,8 @@ class PageStore:
         if not pages:
             raise ValueError("PageStore needs at least one page.")
         self.pages = dict(pages)
-        self.base_url, self.suggestions = base_url, suggestions
+        self.base_url = base_url
+        self.suggestions = suggestions
         self._by_norm: dict[str, str] = {}
         for title in self.pages:
             self._by_norm.setdefault(_norm_title(title), title)
@@ -204,7 +205,9 @@ class HTTPBackend:
                  session: Any = None):
         if timeout <= 0 or max_bytes < 1:
             raise ValueError(f"HTTPBackend needs timeout > 0 and max_bytes >= 1, got {timeout}, {max_bytes}.")
-        self.timeout, self.max_bytes, self.session = timeout, max_bytes, session
+        self.timeout = timeout
+        self.max_bytes = max_bytes
+        self.session = session
         self.headers = {"User-Agent": user_agent, "Accept": "text/html,application/xhtml+xml,text/plain;q=0.9"}
 
     def fetch(self, ref: str) -> Page:

@@ -52,7 +52,8 @@ class ToolRunner:
     def __init__(self, max_workers: int, timeout: float):
         if max_workers < 1 or not timeout > 0:
             raise ValueError(f"ToolRunner needs max_workers >= 1 and timeout > 0, got {max_workers}, {timeout}.")
-        self.max_workers, self.timeout = max_workers, timeout
+        self.max_workers = max_workers
+        self.timeout = timeout
         self._changed = threading.Condition()
         self._queue: deque[tuple[Callable[[], object], Future]] = deque()
         self._here: deque[tuple[Callable[[], object], Future]] = deque()  # calls for the owner's thread (`serve`)
@@ -92,7 +93,8 @@ class ToolRunner:
         """Drop the calls still waiting for a worker or for the owner's thread (their futures are cancelled)."""
         with self._changed:
             queued = list(self._queue) + list(self._here)
-            self._queue, self._here = deque(), deque()
+            self._queue = deque()
+            self._here = deque()
         for _, future in queued:
             future.cancel()
 

@@ -73,9 +73,13 @@ class Sandbox:
                       pool_size, python_executable)
         self.timeout = timeout
         self.cpu_seconds = cpu_seconds or int(timeout) + 1
-        self.memory_mb, self.max_output_bytes, self.disk_mb = memory_mb, max_output_bytes, disk_mb
-        self.max_processes, self.max_open_files = max_processes, max_open_files
-        self.pool_size, self.preimport = pool_size, tuple(preimport)
+        self.memory_mb = memory_mb
+        self.max_output_bytes = max_output_bytes
+        self.disk_mb = disk_mb
+        self.max_processes = max_processes
+        self.max_open_files = max_open_files
+        self.pool_size = pool_size
+        self.preimport = tuple(preimport)
         self.binds = tuple(str(Path(b).resolve()) for b in binds)
         self.python_executable = python_executable or sys.executable
         self.extra_env = dict(extra_env or {})

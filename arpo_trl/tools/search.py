@@ -27,7 +27,9 @@ class BM25Index:
     def __init__(self, texts: Sequence[str], stopwords: str | None = "en"):
         import bm25s
 
-        self._bm25s, self.stopwords, self.size = bm25s, stopwords, len(texts)
+        self._bm25s = bm25s
+        self.stopwords = stopwords
+        self.size = len(texts)
         docs = bm25s.tokenize(list(texts), stopwords=stopwords, return_ids=False, show_progress=False)
         self._retriever = bm25s.BM25() if any(docs) else None  # None: nothing but stopwords and punctuation
         if self._retriever is not None:

@@ -35,12 +35,14 @@ class TimeBudget(TrainerCallback):
                  say: Callable[[str], None] = print, clock: Callable[[], float] = time.monotonic):
         self.budget = None if max_minutes is None else 60.0 * max_minutes
         self.agree = agree or (lambda decide: decide())
-        self.say, self.clock = say, clock
+        self.say = say
+        self.clock = clock
         self.start = self.first_step = None
         self.steps = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.start, self.steps = self.clock(), 0
+        self.start = self.clock()
+        self.steps = 0
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps += 1
