@@ -391,3 +391,22 @@ def test_the_update_hooks_keep_their_order():
     unpacked forward (docs/architecture.md#the-trainers-hooks)."""
     bases = [b.id for b in _class(MODULES["trainer"], "ARPOTrainer").bases]
     assert bases.index("EntropyBalancedUpdate") < bases.index("TreePackedTraining") == len(bases) - 2, bases
+
+
+def test_the_cached_engine_hands_its_running_batch_to_parts_it_holds():
+    """Composition, not mixins sharing private state: the cached engine's only base is the waves engine; its admission,
+    KV accounting and drafts are objects it holds, each touching only its own private attributes (the running batch is
+    handed to them, `generation/running_batch.py`)."""
+    engine = _class(MODULES["generation.cached_engine"], "CachedTransformersEngine")
+    assert [getattr(base, "id", None) for base in engine.bases] == ["TransformersEngine"]
+    for module, name in (("generation.admission", "Admission"), ("generation.kv_budget", "KVAccounting"),
+                         ("generation.speculation", "Speculator")):
+        cls = _class(MODULES[module], name)
+        assert not cls.bases, f"{name} is a part the engine holds, not a base"
+        assigned = {target.attr for node in ast.walk(cls) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                    for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                    if isinstance(target, ast.Attribute)}
+        own = set(_methods(cls)) | assigned
+        private = {node.attr for node in ast.walk(cls) if isinstance(node, ast.Attribute)
+                   and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr.startswith("_")}
+        assert private <= own, f"{name} reads private state it does not own: {sorted(private - own)}"

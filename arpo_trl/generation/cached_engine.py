@@ -1,17 +1,11 @@
 """`CachedTransformersEngine`: the model being trained, generating request by request with a persistent KV cache.
 
-The events scheduler calls `agenerate` once per path segment. Requests join the running batch as they come and leave it
-when they finish (stop string, EOS, budget); every step decodes one token for all running rows in one forward, writing
-its keys and values in place into preallocated buffers (`KVBatch`, rows left-padded to a common cache length) instead of
-concatenating the cache anew. A request's prefix is looked up in a `PrefixCache`: only the tokens after the longest
-cached prefix are prefilled, so a continuation after a tool result prefills the result's tokens, and a fork starts from
-its parent's state (shared, never written: a prefill copies its rows out of its forward). The requests that join in one
-step are prefilled together, a forward per group (`admission.py`, `prefill.py`); a request stopped at its budget (an
-ARPO probe) keeps its row for one step, and its continuation goes on in it. Entropy and logprobs come from the logits
-at hand, exactly as `TransformersEngine` records them. The cache lives for one rollout (`aclose` frees it and lets the
-weights go), so every rollout samples the current weights, LoRA adapters included; a request that joins after the
-weights changed (an optimizer step between two `agenerate` calls) finds it dropped (`WeightsVersion`). The model samples
-in eval mode (no dropout), and is back in its own mode whenever no request runs (`HeldModel`).
+The events scheduler calls `agenerate` once per path segment. Requests join the running batch as they come and leave
+it when they finish; every step decodes one token (and drafts, where they pay) for all running rows in one forward,
+writing keys and values in place (`KVBatch`). A request's prefix is looked up in a `PrefixCache`, so a continuation
+after a tool result prefills only the result, and a fork starts from its parent's state. The cache lives for one
+rollout, so every rollout samples the current weights (LoRA included); a request that joins after the weights changed
+finds it dropped (`WeightsVersion`). How and why: docs/in_process_engine.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The in-process engines' KV budget: a request waits for room instead of running the device out of memory.
 
-A KV position costs `2 × layers × kv_heads × head_dim × dtype bytes` (`kv_bytes_per_token`). The budget is read from
-TRL's `transformers_continuous_batching_config`, with transformers' meanings (`KVBudgetSetting.from_config`):
-`num_blocks` × `page_size` positions when `num_blocks` is set; else `max_memory_percent` (default
-`DEFAULT_MEMORY_FRACTION`) of the memory free when a rollout starts, after training freed its activations: on CUDA
-what `torch.cuda.mem_get_info` reports plus what torch's allocator holds unused, on a CPU the available RAM
-(`/proc/meminfo`'s MemAvailable). `max_requests_per_batch` bounds the running rows.
-
-The cached engine counts what it holds: the running rows' buffers as allocated (`KVBatch`, padding and spare room
-included), the old buffer too while a regrowing batch copies it, and the prefix cache's entries, which give way (least
-recently used first) to the running rows. A batch may take half the budget, so that its old and new buffers fit
-together. A request joins only if that half holds every running row and it at their worst case (`KVBudget.fits`):
-each row grown to its prefix + max_new_tokens, padded to the longest, plus the columns a step may open
-(`KVBudget.overhead_columns`). A running row cannot be preempted cheaply (its KV would be dropped and prefilled again),
-so the worst case is reserved up front; requests that do not fit wait, first come first served (a large one is not
-overtaken), and one that alone exceeds the budget fails at once, naming the setting. The waves engine splits a wave
-into sub-batches that fit (`wave_batches`; `model.generate`'s cache grows one layer at a time, so all of the budget).
-
-Not counted: a prefill's rows until copied into the batch, activations, and the vocabulary-sized logits a cache
-entry keeps: the default share of free memory (0.8, transformers' own where logits are processed) leaves room for them.
+A KV position costs `2 × layers × kv_heads × head_dim × dtype bytes` (`kv_bytes_per_token`). The budget comes from TRL's
+`transformers_continuous_batching_config`, with transformers' meanings (`KVBudgetSetting.from_config`): `num_blocks` ×
+`page_size` positions, else `max_memory_percent` (default `DEFAULT_MEMORY_FRACTION`) of the memory free when a rollout
+starts; `max_requests_per_batch` bounds the running rows. A running row cannot be preempted cheaply, so the cached
+engine reserves each row's worst case (prefix + max_new_tokens) up front (`KVBudget.fits`) and requests that do not fit
+wait, first come first served; the waves engine splits a wave into sub-batches that fit (`wave_batches`). What is
+counted and what is not: docs/in_process_engine.md#the-kv-budget-requests-wait-the-device-does-not-run-out.
 """
 
 from __future__ import annotations

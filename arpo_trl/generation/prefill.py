@@ -1,10 +1,9 @@
 """The prefill of the requests that join the running batch in one step, in as few forwards as pay.
 
 A joining request brings the KV of its cached prefix (`start` positions, maybe none) and the tokens after it. One
-forward per request pays the model's fixed cost every time: on a 2-core CPU a SmolLM2-135M forward of 1 or of 14
-tokens took ~0.17 s, of 106 tokens ~0.33 s, so the fixed part is worth ~90 prefilled tokens (on a GPU: the kernel
-launches and one read of the weights, worth far more positions: the cached engine measures it, `calibration.py`).
-Tool results come back together, so a step often admits several requests. A group's forward lays out
+forward per request pays the model's fixed cost every time (worth tens of prefilled positions on a CPU, far more on a
+GPU: the cached engine measures it, `calibration.py`; docs/cpu_measurements.md), and tool results come back together,
+so a step often admits several requests. A group's forward lays out
 
     columns   [0 ............. P)[P ................... P + W)
     row i      padding | cached i  new tokens of i | padding
@@ -27,8 +26,8 @@ from transformers import DynamicCache
 
 from arpo_trl.generation.prefix_cache import KV, layer_pairs, stack_layers
 
-FORWARD_COST_TOKENS = 64  # a forward's fixed cost in prefilled positions on the 2-core CPU (~90 measured, see above);
-# only where none is given: the cached engine measures its own device's (`calibration.py`)
+FORWARD_COST_TOKENS = 64  # a forward's fixed cost in prefilled positions on the 2-core CPU (~90 measured); only where
+# none is given: the cached engine measures its own device's (`calibration.py`)
 MAX_FORWARD_POSITIONS = 8192  # rows × width of one grouped forward: bounds its activations (a longer request alone)
 
 

@@ -1,28 +1,12 @@
 """N-gram speculative decoding for the cached engine: drafts looked up in the rollout's own text, verified exactly.
 
-A decode step pays a fixed cost (weights read, kernel launches, Python per layer) plus a cost per position. When few
-rows run, as in a rollout's tail, the fixed cost dominates and one token per row per forward wastes it. The paths of
-one rollout repeat each other (a prompt's samples, a branch and its parent, the same tool-call format), so the text
-that followed the row's last few tokens elsewhere in the rollout is a good guess of what it writes next (prompt-lookup
-decoding; vLLM's `ngram` speculative method). A step then feeds each row its sampled token and up to D draft tokens,
-and keeps the drafts the target distribution accepts:
-
-* draft token d at a position whose sampling distribution is p is accepted iff the token plain decoding draws there
-  with the position's keyed uniform, F⁻¹(u), is d (probability p(d)); on rejection that token, F⁻¹(u) ≠ d, is the
-  one emitted (`sampling.accept_drafts`). So the tokens are those of plain decoding with the same seeds, drafts or
-  not, and the trees too. Logprobs and entropies come from the same logits plain decoding uses. Greedy: accepted iff
-  argmax.
-* D is chosen per step to maximise expected tokens per unit of forward time: a row with L drafts yields
-  1 + Σ_{j≤min(D, L)} α_rowʲ tokens, and a forward costs `DecodeCost.step(rows, D)` (`cost_model.py`). Drafts pay
-  where few rows run (a rollout's tail), since a step's fixed cost dominates there; drafts that are rarely accepted
-  give D = 0, a plain step. A GPU's step is mostly fixed cost up to far more positions than a CPU's, so drafts pay
-  there at many more rows: the cost is the device's own, measured (`calibration.py`), or on a CPU the development
-  CPU's constants (`cpu/costs.py`; their measurements: docs/cpu_measurements.md).
-* α is each row's own: a path that starts late (a fill-up, a fork's copy) finds its siblings' text ahead of it and
-  drafts from it nearly always accepted, while rows decoding side by side find little. It is learned at every step
-  whether or not drafts are verified, for free: before a row samples, the probability that the distribution gives
-  the token its draft would have started with is the chance that draft token would have been accepted
-  (`SpeculativeDecoding._observe_acceptance`). Rows start from the rollout's rate, and verified drafts count too.
+The paths of one rollout repeat each other (a prompt's samples, a branch and its parent), so the text that followed a
+row's last few tokens elsewhere in the rollout is a good guess of what it writes next (prompt-lookup decoding; vLLM's
+`ngram` method). A draft token d is kept iff the token plain decoding draws there with the position's keyed uniform,
+F⁻¹(u), is d (`sampling.accept_drafts`), so the tokens and trees are those of plain decoding with the same seeds. The
+draft length D maximises expected tokens (1 + Σ α_rowʲ per row) per unit of step cost (`DecodeCost.step`); each row
+learns its own α before it samples, for free. docs/in_process_engine.md explains it; measurements:
+docs/cpu_measurements.md.
 """
 
 from __future__ import annotations
