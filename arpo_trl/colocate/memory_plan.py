@@ -2,13 +2,17 @@
 and the recipe, checked before vLLM or the model loads (`ARPOTrainer` on CUDA; `arpo-trl memory-plan`).
 
 Nothing here is measured: every number is arithmetic on `config.json` and the recipe (`ASSUMPTIONS` lists what is
-assumed), the same arithmetic as the memory table of docs/one_gpu.md (`benchmarks/one_gpu_memory.py`). It checks, in
-the order a run meets them (docs/one_gpu.md, "The startup check"): vLLM's start (its worker refuses when
-free memory is below `vllm_gpu_memory_utilization` × total, vLLM 0.31 and 0.22 `vllm/v1/worker/utils.py::
-request_memory`, and the trainer's weights count as used), a KV cache that holds one path of `max_model_len` tokens,
-the rollout phase (trainer weights and LoRA state, and vLLM's whole share, awake) and the training phase (trainer
-weights, LoRA state, one micro-batch's activations, and what vLLM keeps while it sleeps, or its whole share without
-sleep mode). A setting that fails one says which field to change, and to what.
+assumed), the same arithmetic as the memory table of docs/one_gpu.md (`benchmarks/one_gpu_memory.py`). What it
+checks, in the order a run meets it:
+
+1. vLLM starts: its worker refuses to start when free memory is below `vllm_gpu_memory_utilization` × total
+   (vLLM 0.31 and 0.22, `vllm/v1/worker/utils.py::request_memory`), and the trainer's weights already take their
+   share of "free" in the same process;
+2. the KV cache vLLM is left with holds one path of `max_model_len` tokens (else vLLM refuses to start);
+3. the rollout phase (trainer weights and LoRA state, and vLLM's whole share, awake) fits the card;
+4. the training phase (trainer weights, LoRA state, one micro-batch's activations, and what vLLM keeps while it
+   sleeps, or its whole share without sleep mode) fits the card.
+A setting that fails one says which field to change, and to what.
 """
 
 from __future__ import annotations

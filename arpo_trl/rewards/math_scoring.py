@@ -1,13 +1,22 @@
-"""Math-equivalence scoring of model answers with a bounded cost, from any thread (docs/rewards.md lists the bounds).
+"""Math-equivalence scoring of model answers with a bounded cost, from any thread (see docs/rewards.md).
 
-A policy writes whatever pays, and math-verify (sympy underneath) can spend unbounded time on what it writes
-(`9^{9^{9^{9}}}`, `(10^{10})!`), while its own timeouts use SIGALRM (main thread only, no stop in C code) and log the
-answer. `MathScorer` instead: caps the input before parsing ("capped": an answer too long or nested too deep scores 1
-only if it equals a ground truth, whitespace aside, one holding a number of over 10^5 digits scores 0); runs
-math-verify in worker processes forked from a zygote that imported it once (`_math_worker.py`), killing one still
-running after `timeout` seconds ("timeout": 0); and bounds a whole call by `batch_timeout`. Nothing of an answer is
-printed or logged. Answers within the caps score as math-verify scores them in-process; identical (answer, ground
-truths) pairs are scored once and cached.
+A policy writes whatever pays, and math-verify (sympy underneath) can spend unbounded time on what it writes:
+`9^{9^{9^{9}}}` or `(10^{10})!` are a few characters each. math-verify's own timeouts use SIGALRM, which works on the
+main thread only (elsewhere it raises) and cannot stop C code, and on a timeout it logs the answer. `MathScorer`
+instead:
+
+1. caps the input before any symbolic parsing: an answer longer than `max_chars` (or than twice its longest ground
+   truth, if that is more) or nested deeper than `max_depth` is not parsed; it scores 1 only if it equals a ground
+   truth character for character, whitespace aside ("capped"). A parsed answer that holds a number of more than
+   10^5 digits (`9^{9^{9^{9}}}`, `(10^{10})!`: math-verify keeps them unevaluated until it compares) scores 0
+   without being compared ("capped" too);
+2. runs math-verify in worker processes forked from a zygote that imported it once (`_math_worker.py`): an answer
+   still running after `timeout` seconds has its worker killed (a fresh one is forked in milliseconds) and scores 0
+   ("timeout");
+3. bounds a whole call by `batch_timeout`: answers still unscored then score 0 (timeouts too).
+
+Nothing of an answer is printed or logged. Equal answers score as math-verify scores them in-process; identical
+(answer, ground truths) pairs are scored once and cached.
 """
 
 from __future__ import annotations

@@ -20,13 +20,15 @@ decides how many of the M are global samples (`global_samples`), and a line that
 forks less (`aepo_fork_probability`). `branch_policy="random"` forks with p = τ whatever the entropy; `"none"` is GRPO
 (M global samples).
 
-Where we differ from the reference code, deliberately (docs/differences.md says why): H_initial is reset every
-rollout and inherited by a branch; the fork is decided by the k tokens right after a tool result and placed at that
-result (the paper), not one round late; a segment's entropy is k × the mean over its first min(k, n) tokens
-(`segment_statistic='mean'`; `'sum'` is the reference's); a fork takes its slots from its line's share of the budget
-(`ForkShares`); every random draw (the fork draws here, the tokens in an engine that takes a path's seed) is keyed
-by the rollout's seed and the path's place in its tree (`Trajectory.key`), so that a seed reproduces the trees under
-either scheduler, whenever tool results arrive.
+Where we differ from the reference code, deliberately (docs/differences.md says why):
+  * H_initial is reset every rollout and inherited by a branch (the reference's per-slot dict is never cleared).
+  * The fork is decided by the k tokens right after a tool result and placed at that result (the paper), not one
+    round late with the previous segment's entropy; a segment's entropy is k × the mean over its first min(k, n)
+    tokens (`segment_statistic='mean'`; `'sum'` is the reference's).
+  * A fork takes its slots from its line's share of the budget (`ForkShares`), not from whoever arrives first.
+  * Every random draw is keyed by the rollout's seed and the path's place in its tree (`Trajectory.key`): the fork
+    draws here, the tokens in an engine that takes a path's seed. A seed reproduces the trees under either
+    scheduler, whenever tool results arrive.
 
 What is not the rule lives behind the calls this file makes: `self.writer` writes into a path (tokens in, the call
 cut at its tag, results appended: `path_writer.py`), `self.scheduler` decides when each request runs (waves or

@@ -1,6 +1,17 @@
 """`arpo-trl vllm-serve --config RECIPE`: the vLLM server a training recipe needs, derived from the recipe as
-`arpo-trl train` parses it (same parser, same dataset loading), so that no server flag is typed by hand. Each flag
-and the recipe field it comes from: docs/server_mode.md#one-gpu-a-server-configured-from-the-recipe.
+`arpo-trl train` parses it (same parser, same dataset loading), so that no server flag is typed by hand.
+
+    --model                   model_name_or_path
+    --max-model-len           prompt budget + max_completion_length (tool results count in the completion). The
+                              prompt budget is max_prompt_length when the recipe sets it, else the longest prompt of
+                              the training data, chat template applied (as `arpo-trl train` measures prompts)
+    --enable-lora --max-lora-rank   with use_peft and vllm_weight_sync 'lora'/'auto': the smallest rank vLLM accepts
+                              that is >= lora_r
+    --dtype                   bfloat16 with bf16, float16 with fp16, else the recipe's dtype (default float32)
+    --gpu-memory-utilization  vllm_gpu_memory_utilization (GPU); on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB
+    --host/--port             vllm_server_base_url (else vllm_server_host/vllm_server_port)
+
+docs/server_mode.md#one-gpu-a-server-configured-from-the-recipe.
 """
 
 from __future__ import annotations

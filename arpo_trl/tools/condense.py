@@ -2,10 +2,11 @@
 
 * `ExtractiveCondenser` (the default): the page's sentences that best match the goal under BM25 (the shared
   `BM25Index` of the search tool, with the page's sentences as the collection), in page order.
-* `ModelCondenser`: a causal LM summarises, as the reference's summariser (`evaluation/src/tools/search_tool_sds.py`)
-  does in spirit, but in-process with transformers instead of a vLLM server, and seeing the goal but not the previous
-  reasoning (a tool only receives its call's content); a page longer than its input budget is first cut
-  extractively around the goal (the reference's snippet-centred window).
+* `ModelCondenser`: a causal LM summarises, following the reference's summariser
+  (`evaluation/src/tools/search_tool_sds.py`) in spirit: goal + page → the relevant evidence, answer after
+  `**Final Information**`. It runs in-process with transformers instead of a vLLM server, decodes greedily by
+  default, and sees the goal but not the previous reasoning (a tool only receives its call's content). Pages longer
+  than its input budget are first cut extractively around the goal (the reference's snippet-centred window).
 """
 
 from __future__ import annotations

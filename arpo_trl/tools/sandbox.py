@@ -1,12 +1,22 @@
 """`Sandbox`: run untrusted Python in a process that cannot reach the trainer, its files, its secrets or the network.
 
 Isolation comes from the OS, not from filtering the code (the child side is `_sandbox_child.py`, one process seen
-from the trainer `sandbox_process.py`): ``isolation="namespaces"`` (Linux, root or unprivileged user namespaces:
-fresh mount, network, PID, IPC and UTS namespaces), ``"rlimits"`` (the weaker fallback, e.g. macOS or containers
-that forbid namespaces: a scratch directory, a scrubbed environment and the rlimits only) or ``"auto"`` (namespaces
-when a probe sandbox starts, else the fallback, with a warning and the probe's failure logged by every Sandbox that
-falls back: a broken namespace setup must not pass unnoticed). What each mode isolates, and the limits both apply:
-docs/tools.md#the-python-sandbox.
+from the trainer `sandbox_process.py`):
+
+* ``isolation="namespaces"`` (Linux, root or unprivileged user namespaces): fresh mount, network, PID, IPC and UTS
+  namespaces. The code sees a new root filesystem — read-only system and Python directories, a size-limited
+  tmpfs as /tmp (its cwd and HOME) — no network interface, and only its own processes; all of them die when the
+  call ends. It runs as a dedicated unprivileged uid (when the trainer is root) or with every capability dropped
+  (user namespace), with ``no_new_privs``.
+* ``isolation="rlimits"`` (the fallback, e.g. macOS or containers that forbid namespaces): a scratch directory on
+  disk, a scrubbed environment and the rlimits only. Weaker, and documented as such: the code can read what the
+  trainer's user can read and open sockets, and a process that calls ``setsid`` can outlive the call.
+* ``isolation="auto"``: namespaces when a probe sandbox starts, otherwise the fallback, with a warning (and the
+  probe's failure) logged by every Sandbox that falls back: a broken namespace setup must not pass unnoticed.
+
+Both modes: its own session (killed as a group), CPU-time, address-space, file-size, process-count and open-file
+rlimits, a wall-clock timeout, an environment holding none of the trainer's variables, no inherited file
+descriptors, stdin empty, output capped (the process is killed once it prints more).
 
 Each call uses a fresh process. ``pool_size`` processes are started ahead of time and wait, already sandboxed,
 for their code — a call then costs milliseconds instead of an interpreter start, with the same isolation.
