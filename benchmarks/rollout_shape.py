@@ -30,7 +30,8 @@ latency, not in entropy; a fork-slot rule that does not depend on arrival order 
 branches it has of global paths (|gap| <= 0.05 is the target).
 
 Each rollout samples `--prompts` prompts; every method sees the same agent and fork seeds per rollout index
-(paired), and ratios are of means over rollouts. `--fill-up-hedge` sets the speculation's `hedge` (<= 0: off).
+(paired), and ratios are of means over rollouts. Speculation's hedge is its constant (`HEDGE`); `--fill-up-hedge`
+(the hedge varied, <= 0: off) ran at 758a85e and earlier.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from tiny import build_tokenizer  # noqa: E402
 
 from arpo_trl.generation.engine import Segment  # noqa: E402
 from arpo_trl.rollout import BranchingSampler  # noqa: E402
+from arpo_trl.rollout.speculation import HEDGE  # noqa: E402
 from arpo_trl.tools import Tool  # noqa: E402
 
 QWEN_VOCAB = 151_665  # entropy is normalised by ln|V| of a Qwen-sized vocabulary, as in the paper's runs
@@ -206,7 +208,6 @@ def rollouts(tokenizer, regime: Regime, method: str, scheduler: str, args, count
         branch_threshold=threshold, **extra,
     )
     sampler.speculation.fill_ups_early = not args.no_speculation
-    sampler.speculation.hedge = None if args.fill_up_hedge <= 0 else args.fill_up_hedge
     for rollout in range(args.rollouts):
         prompts = [tokenizer.encode(f"<|im_start|>user\nWhat is {i}+{rollout}?<|im_end|>\n<|im_start|>assistant\n")
                    for i in range(args.prompts)]
@@ -337,8 +338,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--request-steps", type=int, default=1,
                         help="simulated server: decode steps a request waits before its first token")
     parser.add_argument("--no-speculation", action="store_true", help="fill-ups only once certain (ablation)")
-    parser.add_argument("--fill-up-hedge", type=float, default=0.9,
-                        help="the speculation's hedge (<= 0: None, fill-ups for the expected count only)")
     parser.add_argument("--thresholds", nargs="+", type=float, default=[0.3, 1.0], help="τ values of the bias regime")
     parser.add_argument("--segment-statistic", choices=["mean", "sum"], default=None,
                         help="the sampler's segment entropy statistic (default: the sampler's own)")
@@ -352,7 +351,7 @@ def main(argv=None) -> dict:
                   "jitter": ["server/waves", "server/events"], "bias": ["steps/waves", "server/events"]}
     if args.schedulers:
         schedulers = {key: [name for name in names if name in args.schedulers] for key, names in schedulers.items()}
-    report = {"token_ms": args.token_ms, "request_steps": args.request_steps, "fill_up_hedge": args.fill_up_hedge,
+    report = {"token_ms": args.token_ms, "request_steps": args.request_steps, "fill_up_hedge": HEDGE,
               "rollouts": args.rollouts, "prompts": args.prompts,
               "speculative_fill_ups": not args.no_speculation, "segment_statistic": args.segment_statistic,
               "regimes": {key: measure_bias(tokenizer, schedulers[key], args) if key == "bias"

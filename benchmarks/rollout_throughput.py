@@ -62,23 +62,18 @@ def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") 
     uncertain fork's copies start beside the probe, or once it keeps them; the sampler's default otherwise),
     'certain-fills' (fill-ups start only once certain: `Speculation.fill_ups_early=False`), 'early-fills' (speculative
     fill-ups from the rollout's start even on an engine that drafts late paths), 'late-fills' (speculative fill-ups
-    wait for the prompt's first fork decision on every engine), 'mean-fills' (as many speculative fill-ups as forking
-    is expected not to fill: `Speculation.hedge=None`), 'hedge=P' (`Speculation.hedge=P`, 0.9 by default), 'surely=P'
-    (while fill-ups wait for the first fork decision, those needed with probability P start: `Speculation.surely`,
-    0.99 by default)."""
+    wait for the prompt's first fork decision on every engine). The hedge and the near-certainty that fill-ups start
+    at are constants (`HEDGE`, `SURELY` in `arpo_trl/rollout/speculation.py`); the variants that varied them
+    (`mean-fills`, `hedge=P`, `surely=P`) ran at 758a85e and earlier."""
     given = policy
     policy, _, variants = policy.partition(":")
     variants = set(filter(None, variants.split("+")))
-    hedges = {variant for variant in variants if variant.startswith("hedge=")}
-    surely = {variant for variant in variants if variant.startswith("surely=")}
-    if unknown := variants - hedges - surely - {"speculative", "deferred", "certain-fills", "early-fills", "late-fills",
-                                       "mean-fills"}:
+    if unknown := variants - {"speculative", "deferred", "certain-fills", "early-fills", "late-fills"}:
         raise ValueError(f"--policies: unknown variants {sorted(unknown)} in {given!r}")
-    for rivals in ({"speculative", "deferred"}, {"early-fills", "late-fills"}, {"mean-fills", *hedges}, surely):
+    for rivals in ({"speculative", "deferred"}, {"early-fills", "late-fills"}):
         if len(rivals & variants) > 1:
             clash = " and ".join(sorted(rivals & variants))
             raise ValueError(f"--policies: {clash} contradict each other in {given!r}")
-    variants -= hedges | surely
     n = args.num_generations if policy == "none" else args.initial_rollouts
     speculation = "branches" if "speculative" in variants else "auto"
     sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
@@ -87,18 +82,8 @@ def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") 
     early = sampler.speculation  # the knobs users no longer set: the benchmark reaches them here
     if "certain-fills" in variants:
         early.fill_ups_early = False
-    if "mean-fills" in variants:
-        early.hedge = None
-    for hedge in hedges:
-        early.hedge = float(hedge.removeprefix("hedge="))
     if variants & {"early-fills", "late-fills"}:  # when speculative fill-ups start, whatever the engine drafts
         early.after_first_decision = "late-fills" in variants
-    for variant in surely:  # while fill-ups wait for the first fork decision: those needed this surely start
-        probability = float(variant.removeprefix("surely="))
-        if not 0 < probability <= 1 or not early.after_first_decision:
-            raise ValueError(f"--policies: {variant} in {given!r} needs a probability in (0, 1] and fill-ups that wait "
-                             "for the first fork decision (late-fills, or an engine that makes them wait)")
-        early.surely = probability
     return sampler
 
 
@@ -313,7 +298,7 @@ def main() -> None:
                         help="branch policies to run: 'entropy' (ARPO, N of M global) and/or 'none' (all M at once); "
                         "'entropy:speculative' / 'entropy:deferred': ARPO whose uncertain forks' copies start beside "
                         "the probe / once it keeps them (default: the sampler's); more variants, joined by '+': "
-                        "certain-fills, early-fills, late-fills, mean-fills, hedge=P, surely=P (`make_sampler`)")
+                        "certain-fills, early-fills, late-fills (`make_sampler`)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
     parser.add_argument("--vllm-runs", default="events,waves,lora",

@@ -397,23 +397,16 @@ def test_rollout_throughput_policy_variants_set_the_sampler_and_refuse_contradic
     make = load("rollout_throughput").make_sampler
     args = SimpleNamespace(num_generations=8, initial_rollouts=4, max_tokens=32, seed=0)
     engine = AsyncScriptedEngine(tokenizer, lambda text, rng: ("", 0.0, "stop"))
-    sampler = make(engine, tokenizer, args, "entropy:late-fills+hedge=0.97+speculative")
+    sampler = make(engine, tokenizer, args, "entropy:late-fills+speculative")
     early = sampler.speculation
-    assert early.after_first_decision and early.hedge == 0.97 and early.fill_ups_early and early.branches_early
-    early = make(engine, tokenizer, args, "entropy:certain-fills+mean-fills").speculation
-    assert not early.fill_ups_early and early.hedge is None and not early.branches_early
+    assert early.after_first_decision and early.fill_ups_early and early.branches_early
+    early = make(engine, tokenizer, args, "entropy:certain-fills").speculation
+    assert not early.fill_ups_early and not early.branches_early
     assert not early.after_first_decision  # this engine is neither compute-bound nor drafting
     assert make(engine, tokenizer, args, "none").initial_rollouts == 8
-    assert make(engine, tokenizer, args, "entropy:late-fills+surely=0.5").speculation.surely == 0.5
-    for policy, message in [("entropy:late-fills+surely=0.5+surely=0.6", "surely=0.5 and surely=0.6 contradict"),
-                            ("entropy:late-fills+surely=1.5", r"needs a probability in \(0, 1\]"),
-                            ("entropy:surely=0.5", "fill-ups that wait for the first fork decision")]:
-        with pytest.raises(ValueError, match=message):
-            make(engine, tokenizer, args, policy)
-    assert make(engine, tokenizer, args, "entropy").speculation.surely == 0.99  # the sampler's own
     for policy, message in [("entropy:early-fills+late-fills", "early-fills and late-fills contradict"),
-                            ("entropy:hedge=0.9+hedge=0.8", "hedge=0.8 and hedge=0.9 contradict"),
-                            ("entropy:mean-fills+hedge=0.9", "hedge=0.9 and mean-fills contradict"),
+                            ("entropy:speculative+deferred", "deferred and speculative contradict"),
+                            ("entropy:hedge=0.9", r"unknown variants \['hedge=0.9'\]"),
                             ("entropy:fast", r"unknown variants \['fast'\] in 'entropy:fast'")]:
         with pytest.raises(ValueError, match=message):
             make(engine, tokenizer, args, policy)

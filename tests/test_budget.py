@@ -19,13 +19,12 @@ class FillUps:
     rule's `_fill_up`); no engine runs, so none is needed but its EOS."""
 
     def __init__(self, max_tool_calls: int, branch_factor: int, branch_threshold: float, speculative: bool = True,
-                 after_first_decision: bool = False, hedge: float | None = None):
+                 after_first_decision: bool = False):
         self.rule = BranchingSampler(SimpleNamespace(eos_token_ids=[0]), None, max_tool_calls=max_tool_calls,
                                      branch_factor=branch_factor, branch_threshold=branch_threshold, seed=0)
         self.early = self.rule.speculation
         self.early.fill_ups_early = speculative
         self.early.after_first_decision = after_first_decision
-        self.early.hedge = hedge
         self.shares = self.rule.shares
         self.update, self.capacity = self.rule._fill_up, self.rule.capacity
         self.expected, self.make_room, self.learn = self.early.expected, self.early.forked, self.early.learn
@@ -115,14 +114,16 @@ def test_a_lone_global_that_cannot_fork_gets_all_its_fill_ups_at_once():
 def test_speculative_fill_ups_cover_what_forking_is_not_expected_to_fill():
     fills, r = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5), rollout(m=8, n=2)
     creator = r.groups[0][0]
-    fills.update(r, 0, creator)
     # nothing certain (each global could add 7), but forking is expected to add 2 · 0.578125 paths of the 6 missing:
-    # ceil(6 - 1.15625) = 5 speculative fill-ups
-    assert kinds(r) == [("global", True)] * 2 + [("fill", False)] * 5
-    assert r.stats.speculative_fill_ups == 5 and r.stats.fill_ups == 0
-    assert [creator_of for _, creator_of in r.started] == [creator] * 5
+    # ceil(6 - 1.15625) = 5; each line forks at none of its 3 decisions with probability 0.671875 and then leaves
+    # its 3 slots: 0, 3 or 6 are needed with probability 0.11, 0.44, 0.45, so the hedge's 0.9 quantile is 6
+    assert fills.early.expected_slots(r, 0) == pytest.approx(1.15625) and fills.likely_needed(r, 0) == 6
+    fills.update(r, 0, creator)
+    assert kinds(r) == [("global", True)] * 2 + [("fill", False)] * 6
+    assert r.stats.speculative_fill_ups == 6 and r.stats.fill_ups == 0
+    assert [creator_of for _, creator_of in r.started] == [creator] * 6
     fills.update(r, 0, creator)  # nothing changed: nothing more starts
-    assert len(r.groups[0]) == 7 and r.stats.speculative_fill_ups == 5
+    assert len(r.groups[0]) == 8 and r.stats.speculative_fill_ups == 6
 
 
 def test_speculative_fill_ups_can_wait_for_the_prompts_first_fork_decision():

@@ -47,7 +47,7 @@ def test_the_methods_rollouts_alternate(tokenizer, monkeypatch):
 
     monkeypatch.setattr(rollout_shape.BranchingSampler, "sample", traced)
     args = types.SimpleNamespace(rollouts=2, prompts=2, token_ms=0.0, seed=0, no_speculation=False, request_steps=1,
-                                 fill_up_hedge=0.9, segment_statistic=None)
+                                 segment_statistic=None)
     runs = rollout_shape.run_paired(tokenizer, rollout_shape.REGIMES["quickstart"], ["arpo", "grpo"], "steps/events",
                                     args)
     assert order == ["entropy", "none", "entropy", "none"]

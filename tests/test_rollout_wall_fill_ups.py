@@ -1,6 +1,6 @@
 """Fill-ups hedged (issue 55): with many prompts, one prompt whose lines fork less than expected started a fill-up
 hundreds of tokens into the rollout, and the rollout waited for it (the longest chain grew 11 % on the paper-like
-benchmark). Speculation's `hedge=q` also starts the fill-ups needed with probability q; what is kept is unchanged."""
+benchmark). Speculation also starts the fill-ups needed with probability `HEDGE`; what is kept is unchanged."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from test_budget import FillUps
 
 from arpo_trl.rollout.paths import Rollout
+from arpo_trl.rollout.speculation import HEDGE
 
 PROMPT = [5, 6, 7]
 
@@ -35,30 +36,27 @@ def binomial_quantile(n: int, p: float, q: float) -> int:
     return n
 
 
-@pytest.mark.parametrize("hedge", [0.5, 0.9, 0.99])
-def test_hedged_speculation_covers_the_quantile_of_lines_that_never_fork(hedge):
+def test_hedged_speculation_covers_the_quantile_of_lines_that_never_fork():
     # M=16, N=8: one branch slot per line; priors c = p = 0.5 and 3 decisions to go, so a line forks at none of
     # them with probability 0.5·(1 + 0.25 + 0.0625) + 0.25³, and the fill-ups needed are Binomial(8, that)
     never = 0.5 * (1 + 0.25 + 0.0625) + 0.25**3
-    plain, hedged = FillUps(3, 2, 0.5), FillUps(3, 2, 0.5, hedge=hedge)
-    r_plain, r_hedged = rollout(16, 8), rollout(16, 8)
-    plain.update(r_plain, 0, None)
-    hedged.update(r_hedged, 0, None)
-    assert hedged.likely_needed(r_hedged, 0) == binomial_quantile(8, never, hedge)
-    assert speculative(r_hedged) == max(speculative(r_plain), binomial_quantile(8, never, hedge))
-    assert speculative(r_plain) == math.ceil(8 - 8 * (1 - never))  # the expected count: 6
-    assert r_hedged.stats.fill_ups == 0 and all(path.kind == "global" for path in r_hedged.groups[0][:8])
+    fills, r = FillUps(3, 2, 0.5), rollout(16, 8)
+    fills.update(r, 0, None)
+    expected = math.ceil(8 - 8 * (1 - never))  # the expected count: 6
+    assert fills.likely_needed(r, 0) == binomial_quantile(8, never, HEDGE) == 7
+    assert speculative(r) == max(expected, binomial_quantile(8, never, HEDGE))
+    assert r.stats.fill_ups == 0 and all(path.kind == "global" for path in r.groups[0][:8])
 
 
 def test_a_fork_still_takes_a_hedged_fill_ups_slot():
-    fills, r = FillUps(3, 2, 0.5, hedge=0.99), rollout(16, 8)
+    fills, r = FillUps(3, 2, 0.5), rollout(16, 8)
     fills.update(r, 0, None)
-    started = speculative(r)
-    parent = r.groups[0][0]
-    child = r.start(0, list(PROMPT), "branch", parent)  # a confirmed fork of line 0
-    child.line = parent.line
+    assert speculative(r) == 7
+    for parent in r.groups[0][:2]:  # confirmed forks of lines 0 and 1: 10 certain paths leave room for 6
+        child = r.start(0, list(PROMPT), "branch", parent)
+        child.line = parent.line
     fills.make_room(r, 0)
-    assert len(r.groups[0]) <= 16 and speculative(r) == min(started, 16 - 9)
+    assert len(r.groups[0]) == 16 and speculative(r) == 6
 
 
 def test_the_rates_follow_the_rollout_and_the_priors():

@@ -44,8 +44,6 @@ class Speculation:
         self.certain_forks_early = mode != "off"
         self.branches_early = mode == "branches"
         self.after_first_decision = after_first_decision
-        self.hedge: float | None = HEDGE  # None: the expected count only (benchmarks/rollout_throughput.py)
-        self.surely = SURELY
         self.call_rate = 0.5  # priors, learned from each rollout
         self.fork_rate = rule.branch_threshold
         self.copies: dict[int, list[Trajectory]] = {}  # path id -> the copies started at its pending tool result
@@ -111,8 +109,8 @@ class Speculation:
         return len(taken)
 
     def fill_ups(self, rollout: Rollout, g: int, creator: Trajectory | None) -> None:
-        """Keep as many speculative fill-ups running as forking is expected not to fill (or, with `hedge`, as the
-        prompt needs with that probability)."""
+        """Keep as many speculative fill-ups running as forking is expected not to fill, or, when more, as the prompt
+        needs with probability `HEDGE`."""
         self.forked(rollout, g)
         if not self.fill_ups_early:
             return
@@ -123,9 +121,8 @@ class Speculation:
             if self.after_first_decision and not self._heard_from(group):  # only what the rates make near-certain
                 wanted = min(missing, self.surely_needed(rollout, g))
             else:
-                wanted = min(missing, math.ceil(missing - self.expected_slots(rollout, g)))
-                if self.hedge is not None:
-                    wanted = min(missing, max(wanted, self.likely_needed(rollout, g)))
+                wanted = min(missing, max(math.ceil(missing - self.expected_slots(rollout, g)),
+                                          self.likely_needed(rollout, g)))
             for _ in range(wanted - len(self.running_fill_ups(group))):
                 rollout.start(g, group[0].prompt_ids, "fill", creator).committed = False
                 rollout.stats.speculative_fill_ups += 1
@@ -187,20 +184,20 @@ class Speculation:
         return total
 
     def surely_needed(self, rollout: Rollout, g: int) -> int:
-        """The fill-ups prompt `g` needs with probability at least `surely` by the rates: a line that forks at none of
+        """The fill-ups prompt `g` needs with probability at least `SURELY` by the rates: a line that forks at none of
         its tool results leaves its whole remaining share to fill-ups (a lower bound)."""
         left, tail = self._unforked_slots(rollout, g), 0.0
         for k in range(len(left) - 1, 0, -1):
-            if (tail := tail + left[k]) >= self.surely:
+            if (tail := tail + left[k]) >= SURELY:
                 return k
         return 0
 
     def likely_needed(self, rollout: Rollout, g: int) -> int:
-        """The fill-ups prompt `g` needs with probability at least `hedge` (the same distribution as
+        """The fill-ups prompt `g` needs with probability at least `HEDGE` (the same distribution as
         `surely_needed`, from its other end)."""
         total = 0.0
         for k, chance in enumerate(left := self._unforked_slots(rollout, g)):
-            if (total := total + chance) >= self.hedge:
+            if (total := total + chance) >= HEDGE:
                 return k
         return len(left) - 1
 
