@@ -56,9 +56,6 @@ class PrefixCacheCounters:
         if self.keep_log:
             self.log.append((len(prompt), cached, hash(tuple(prompt))))
 
-    def hit_rate(self) -> float:
-        return self.cached_tokens / max(self.prompt_tokens, 1)
-
 
 @dataclass
 class EngineSteps:
