@@ -86,7 +86,12 @@ class _LoopDriver:
         self.task: asyncio.Task | None = None
 
     async def submit(self, request_id: str, prompt: list[int], params) -> Any:
-        return await self._wait(request_id, self._enqueue(request_id, prompt, params))
+        future = self._enqueue(request_id, prompt, params)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._cancel(request_id)
+            raise
 
     async def submit_probed(self, request_id: str, prompt: list[int], params,
                             k: int) -> tuple[Any, asyncio.Future | None]:
@@ -118,13 +123,6 @@ class _LoopDriver:
         if self.task is None or self.task.done():
             self.task = self.loop.create_task(self._run())
         return future
-
-    async def _wait(self, request_id: str, future: asyncio.Future) -> Any:
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self._cancel(request_id)
-            raise
 
     def _cancel(self, request_id: str) -> None:
         self.probes.pop(request_id, None)
