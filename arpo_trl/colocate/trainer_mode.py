@@ -120,10 +120,9 @@ class ColocateBackend(GenerationBackend):
 
     def metrics(self, groups: int) -> dict[str, float]:
         """This rollout's prefix-cache share: prompt tokens vLLM served from its cache over those requests sent."""
-        engine = self._engine()
-        counters = getattr(engine, "counters", None)
-        if counters is None:
+        if (engine := self._engine()) is None:
             return {}
+        counters = engine.counters
         last, self._cache_seen = self._cache_seen, (counters.requests, counters.prompt_tokens, counters.cached_tokens)
         now = self._cache_seen
         sent, cached = now[1] - last[1], now[2] - last[2]
