@@ -234,11 +234,12 @@ def test_a_request_output_passes_the_server_contract_and_a_malformed_one_is_refu
         read_completion(WHERE, completion_body(aborted), _request(tokenizer))
 
 
-def test_prefix_cache_counters_give_the_share_of_prompt_tokens_served():
+def test_prefix_cache_counters_count_the_prompt_tokens_sent_and_served():
     counters = PrefixCacheCounters(keep_log=True)
     counters.add([1] * 64, 0, 10)
     counters.add([1] * 96, 64, 5)
-    assert counters.hit_rate() == 64 / 160 and counters.requests == 2 and counters.generated_tokens == 15
+    assert (counters.prompt_tokens, counters.cached_tokens) == (160, 64)
+    assert counters.requests == 2 and counters.generated_tokens == 15
     assert [entry[:2] for entry in counters.log] == [(64, 0), (96, 64)]
 
 

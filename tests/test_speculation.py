@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from arpo_trl.generation import CachedTransformersEngine
-from arpo_trl.generation.cpu.costs import CPU_COSTS
+from arpo_trl.generation.cpu.costs import CPU_COSTS, CPU_DECODE_COST
 from arpo_trl.generation.engine import SamplingSettings
-from arpo_trl.generation.speculation import Acceptance, DraftIndex, step_cost
+from arpo_trl.generation.speculation import Acceptance, DraftIndex
 from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool
@@ -73,6 +73,7 @@ def test_step_cost_follows_the_measured_steps():
     where many positions make them too dear."""
     measured = {1: [101, 157, 180, 154, 170], 16: [181, 340, 387, 413, 568], 32: [288, 518, 660, 773, 903],
                 64: [432, 930, 1885, 2717, 3500]}
+    step_cost = CPU_DECODE_COST.step
     unit = 101 / step_cost(1, 0)
     for rows, times in measured.items():
         for length, ms in zip([0, 1, 2, 4, 8], times):

@@ -56,9 +56,6 @@ class PrefixCacheCounters:
         if self.keep_log:
             self.log.append((len(prompt), cached, hash(tuple(prompt))))
 
-    def hit_rate(self) -> float:
-        return self.cached_tokens / max(self.prompt_tokens, 1)
-
 
 @dataclass
 class EngineSteps:
@@ -89,7 +86,12 @@ class _LoopDriver:
         self.task: asyncio.Task | None = None
 
     async def submit(self, request_id: str, prompt: list[int], params) -> Any:
-        return await self._wait(request_id, self._enqueue(request_id, prompt, params))
+        future = self._enqueue(request_id, prompt, params)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._cancel(request_id)
+            raise
 
     async def submit_probed(self, request_id: str, prompt: list[int], params,
                             k: int) -> tuple[Any, asyncio.Future | None]:
@@ -121,13 +123,6 @@ class _LoopDriver:
         if self.task is None or self.task.done():
             self.task = self.loop.create_task(self._run())
         return future
-
-    async def _wait(self, request_id: str, future: asyncio.Future) -> Any:
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self._cancel(request_id)
-            raise
 
     def _cancel(self, request_id: str) -> None:
         self.probes.pop(request_id, None)
@@ -209,7 +204,6 @@ class ColocatedVLLMEngine:
             min_p=sampling.min_p or 0.0, repetition_penalty=sampling.repetition_penalty, stop_token_ids=eos,
             logprobs=self.entropy_top_k if logprobs is None else logprobs, include_stop_str_in_output=True,
             skip_special_tokens=False, output_kind=kind, max_tokens=budget, stop=list(stop) or None, **extra)
-        self._stop_window = lambda stop: stop_window(tokenizer, stop)
         self._cumulative = RequestOutputKind.CUMULATIVE
         self._params(1, [])  # vLLM checks the settings (generation_kwargs included) now, not mid-rollout
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-colocate")
@@ -271,7 +265,7 @@ class ColocatedVLLMEngine:
         request's own output only, so a stop string the text so far began (it ends with a proper prefix of one) is
         also stopped at by its rest; such a stop ends the segment where it completes the string, and otherwise the
         segment goes on in another request (each one advances, so at most `budget` of them)."""
-        window, parts = self._stop_window(stop), []
+        window, parts = stop_window(self.tokenizer, stop), []
         while True:
             tail = head[-window:]  # holds any stop string's beginning, never a whole one (vLLM stopped there)
             pending = [rest for rest in pending_stops(self.reader.decode(tail), stop) if rest not in stop]

@@ -299,7 +299,7 @@ def model_dtype(requested, config=None) -> str:
     """The dtype `from_pretrained` loads at: `requested` (a name or a torch dtype), or for None and 'auto' the
     checkpoint's (`config.dtype`; float32 where the config names none)."""
     if requested is None or requested == "auto":
-        requested = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+        requested = getattr(config, "dtype", None) or "float32"
     name = str(requested).removeprefix("torch.")
     if name not in DTYPE_BYTES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPE_BYTES)} or 'auto', got {requested!r}.")

@@ -78,9 +78,12 @@ class ColocateBackend(GenerationBackend):
         self.check_setup()
         settings = self.settings()
         llm = start_llm_engine(settings)
+        # split_logprobs (top-k logprobs on a segment's first k tokens only) on a GPU, where the host time of
+        # decoding 21 logprob tokens per generated token outweighs a second request per segment (docs/one_gpu.md,
+        # "Top-k logprobs")
         engine = ColocatedVLLMEngine(llm, trainer._trl.tokenizer, sampling=trainer._sampling(),
                                      sleep_level=2 if settings.enable_sleep_mode else None,
-                                     split_logprobs=split_logprobs(settings.device),
+                                     split_logprobs=settings.device == "cuda",
                                      probe_tokens=trainer.args.entropy_window)
         _check_tokenizer(llm, trainer._trl.tokenizer, settings.model)
         policy = trainer.accelerator.unwrap_model(trainer.model)
@@ -117,10 +120,9 @@ class ColocateBackend(GenerationBackend):
 
     def metrics(self, groups: int) -> dict[str, float]:
         """This rollout's prefix-cache share: prompt tokens vLLM served from its cache over those requests sent."""
-        engine = self._engine()
-        counters = getattr(engine, "counters", None)
-        if counters is None:
+        if (engine := self._engine()) is None:
             return {}
+        counters = engine.counters
         last, self._cache_seen = self._cache_seen, (counters.requests, counters.prompt_tokens, counters.cached_tokens)
         now = self._cache_seen
         sent, cached = now[1] - last[1], now[2] - last[2]
@@ -131,13 +133,6 @@ class ColocateBackend(GenerationBackend):
             metrics["arpo/vllm_sleep_freed_gib"] = self._sleep_freed
             self._sleep_freed = None
         return metrics
-
-
-def split_logprobs(device: str) -> bool:
-    """Whether the colocated engine asks for top-k logprobs on a segment's first k tokens only
-    (`ColocatedVLLMEngine.split_logprobs`): on a GPU, where the host time of decoding 21 logprob tokens per
-    generated token outweighs a second request per segment (docs/one_gpu.md, "Top-k logprobs")."""
-    return device == "cuda"
 
 
 def check_colocate_memory(model, args, peft_config, tokenizer, dataset, memory: tuple[int, int] | None = None) -> None:

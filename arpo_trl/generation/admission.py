@@ -75,7 +75,7 @@ class Admission:
             if saved < forward_cost_tokens:  # another round would cost more than it saves
                 jobs.update((index, self._job(requests[index], entry, shared)) for index, entry, shared in later)
                 later = []
-            self._prefill(model, jobs, requests, admitted, forward_cost_tokens)
+            self._prefill(model, jobs, admitted, forward_cost_tokens)
             for index, twin in [pair for pair in twins if pair[1] in admitted]:
                 admitted[index] = admitted[twin]
                 self._count(len(requests[index].prefix))
@@ -88,8 +88,8 @@ class Admission:
         shared = min(shared, len(request.prefix) - 1)  # at least one token is run, for the next-token logits
         return PrefillJob(request.prefix, crop(entry.kv, shared) if entry and shared else None, shared)
 
-    def _prefill(self, model, jobs: dict[int, PrefillJob], requests: list[Request],
-                 admitted: dict[int, tuple[KV, torch.Tensor]], forward_cost_tokens: float) -> None:
+    def _prefill(self, model, jobs: dict[int, PrefillJob], admitted: dict[int, tuple[KV, torch.Tensor]],
+                 forward_cost_tokens: float) -> None:
         results, positions = prefill(model, list(jobs.values()), forward_cost_tokens)
         for (index, job), (kv, logits) in zip(jobs.items(), results):
             self.kv.keep(CachedPrefix(tuple(job.tokens), kv, logits))

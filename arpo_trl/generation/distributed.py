@@ -49,9 +49,6 @@ class LockstepEngine:
     engine) keeps the ranks' decoding steps equal, as in TRL's own generation."""
 
     def __init__(self, engine, accelerator, idle_prefix: Sequence[int]):
-        if getattr(engine, "max_batch_size", None):
-            raise ValueError("max_batch_size splits a wave into a number of model calls that differs between ranks; "
-                             "leave it unset with sharded parameters (ZeRO-3/FSDP) and several processes.")
         self.engine = engine
         self.accelerator = accelerator
         self.idle_prefix = list(idle_prefix)

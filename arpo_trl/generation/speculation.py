@@ -25,11 +25,6 @@ PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 16  # α before any draft was observed, wo
 ROW_MEMORY = 0.5  # a row's α keeps this share of its previous value at each observation (recent steps weigh most)
 
 
-def step_cost(rows: int, draft_length: int, cost: DecodeCost = CPU_DECODE_COST) -> float:
-    """What a decode step of `rows` rows, each fed its token and `draft_length` drafts, costs under `cost`."""
-    return cost.step(rows, draft_length)
-
-
 class DraftIndex:
     """Where each n-gram of the rollout's token sequences last occurred (the sequences are the engine's own lists:
     a running row's grows as it decodes, and a later occurrence still points to the text after it)."""
