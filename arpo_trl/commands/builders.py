@@ -315,15 +315,12 @@ def start_python_tool(args: ToolArguments):
 
 
 def read_corpus(path: str) -> list:
-    import json
-
+    """The documents of `search_corpus`, a setting `check_tool_args` has checked: 'wiki' or a file."""
     if path == "wiki":
         from arpo_trl.data.corpora import wiki_corpus
 
         return wiki_corpus()
     file = Path(path)
-    if not file.is_file():
-        raise UserInputError(f"search_corpus: no such file {path!r}.")
     try:
         lines = [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
         documents = [json.loads(line)["text"] for line in lines] if file.suffix == ".jsonl" else lines

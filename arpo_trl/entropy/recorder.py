@@ -41,21 +41,14 @@ def sampling_warpers(temperature: float, top_k: int, top_p: float, min_p: float 
     return warpers
 
 
-class _EntropyStep(LogitsProcessor):
-    def __init__(self, owner: SampledDistributionRecorder):
-        self.owner = owner
+class _Step(LogitsProcessor):
+    """Hands each step's `(input_ids, scores)` to `record` and passes the scores on unchanged."""
+
+    def __init__(self, record):
+        self.record = record
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.owner.record_entropy(input_ids, scores)
-        return scores
-
-
-class _LogprobStep(LogitsProcessor):
-    def __init__(self, owner: SampledDistributionRecorder):
-        self.owner = owner
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.owner.record_distribution(scores)
+        self.record(input_ids, scores)
         return scores
 
 
@@ -76,7 +69,7 @@ class SampledDistributionRecorder:
         self._previous: torch.Tensor | None = None
 
     def processors(self) -> list[LogitsProcessor]:
-        return [_EntropyStep(self), *self.warpers, _LogprobStep(self)]
+        return [_Step(self.record_entropy), *self.warpers, _Step(self.record_distribution)]
 
     def _record_previous(self, sampled: torch.Tensor) -> None:
         if self._previous is not None:
@@ -87,7 +80,7 @@ class SampledDistributionRecorder:
         logprobs = torch.log_softmax(scores.float() / self.temperature, dim=-1)
         self.entropies.append(token_entropy(logprobs, self.estimator, self.top_k, self.vocab_size))
 
-    def record_distribution(self, scores: torch.FloatTensor) -> None:
+    def record_distribution(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> None:
         self._previous = torch.log_softmax(scores.float(), dim=-1)
 
     def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

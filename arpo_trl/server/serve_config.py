@@ -49,7 +49,7 @@ class ServePlan:
         return f"arpo-trl vllm-serve: from {recipe}:\n  " + "\n  ".join(lines)
 
 
-def plan_from_recipe(recipe: str, measure_prompts: bool = True) -> ServePlan:
+def plan_from_recipe(recipe: str) -> ServePlan:
     """Parse `recipe` with `arpo-trl train`'s parser and derive its server; `UserInputError` names the field."""
     script_args, args, model_args = _parse(recipe)
     from arpo_trl.commands.builders import resolve_model
@@ -58,10 +58,8 @@ def plan_from_recipe(recipe: str, measure_prompts: bool = True) -> ServePlan:
     lora_rank = _lora_rank(args, model_args)
     if args.max_prompt_length is not None:
         prompt_tokens, source = args.max_prompt_length, "max_prompt_length"
-    elif measure_prompts:
-        prompt_tokens, source = _longest_prompt(script_args, args, model)
     else:
-        raise UserInputError("max_prompt_length: not set, and the prompts were not measured; set it in the recipe.")
+        prompt_tokens, source = _longest_prompt(script_args, args, model)
     needs = RunNeeds(model, prompt_tokens, source, args.max_completion_length, lora_rank)
     _check_fits_model(model, needs)
     dtype, dtype_source = recipe_dtype(args, model_args)

@@ -141,8 +141,7 @@ class _FileSync(ABC):
         """The weights to save when `save_pretrained` cannot read them from the model itself (sharded), else None."""
         return None
 
-    def _sync(self, state: dict[str, torch.Tensor] | None = None, start: float | None = None) -> None:
-        start = time.perf_counter() if start is None else start
+    def _sync(self, state: dict[str, torch.Tensor] | None, start: float) -> None:
         self.version += 1
         name = f"{self.name}-v{self.version}"
         path = self.sync_dir / name

@@ -36,10 +36,6 @@ class Tool:
         self._fn = fn
 
     @property
-    def open_tag(self) -> str:
-        return f"<{self.tag}>"
-
-    @property
     def close_tag(self) -> str:
         return f"</{self.tag}>"
 

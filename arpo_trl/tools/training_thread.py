@@ -81,10 +81,8 @@ def run_loop_in_thread(coroutine: Coroutine[Any, Any, Any], runner: ToolRunner |
 def _device_of_this_thread() -> Callable[[], None]:
     """CUDA's current device is per thread: the rollout's thread takes this one's (a rank's own GPU), so that
     tensors the engine makes without a device index land where the model is."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return lambda: None
+    import torch
+
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return lambda: None
     device = torch.cuda.current_device()
