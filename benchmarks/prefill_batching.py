@@ -27,7 +27,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from arpo_trl.generation import CachedTransformersEngine
 from arpo_trl.generation import admission as admission_module
-from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, prefill
+from arpo_trl.generation.cpu.costs import FORWARD_COST_TOKENS
+from arpo_trl.generation.prefill import PrefillJob, prefill
 from arpo_trl.generation.prefix_cache import crop, stack_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -74,7 +75,7 @@ def replay(model, calls: list[list[tuple[int, int]]], seed: int, measured_cost: 
     seconds = {"one_by_one": 0.0, "batched": 0.0, "batched_cpu_cost": 0.0}
     forwards = {"one_by_one": 0, "batched": 0, "batched_cpu_cost": 0}
     for index, call in enumerate(calls):
-        ways = [("one_by_one", lambda c=call: [prefill(model, [job]) for job in jobs(c)]),
+        ways = [("one_by_one", lambda c=call: [prefill(model, [job], FORWARD_COST_TOKENS) for job in jobs(c)]),
                 ("batched", lambda c=call: [prefill(model, jobs(c), measured_cost)]),
                 ("batched_cpu_cost", lambda c=call: [prefill(model, jobs(c), FORWARD_COST_TOKENS)])]
         for name, run in ways[index % 3:] + ways[: index % 3]:

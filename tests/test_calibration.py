@@ -10,8 +10,8 @@ from arpo_trl.generation import CachedTransformersEngine, calibration
 from arpo_trl.generation import admission as admission_module
 from arpo_trl.generation.calibration import DRAFTS, ROWS, SHAPES, fit_costs
 from arpo_trl.generation.cost_model import DecodeCost, ForwardCosts
-from arpo_trl.generation.cpu.costs import CPU_COSTS, CPU_DECODE_COST
-from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, MAX_FORWARD_POSITIONS, group_by_length
+from arpo_trl.generation.cpu.costs import CPU_COSTS, CPU_DECODE_COST, FORWARD_COST_TOKENS
+from arpo_trl.generation.prefill import MAX_FORWARD_POSITIONS, group_by_length
 from arpo_trl.generation.speculation import Acceptance
 from tests.test_cached_engine import GREEDY, _prompt
 

@@ -11,6 +11,7 @@ from tiny import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from arpo_trl.generation import CachedTransformersEngine, cached_engine_blocker
+from arpo_trl.generation.cpu.costs import FORWARD_COST_TOKENS
 from arpo_trl.generation.engine import SamplingSettings
 from arpo_trl.generation.prefill import PrefillJob, prefill
 from arpo_trl.generation.support import check_full_attention
@@ -142,7 +143,7 @@ def _owns_its_storage(tensor: torch.Tensor) -> bool:
 def test_prefilled_logits_of_a_float32_model_do_not_keep_the_forwards_logits_alive(tokenizer):
     model = tiny_model(tokenizer).eval()
     jobs = [PrefillJob(list(range(3, 4 + n)), None, 0) for n in range(8)]
-    results, positions = prefill(model, jobs)
+    results, positions = prefill(model, jobs, FORWARD_COST_TOKENS)
     assert len(positions) == 1  # one forward, whose logits are [8 rows, 8 positions, vocab]
     for _, logits in results:
         assert logits.dtype == torch.float32 and logits.shape == (1, model.config.vocab_size)

@@ -76,14 +76,14 @@ def test_every_row_gets_what_a_forward_of_it_alone_computes(model64):
         tokens = [rng.randrange(vocab) for _ in range(start + new)]
         jobs.append(PrefillJob(tokens, _alone(model64, tokens[:start])[0] if start else None, start))
         expected.append(_alone(model64, tokens))
-    results, positions = prefill(model64, jobs)
+    results, positions = prefill(model64, jobs, CPU_COSTS.forward_cost_tokens)
     assert sum(positions) >= sum(new for _, new in shapes)
     for (kv, logits), (want_kv, want_logits), (start, new) in zip(results, expected, shapes):
         assert logits.shape == want_logits.shape and logits.dtype == torch.float32
         torch.testing.assert_close(logits, want_logits, atol=1e-6, rtol=0)
         assert kv.shape == want_kv.shape and (kv.shape[2], kv_length(kv)) == (1, start + new)  # one row, all positions
         torch.testing.assert_close(kv, want_kv, atol=1e-10, rtol=0)
-    assert len(positions) == len(group_by_length([new for _, new in shapes]))
+    assert len(positions) == len(group_by_length([new for _, new in shapes], CPU_COSTS.forward_cost_tokens))
 
 
 def test_requests_joining_in_one_step_share_forwards_and_never_prefill_a_shared_prefix(model64, tokenizer):

@@ -26,8 +26,6 @@ from transformers import DynamicCache
 
 from arpo_trl.generation.prefix_cache import KV, layer_pairs, stack_layers
 
-FORWARD_COST_TOKENS = 64  # a forward's fixed cost in prefilled positions on the 2-core CPU (~90 measured); only where
-# none is given: the cached engine measures its own device's (`calibration.py`)
 MAX_FORWARD_POSITIONS = 8192  # rows × width of one grouped forward: bounds its activations (a longer request alone)
 
 
@@ -44,7 +42,7 @@ class PrefillJob:
         return len(self.tokens) - self.start
 
 
-def group_by_length(lengths: Sequence[int], forward_cost: float = FORWARD_COST_TOKENS,
+def group_by_length(lengths: Sequence[int], forward_cost: float,
                     max_positions: int = MAX_FORWARD_POSITIONS) -> list[list[int]]:
     """Indices of `lengths` in groups, one forward each, that minimise the positions computed,
     Σ (forward_cost + rows × longest), with rows × longest ≤ `max_positions` unless one row is longer alone.
@@ -65,8 +63,7 @@ def group_by_length(lengths: Sequence[int], forward_cost: float = FORWARD_COST_T
     return groups[::-1]
 
 
-def prefill(model, jobs: Sequence[PrefillJob], forward_cost: float = FORWARD_COST_TOKENS
-            ) -> tuple[list[tuple[KV, torch.Tensor]], list[int]]:
+def prefill(model, jobs: Sequence[PrefillJob], forward_cost: float) -> tuple[list[tuple[KV, torch.Tensor]], list[int]]:
     """Each job's KV (one row, its whole prefix) and next-token logits ([1, vocab], float32), in job order; and the
     positions each forward computed, padding included. `forward_cost`: a forward's fixed cost in positions."""
     results: list[tuple[KV, torch.Tensor] | None] = [None] * len(jobs)

@@ -6,8 +6,8 @@ constants keep a seed's trees the same across processes. Fitted on the 2-core de
 from __future__ import annotations
 
 from arpo_trl.generation.cost_model import DecodeCost, ForwardCosts
-from arpo_trl.generation.prefill import FORWARD_COST_TOKENS
 
+FORWARD_COST_TOKENS = 64  # a forward's fixed cost in prefilled positions (~90 measured)
 # A decode step in units of one row of a plain step: the fixed part, the jump a step with drafts pays (fixed and per
 # row), each draft position, and each position beyond 160 in all.
 CPU_DECODE_COST = DecodeCost(fixed=18, per_row=1, draft_fixed=6, draft_per_row=1.5, per_draft_position=0.4,
