@@ -296,9 +296,8 @@ class _EventRollout:
             await close()
 
     def _record_chains(self) -> None:
-        """The kept paths' chain lengths; the longest is the rollout's critical path."""
+        """From the kept paths' chains: the longest is the rollout's critical path."""
         kept = [path for group in self.rollout.groups for path in group if path.committed]
-        self.rollout.chains = {path.id: self.clock[path.id] for path in kept}
         if kept:
             longest = max(kept, key=lambda path: self.clock[path.id])
             self.stats.critical_path_tokens, self.stats.critical_path_kind = self.clock[longest.id], longest.kind
