@@ -97,10 +97,6 @@ class PackedBatch:
     gather_index: torch.Tensor  # (B, T) into the flattened (P*L) outputs, P*L = an always-zero slot
     lengths: list[int]  # slots of each pack holding a node or a copy (the rest is padding)
 
-    @property
-    def real_tokens(self) -> int:
-        return sum(self.lengths)
-
     def visible(self, device=None) -> torch.Tensor:
         """(P, 1, L, L) bool: query slot i may attend to key slot j (the dense mask SDPA and eager read), built on
         `device` from the O(L) indices, so that no L × L mask crosses from the host to a GPU."""
