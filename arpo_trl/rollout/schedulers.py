@@ -156,13 +156,10 @@ class EventScheduler:
         runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
         try:
             if any_runs_here(sampler.tools):  # the loop on a thread of its own; this one runs those tools' calls
-                return run_loop_in_thread(self._run(sampler, rollout, runner), runner)
-            return run_coroutine(self._run(sampler, rollout, runner))  # also inside a running loop (Jupyter)
+                return run_loop_in_thread(_EventRollout(sampler, rollout, runner).run(), runner)
+            return run_coroutine(_EventRollout(sampler, rollout, runner).run())  # also inside a running loop (Jupyter)
         finally:
             runner.close()
-
-    async def _run(self, sampler: Sampler, rollout: Rollout, runner: ToolRunner) -> None:
-        await _EventRollout(sampler, rollout, runner).run()
 
 
 class _EventRollout:
