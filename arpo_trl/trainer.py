@@ -159,7 +159,6 @@ class ARPOTrainer(TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpd
         # the generation backend, chosen once: it starts the engine, installs the weight sync, wraps each rollout
         self.backend: GenerationBackend = ColocateBackend(self) if colocate else \
             ServerBackend(self, trl_sync) if use_vllm else InProcessBackend(self)
-        self.vllm_client = getattr(self.backend, "client", None)
         self.vllm_weight_sync_mode = self.backend.weight_sync_mode
         if engine is not None and not use_vllm and self._trl.is_sharded() and self.accelerator.num_processes > 1:
             raise NotImplementedError("engine= with sharded parameters (ZeRO-3/FSDP) and several processes: leave "
