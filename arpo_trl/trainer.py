@@ -205,7 +205,7 @@ class ARPOTrainer(TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpd
         # TreeRows: the tree metadata stays in a side table, never in the user's examples; only rewards read it
         # `model_text`: what the rewards score, the completion without its tool calls and results (docs/rewards.md)
         self._tree_rows = [{**self._tree_fields(t), "model_text": own_text_from_ids(
-            t.completion_ids, t.calls, self.sampler.decode).text} for t in trajectories]
+            t.completion_ids, t.calls, self.sampler.writer.decode).text} for t in trajectories]
         self._log_rollout(result, "train" if training else "eval")
         return {  # env_mask: the true one, for TRL's length metrics; hard attribution's is applied in `_generate`
             "prompt_ids": [t.prompt_ids for t in trajectories],
