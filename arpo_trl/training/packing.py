@@ -136,8 +136,7 @@ def _layout(trie: _Trie) -> tuple[Pack, dict[int, int]]:
         order.append(node)
         stack.extend(reversed(node.children.values()))
     for node in reversed(order):  # children come after their parent in preorder: fill ends bottom-up
-        last = max((child.end for child in node.children.values()), default=node.slot + 1)
-        node.end = last
+        node.end = max((child.end for child in node.children.values()), default=node.slot + 1)
     copy_of: dict[int, int] = {}
     label_slots: dict[tuple[int, int], int] = {}
     for node in order:
