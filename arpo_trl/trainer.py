@@ -146,7 +146,7 @@ class ARPOTrainer(TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpd
         self._environments = environments
         self._listed_tools = trl_tool_list(listed_tools, environments)
         self._tools_for_trl = False
-        self._trl.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
+        self._trl.set_use_vllm(use_vllm)  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
         self._tool_failures = ToolFailureWatch(self.arpo_tools, args.max_failed_tool_steps)
         self._rollout_log = RolloutLog()
