@@ -404,11 +404,10 @@ class WaveScheduler:
         start = time.perf_counter()
         prefixes = [path.prompt_ids + path.completion_ids for path, _ in generate]
         budgets, stops = [r.max_new_tokens for _, r in generate], sampler.call_format.stop_strings
+        seeded = "seed" in getattr(sampler.engine, "request_options", ())
+        options = {"seeds": [path.seed for path, _ in generate]} if seeded else {}
         try:
-            if "seed" in getattr(sampler.engine, "request_options", ()):
-                segments = sampler.engine.generate(prefixes, budgets, stops, seeds=[path.seed for path, _ in generate])
-            else:
-                segments = sampler.engine.generate(prefixes, budgets, stops)
+            segments = sampler.engine.generate(prefixes, budgets, stops, **options)
         except Exception as error:
             error.add_note(path_context([path for path, _ in generate]))
             raise
