@@ -146,7 +146,7 @@ class ARPOTrainer(TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpd
         self._environments = environments
         self._listed_tools = trl_tool_list(listed_tools, environments)
         self._tools_for_trl = False
-        self._trl.use_vllm = use_vllm  # on again: TRL's importance-sampling correction and its per-step sync hook
+        self._trl.set_use_vllm(use_vllm)  # on again: TRL's importance-sampling correction and its per-step sync hook
         self.arpo_tools = list(tools)
         self._tool_failures = ToolFailureWatch(self.arpo_tools, args.max_failed_tool_steps)
         self._rollout_log = RolloutLog()
@@ -159,7 +159,6 @@ class ARPOTrainer(TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpd
         # the generation backend, chosen once: it starts the engine, installs the weight sync, wraps each rollout
         self.backend: GenerationBackend = ColocateBackend(self) if colocate else \
             ServerBackend(self, trl_sync) if use_vllm else InProcessBackend(self)
-        self.vllm_client = getattr(self.backend, "client", None)
         self.vllm_weight_sync_mode = self.backend.weight_sync_mode
         if engine is not None and not use_vllm and self._trl.is_sharded() and self.accelerator.num_processes > 1:
             raise NotImplementedError("engine= with sharded parameters (ZeRO-3/FSDP) and several processes: leave "
@@ -206,7 +205,7 @@ class ARPOTrainer(TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpd
         # TreeRows: the tree metadata stays in a side table, never in the user's examples; only rewards read it
         # `model_text`: what the rewards score, the completion without its tool calls and results (docs/rewards.md)
         self._tree_rows = [{**self._tree_fields(t), "model_text": own_text_from_ids(
-            t.completion_ids, t.calls, self.sampler.decode).text} for t in trajectories]
+            t.completion_ids, t.calls, self.sampler.writer.decode).text} for t in trajectories]
         self._log_rollout(result, "train" if training else "eval")
         return {  # env_mask: the true one, for TRL's length metrics; hard attribution's is applied in `_generate`
             "prompt_ids": [t.prompt_ids for t in trajectories],

@@ -47,13 +47,8 @@ class TRLState:
         finally:
             args.use_vllm, args.reward_weights = use_vllm, weights
 
-    @property
-    def use_vllm(self) -> bool:
+    def set_use_vllm(self, value: bool) -> None:
         # TRL 1.16: GRPOTrainer.use_vllm (args.use_vllm at __init__) gates the sync hook and importance sampling
-        return self._trainer.use_vllm
-
-    @use_vllm.setter
-    def use_vllm(self, value: bool) -> None:
         self._trainer.use_vllm = value
 
     def install_weight_sync(self, sync) -> None:

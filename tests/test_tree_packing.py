@@ -178,13 +178,13 @@ def test_packs_hold_each_distinct_prefix_once_and_split_at_the_cap(tokenizer):
     labelled_parents = {tuple(row[:j]) for row, p in zip(rows, prompt_lengths) for j in range(p, len(row))}
     children = {tuple(row[:j + 1]) for row, p in zip(rows, prompt_lengths) for j in range(p, len(row))}
     assert whole.input_ids.shape[0] == 1
-    assert whole.real_tokens == distinct + len(children) - len(labelled_parents)  # one copy per extra child
+    assert sum(whole.lengths) == distinct + len(children) - len(labelled_parents)  # one copy per extra child
     assert (whole.labels != IGNORE).sum() == len(children)  # one label per distinct (context, next token)
     for k, row in enumerate(rows):  # each needed label sits where its row reads it
         for t in range(len(row) - prompt_lengths[k]):
             assert whole.labels.view(-1)[whole.gather_index[k, t]] == row[prompt_lengths[k] + t]
     split = pack_rows(rows, prompt_lengths, width, 22)
-    assert split.input_ids.shape[0] > 1 and split.real_tokens > whole.real_tokens  # ancestors repeated
+    assert split.input_ids.shape[0] > 1 and sum(split.lengths) > sum(whole.lengths)  # ancestors repeated
     assert max(split.lengths) <= 22  # every pack within the cap (no row here is longer)
     visible = whole.visible()[0, 0]
     assert torch.equal(visible, visible.tril())  # preorder: ancestors come first

@@ -154,7 +154,7 @@ def trained(tiny_model_dir, tokenizer, addition_dataset, tmp_path_factory):
     built = {"warnings": [str(w.message) for w in caught], "weight_sync": trainer._trl.weight_sync,
              "use_vllm": trainer.use_vllm, "tokenizer": trainer._trl.tokenizer}
     trainer._trl = RecordingState(trainer)
-    trainer._trl.use_vllm = True
+    trainer._trl.set_use_vllm(True)
     sync = SyncRecorder(trainer)
     trainer._trl.install_weight_sync(sync)
     trainer.train()

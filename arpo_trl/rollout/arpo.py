@@ -343,10 +343,6 @@ class BranchingSampler:
         self.rollouts = state["rollouts"]
         self.speculation.load_state_dict(state)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of token ids, as the sampler reads it (special tokens skipped)."""
-        return self.writer.decode(ids)
-
 
 def fork_draw(path: Trajectory) -> float:
     """The uniform a path's next fork decision compares with its P: keyed by the path's seed and the decision's index,

@@ -168,7 +168,6 @@ class Rollout:
     started: list[tuple[Trajectory, Trajectory | None]] = field(default_factory=list)  # (new path, its creator)
     cancelled: list[Trajectory] = field(default_factory=list)  # speculative paths to stop
     committed: list[Trajectory] = field(default_factory=list)  # speculative branches just confirmed
-    chains: dict[int, int] = field(default_factory=dict)  # event-driven: path id -> tokens on its chain
     next_id: int = 0
     segments: int = 0  # segments finished so far, and how many ended with a tool call (speculation's estimate)
     segments_calling: int = 0
@@ -211,7 +210,6 @@ class Rollout:
             for path in group:
                 path.id, path.parent = renumbered[path.id], renumbered.get(path.parent)
                 path.line = renumbered.get(path.line)
-        self.chains = {renumbered[old]: tokens for old, tokens in self.chains.items() if old in renumbered}
 
     def confirm(self, path: Trajectory) -> None:
         """A speculative path becomes one of its prompt's M (a waiting copy is told by `committed`)."""

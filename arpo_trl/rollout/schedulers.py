@@ -156,13 +156,10 @@ class EventScheduler:
         runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
         try:
             if any_runs_here(sampler.tools):  # the loop on a thread of its own; this one runs those tools' calls
-                return run_loop_in_thread(self._run(sampler, rollout, runner), runner)
-            return run_coroutine(self._run(sampler, rollout, runner))  # also inside a running loop (Jupyter)
+                return run_loop_in_thread(_EventRollout(sampler, rollout, runner).run(), runner)
+            return run_coroutine(_EventRollout(sampler, rollout, runner).run())  # also inside a running loop (Jupyter)
         finally:
             runner.close()
-
-    async def _run(self, sampler: Sampler, rollout: Rollout, runner: ToolRunner) -> None:
-        await _EventRollout(sampler, rollout, runner).run()
 
 
 class _EventRollout:
@@ -296,9 +293,8 @@ class _EventRollout:
             await close()
 
     def _record_chains(self) -> None:
-        """The kept paths' chain lengths; the longest is the rollout's critical path."""
+        """From the kept paths' chains: the longest is the rollout's critical path."""
         kept = [path for group in self.rollout.groups for path in group if path.committed]
-        self.rollout.chains = {path.id: self.clock[path.id] for path in kept}
         if kept:
             longest = max(kept, key=lambda path: self.clock[path.id])
             self.stats.critical_path_tokens, self.stats.critical_path_kind = self.clock[longest.id], longest.kind
@@ -408,11 +404,10 @@ class WaveScheduler:
         start = time.perf_counter()
         prefixes = [path.prompt_ids + path.completion_ids for path, _ in generate]
         budgets, stops = [r.max_new_tokens for _, r in generate], sampler.call_format.stop_strings
+        seeded = "seed" in getattr(sampler.engine, "request_options", ())
+        options = {"seeds": [path.seed for path, _ in generate]} if seeded else {}
         try:
-            if "seed" in getattr(sampler.engine, "request_options", ()):
-                segments = sampler.engine.generate(prefixes, budgets, stops, seeds=[path.seed for path, _ in generate])
-            else:
-                segments = sampler.engine.generate(prefixes, budgets, stops)
+            segments = sampler.engine.generate(prefixes, budgets, stops, **options)
         except Exception as error:
             error.add_note(path_context([path for path, _ in generate]))
             raise

@@ -74,12 +74,10 @@ def owner_mask(owners: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
     return (owners == torch.as_tensor(list(ids))[:, None]).long()
 
 
-def trained_mask(owners: torch.Tensor, ids: Sequence[int], kept: Sequence[bool] | None = None) -> torch.Tensor:
+def trained_mask(owners: torch.Tensor, ids: Sequence[int], kept: Sequence[bool]) -> torch.Tensor:
     """(B, T) 1 where the row trains the token under hard attribution: each token once, in the row of the path that
     generated it or, when the loss leaves that row out (`kept` False), in the first kept row sharing it."""
     mask = owner_mask(owners, ids).bool()
-    if kept is None:
-        return mask.long()
     kept_t = torch.as_tensor(list(kept), dtype=torch.bool)
     mask &= kept_t[:, None]
     for row in (~kept_t).nonzero().flatten().tolist():

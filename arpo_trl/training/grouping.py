@@ -75,8 +75,6 @@ def _concat(batches: list[dict]) -> dict:
 def regroup(batches: list[dict], group_size: int) -> list[dict]:
     """`batches` (TRL's shuffled micro-batches, each carrying `ROW_INDEX`) with every group's rows contiguous, and
     without `ROW_INDEX`: `training_step` and `compute_loss` receive the keys GRPOTrainer gives them."""
-    if not batches or ROW_INDEX not in batches[0]:
-        return batches
     whole = _concat(batches)
     rows = whole.pop(ROW_INDEX).tolist()
     if any(_is_rows(value) and len(value) != len(rows) for value in whole.values()):

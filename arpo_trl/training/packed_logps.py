@@ -147,7 +147,8 @@ class TreePackedTraining:
     def _forward_packed(self, model, packed: PackedBatch, compute_entropy: bool):
         device = self.accelerator.device
         config = self._packing_config(model)
-        mask = tree_mask(packed, config._attn_implementation, self._packing_dtype(model), device)
+        dtype = base_model(model).get_input_embeddings().weight.dtype
+        mask = tree_mask(packed, config._attn_implementation, dtype, device)
         with self.accelerator.autocast():
             # TRL 1.16's fused LM head (trl.trainer.utils.add_fused_lm_head) scores `shift_labels` as given, one
             # label per slot, with TRL's temperature and head options: the same numbers as its unpacked forward.
@@ -161,10 +162,6 @@ class TreePackedTraining:
     @staticmethod
     def _packing_config(model):
         return base_model(model).config.get_text_config()
-
-    @staticmethod
-    def _packing_dtype(model) -> torch.dtype:
-        return base_model(model).get_input_embeddings().weight.dtype
 
     def _record_forward(self, rows: int, forwarded: int, is_loss_pass: bool, seconds: float) -> None:
         """`arpo/tokens_forwarded_per_group`: positions the policy pass of `_compute_loss` forwards (padding

@@ -97,10 +97,6 @@ class PackedBatch:
     gather_index: torch.Tensor  # (B, T) into the flattened (P*L) outputs, P*L = an always-zero slot
     lengths: list[int]  # slots of each pack holding a node or a copy (the rest is padding)
 
-    @property
-    def real_tokens(self) -> int:
-        return sum(self.lengths)
-
     def visible(self, device=None) -> torch.Tensor:
         """(P, 1, L, L) bool: query slot i may attend to key slot j (the dense mask SDPA and eager read), built on
         `device` from the O(L) indices, so that no L × L mask crosses from the host to a GPU."""
@@ -140,8 +136,7 @@ def _layout(trie: _Trie) -> tuple[Pack, dict[int, int]]:
         order.append(node)
         stack.extend(reversed(node.children.values()))
     for node in reversed(order):  # children come after their parent in preorder: fill ends bottom-up
-        last = max((child.end for child in node.children.values()), default=node.slot + 1)
-        node.end = last
+        node.end = max((child.end for child in node.children.values()), default=node.slot + 1)
     copy_of: dict[int, int] = {}
     label_slots: dict[tuple[int, int], int] = {}
     for node in order:

@@ -26,6 +26,7 @@ from transformers import TrainerCallback
 from arpo_trl.markdown import markdown_table
 from arpo_trl.rollout import RolloutResult
 from arpo_trl.trees import node_table, plot_run, select, tree_html, write_jsonl
+from arpo_trl.trees.render import pyplot, save_figure
 
 logger = logging.getLogger(__name__)
 TREES_FILE = "trees.jsonl"
@@ -183,11 +184,7 @@ def curves(rows: list[dict], keys: tuple[str, ...] = CURVE_KEYS) -> dict[str, li
 
 def plot_curves(metrics_path: str | os.PathLike, out: str | os.PathLike) -> Path:
     """One panel per series of `curves`: reward per step, each reward function's mean, tool calls, forks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     series = {k: v for k, v in curves(read_metrics(metrics_path)).items() if v}
     fig, axes = plt.subplots(1, max(len(series), 1), figsize=(4 * max(len(series), 1), 3.2), squeeze=False)
     for ax, (name, points) in zip(axes[0], series.items()):
@@ -201,10 +198,7 @@ def plot_curves(metrics_path: str | os.PathLike, out: str | os.PathLike) -> Path
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return Path(out)
+    return save_figure(plt, fig, out, dpi=110)
 
 
 def run_summary(output_dir: str | os.PathLike) -> str:

@@ -12,8 +12,6 @@ from arpo_trl.trees.records import (
     iter_jsonl,
     load_step,
     node_table,
-    one_group,
-    prompt_text,
     read_jsonl,
     segments_of,
     select,
@@ -31,6 +29,6 @@ from arpo_trl.trees.render import (
 
 __all__ = [
     "NODE_COLUMNS", "SCHEMA_VERSION", "TreeFileError", "entropy_around_tools", "format_tree", "iter_jsonl", "load_step",
-    "node_table", "one_group", "plot_entropy_around_tools", "plot_run", "prompt_text", "read_jsonl",
-    "render_tree_html", "render_tree_png", "segments_of", "select", "tree_html", "tree_records", "write_jsonl",
+    "node_table", "plot_entropy_around_tools", "plot_run", "read_jsonl", "render_tree_html", "render_tree_png",
+    "segments_of", "select", "tree_html", "tree_records", "write_jsonl",
 ]

@@ -83,17 +83,16 @@ def _per_trajectory(values: Any, n: int, name: str) -> list[float | None]:
     return [_finite(v) for v in values]
 
 
-def _span_cuts(ids: Sequence[int], bounds: Sequence[int], decode) -> tuple[str, list[int]]:
-    """The decoded completion and the character offset of each token boundary in `bounds`, monotone, so that
+def _span_cuts(ids: Sequence[int], full: str, bounds: Sequence[int], decode) -> list[int]:
+    """The character offset in `full` (the decoded completion) of each token boundary in `bounds`, monotone, so that
     the pieces re-join exactly (a boundary inside a multi-byte character moves to the character's start)."""
-    full = decode(ids)
     cuts = []
     for b in bounds:
         prefix = decode(ids[:b])
         while prefix and not full.startswith(prefix):
             prefix = prefix[:-1]
         cuts.append(max(len(prefix), cuts[-1] if cuts else 0))
-    return full, cuts
+    return cuts
 
 
 def _boundaries(mask: Sequence[int], calls: Sequence[dict]) -> list[tuple[int, int]]:
@@ -117,7 +116,7 @@ def segments_of(ids: Sequence[int], mask: Sequence[int], decode, calls: Sequence
     texts = [decode(ids[s:e]) for s, e in runs]
     full = decode(ids)
     if "".join(texts) != full:  # a boundary splits a character: cut the full text instead
-        full, cuts = _span_cuts(ids, [end for _, end in runs[:-1]], decode)
+        cuts = _span_cuts(ids, full, [end for _, end in runs[:-1]], decode)
         chars = [0, *cuts, len(full)]
         texts = [full[chars[k] : chars[k + 1]] for k in range(len(runs))]
     return [{"start": s, "end": e, "kind": _kind(s, mask, calls), "text": text} for (s, e), text in zip(runs, texts)]

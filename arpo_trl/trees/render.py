@@ -127,16 +127,16 @@ def render_tree_html(records: Sequence[dict], path: str | os.PathLike) -> Path:
 
 
 # ---- PNG -----------------------------------------------------------------------------------------------
-def _save(plt, fig, path: str | os.PathLike) -> Path:
+def save_figure(plt, fig, path: str | os.PathLike, dpi: float | None = None) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -149,7 +149,7 @@ def render_tree_png(records: Sequence[dict], path: str | os.PathLike) -> Path:
     """Timeline of one group's tree: x = token position, a row per trajectory (tree order); a branch's row
     starts at its fork with a connector to its parent's row; model tokens coloured by entropy, tool results
     shaded, tool calls marked, finish and reward written at each row's end."""
-    plt = _pyplot()
+    plt = pyplot()
     order = tree_order(one_group(records, "render_tree_png"))
     row_of = {r["node"]: i for i, (r, _) in enumerate(order)}
     width = max([r["length"] for r, _ in order] + [1])
@@ -169,7 +169,7 @@ def render_tree_png(records: Sequence[dict], path: str | os.PathLike) -> Path:
     ax.legend(handles=[Patch(color="#f5a623", alpha=0.55, label="tool result"),
                        plt.Line2D([], [], color="#1a7f37", marker="v", ls="", label="tool call")],
               loc="lower right", fontsize=7)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def _draw_row(ax, r: dict, y: int, row_of: dict[int, int]):
@@ -232,7 +232,7 @@ def plot_entropy_around_tools(records_or_stats: Sequence[dict] | dict, path: str
                               window: int = 20) -> Path:
     """Line plot of `entropy_around_tools` (records are summarised first) with the first-segment baseline."""
     stats = records_or_stats if isinstance(records_or_stats, dict) else entropy_around_tools(records_or_stats, window)
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.2), dpi=100)
     xs = [x for x, m in zip(stats["offsets"], stats["mean"]) if m is not None]
     ys = [m for m in stats["mean"] if m is not None]
@@ -253,7 +253,7 @@ def plot_entropy_around_tools(records_or_stats: Sequence[dict] | dict, path: str
     ax.set_ylabel("mean token entropy (nats)")
     ax.set_title(f"Token entropy around tool results ({stats['occurrences']} results)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_run(file: str | os.PathLike, out: str | os.PathLike, step: int | None = None, group: int | None = None,
