@@ -118,15 +118,17 @@ class VLLMClient:
         self._session.mount("http://", adapter)
         self._session.mount("https://", adapter)
 
+    def _url(self, path: str) -> str:
+        return f"{self.base_url}{path}"
+
     def request(self, method: str, path: str, json: dict | None = None, timeout: float | None = None,
                 expect: Expect = "any", retry: bool = True) -> Any:
         """One request, transient faults retried (`_Attempts`) unless `retry=False`; a JSON body when
         `expect="json"`, else JSON or text as the server labels it."""
-        url = f"{self.base_url}{path}"
         attempts = _Attempts(self, timeout, retry)
         while True:
             try:
-                response = self._session.request(method, url, json=json, timeout=attempts.remaining())
+                response = self._session.request(method, self._url(path), json=json, timeout=attempts.remaining())
             except requests.Timeout as error:
                 raise self._timed_out(method, path, timeout) from error
             except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as error:
@@ -142,7 +144,7 @@ class VLLMClient:
         attempts = _Attempts(self, None)
         while True:
             try:
-                response = await self._async_client().request(method, f"{self.base_url}{path}", json=json,
+                response = await self._async_client().request(method, self._url(path), json=json,
                                                                timeout=httpx.Timeout(attempts.remaining(), pool=None))
             except httpx.TimeoutException as error:
                 raise self._timed_out(method, path, None) from error
@@ -211,7 +213,7 @@ class VLLMClient:
         last_error: Exception | None = None
         while True:
             try:
-                if self._session.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                if self._session.get(self._url("/health"), timeout=5).status_code == 200:
                     return
             except requests.RequestException as error:
                 last_error = error
