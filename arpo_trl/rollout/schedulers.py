@@ -155,9 +155,10 @@ class EventScheduler:
     def run(self, sampler: Sampler, rollout: Rollout) -> None:
         runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
         try:
+            events = _EventRollout(sampler, rollout, runner).run()
             if any_runs_here(sampler.tools):  # the loop on a thread of its own; this one runs those tools' calls
-                return run_loop_in_thread(_EventRollout(sampler, rollout, runner).run(), runner)
-            return run_coroutine(_EventRollout(sampler, rollout, runner).run())  # also inside a running loop (Jupyter)
+                return run_loop_in_thread(events, runner)
+            return run_coroutine(events)  # also inside a running loop (Jupyter)
         finally:
             runner.close()
 
@@ -193,7 +194,7 @@ class _EventRollout:
             raise
         finally:
             await self._close()
-        self._record_chains()
+        self._record_critical_path()
 
     def start_new(self) -> None:
         """Start a task for each path the sampler started, resume the committed, cancel the dropped."""
@@ -292,8 +293,8 @@ class _EventRollout:
         if close is not None:
             await close()
 
-    def _record_chains(self) -> None:
-        """From the kept paths' chains: the longest is the rollout's critical path."""
+    def _record_critical_path(self) -> None:
+        """The longest of the kept paths' chains is the rollout's critical path."""
         kept = [path for group in self.rollout.groups for path in group if path.committed]
         if kept:
             longest = max(kept, key=lambda path: self.clock[path.id])
