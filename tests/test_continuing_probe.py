@@ -7,6 +7,7 @@ model only); the engine's loop driver against an exact stand-in for vLLM's `LLME
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -175,6 +176,30 @@ def test_the_driver_answers_a_probe_with_its_first_k_tokens_and_the_rest_when_th
     driver = asyncio.run(scenario())
     assert owner.llm.aborted == ["dropped", "awaited"] and not owner.llm.running
     assert not driver.waiting and not driver.probes and not driver.adds
+
+
+def test_closing_the_driver_keeps_an_abort_whose_step_the_engine_thread_has_not_begun():
+    owner = _Owner({"held": 1000})
+    gate = threading.Event()
+
+    async def scenario():
+        driver = _LoopDriver(owner)
+        _, final = await driver.submit_probed("held", [1], None, 2)
+        owner.thread.submit(gate.wait)  # the engine's thread is busy: the next step waits, not begun
+        driver.drop("held", final)
+        for _ in range(500):  # until the stepping task has taken the abort into a step it queued
+            if not driver.aborts:
+                break
+            await asyncio.sleep(0.01)
+        assert not driver.aborts and not driver.stepping.done()
+        driver.loop.call_later(0.05, gate.set)
+        await driver.close()  # cancels the stepping task while its step still waits for the thread
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()  # a failure must not leave the thread waiting (the interpreter joins it at exit)
+    assert owner.llm.aborted == ["held"] and not owner.llm.running
 
 
 def test_first_tokens_copies_a_cut_and_generated_tokens_refuses_nothing_silently():

@@ -84,6 +84,7 @@ class _LoopDriver:
         self.adds: list[tuple[str, list[int], Any]] = []
         self.aborts: list[str] = []
         self.task: asyncio.Task | None = None
+        self.stepping: asyncio.Future | None = None  # the engine step on the thread now
 
     async def submit(self, request_id: str, prompt: list[int], params) -> Any:
         future = self._enqueue(request_id, prompt, params)
@@ -136,7 +137,10 @@ class _LoopDriver:
         try:
             while self.waiting or self.aborts:
                 adds, aborts, self.adds, self.aborts = self.adds, self.aborts, [], []
-                outputs = await self.loop.run_in_executor(self.owner.thread, self.owner.step, adds, aborts)
+                self.stepping = self.loop.run_in_executor(self.owner.thread, self.owner.step, adds, aborts)
+                # shielded: cancelling this task (`close`) must not cancel a step the thread has not begun, or its
+                # aborts would be lost and its adds left running
+                outputs = await asyncio.shield(self.stepping)
                 for output in outputs:
                     self._answer(output)
                 await asyncio.sleep(0)  # the paths just answered send their next requests before the next step
@@ -160,11 +164,14 @@ class _LoopDriver:
 
     async def close(self) -> None:
         """Abort what is still running (a failed or cancelled rollout) and stop stepping."""
+        unsent = {request_id for request_id, _, _ in self.adds}
+        # read before the stepping task ends: its failure clears `waiting`
+        leftover = [*(request_id for request_id in self.waiting if request_id not in unsent), *self.aborts]
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)  # its failure, if any, reached every waiter
-        unsent = {request_id for request_id, _, _ in self.adds}
-        leftover = [*(request_id for request_id in self.waiting if request_id not in unsent), *self.aborts]
+        if self.stepping is not None:
+            await asyncio.gather(self.stepping, return_exceptions=True)  # its adds are in the engine, its aborts done
         self.waiting.clear(), self.probes.clear(), self.adds.clear(), self.aborts.clear()
         if leftover:
             await self.loop.run_in_executor(self.owner.thread, self.owner.step, [], leftover, False)
