@@ -198,7 +198,7 @@ class ARPOConfig(GRPOConfig):
         default="auto",
         metadata={
             "help": "Work started before the rule needs it, trees unchanged: 'auto' (likely fill-ups, certain forks at "
-            "the tool result), 'branches' (also an uncertain fork's copies), 'off'. docs/differences.md.",
+            "the tool result) or 'off'. docs/differences.md.",
             "choices": list(SPECULATION_MODES),
         },
     )

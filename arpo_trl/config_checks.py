@@ -61,6 +61,8 @@ def check_arpo_config(config) -> None:
         raise ValueError(f"rollout_scheduler must be one of {SCHEDULERS}, got {config.rollout_scheduler!r}.")
     if config.in_process_engine not in IN_PROCESS_ENGINES:
         raise ValueError(f"in_process_engine must be one of {IN_PROCESS_ENGINES}, got {config.in_process_engine!r}.")
+    if config.rollout_speculation == "branches":  # removed: the slowest mode measured (docs/benchmarks.md)
+        raise ValueError("rollout_speculation 'branches' was removed; write 'auto' (the same trees).")
     if config.rollout_speculation not in SPECULATION_MODES:
         raise ValueError(f"rollout_speculation must be one of {SPECULATION_MODES}, got {config.rollout_speculation!r}.")
     if config.max_tool_workers < 1:

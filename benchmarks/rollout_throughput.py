@@ -58,27 +58,24 @@ IN_PROCESS_ENGINES = {
 
 
 def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") -> BranchingSampler:
-    """`policy`: a branch policy, optionally with variants joined by '+' after a ':': 'speculative' or 'deferred' (an
-    uncertain fork's copies start beside the probe, or once it keeps them; the sampler's default otherwise),
+    """`policy`: a branch policy, optionally with variants joined by '+' after a ':':
     'certain-fills' (fill-ups start only once certain: `Speculation.fill_ups_early=False`), 'early-fills' (speculative
     fill-ups from the rollout's start even on an engine that drafts late paths), 'late-fills' (speculative fill-ups
     wait for the prompt's first fork decision on every engine). The hedge and the near-certainty that fill-ups start
     at are constants (`HEDGE`, `SURELY` in `arpo_trl/rollout/speculation.py`); the variants that varied them
-    (`mean-fills`, `hedge=P`, `surely=P`) ran at 758a85e and earlier."""
+    (`mean-fills`, `hedge=P`, `surely=P`) ran at 758a85e and earlier; `speculative` and `deferred` (an uncertain
+    fork's copies beside the probe, or once it keeps them: `rollout_speculation: branches`, removed) at 2e0c538."""
     given = policy
     policy, _, variants = policy.partition(":")
     variants = set(filter(None, variants.split("+")))
-    if unknown := variants - {"speculative", "deferred", "certain-fills", "early-fills", "late-fills"}:
+    if unknown := variants - {"certain-fills", "early-fills", "late-fills"}:
         raise ValueError(f"--policies: unknown variants {sorted(unknown)} in {given!r}")
-    for rivals in ({"speculative", "deferred"}, {"early-fills", "late-fills"}):
-        if len(rivals & variants) > 1:
-            clash = " and ".join(sorted(rivals & variants))
-            raise ValueError(f"--policies: {clash} contradict each other in {given!r}")
+    if {"early-fills", "late-fills"} <= variants:
+        raise ValueError(f"--policies: early-fills and late-fills contradict each other in {given!r}")
     n = args.num_generations if policy == "none" else args.initial_rollouts
-    speculation = "branches" if "speculative" in variants else "auto"
     sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
                                initial_rollouts=n, max_completion_length=args.max_tokens, branch_policy=policy,
-                               seed=args.seed, scheduler=scheduler, speculation=speculation)
+                               seed=args.seed, scheduler=scheduler)
     early = sampler.speculation  # the knobs users no longer set: the benchmark reaches them here
     if "certain-fills" in variants:
         early.fill_ups_early = False
@@ -159,9 +156,7 @@ def prompt_tokens_computed_by_kind(log: list[tuple[int, int, int]], result) -> d
     after a tool result (`continuation`). A branch's first request sends the same tokens as its parent's segment
     after that tool result, so among the requests with a fork point's tokens, those of its c branches count as the
     c cheapest (the parent's, sent first, may also compute the blocks the branches then find cached). Only finished
-    requests are logged (an aborted one's prefill is missing), and only the kept trees are read: with
-    `speculative_branches`, a dropped copy's first request and a kept copy's request after its probe count as
-    continuations."""
+    requests are logged (an aborted one's prefill is missing), and only the kept trees are read."""
     starts = {hash(tuple(path.prompt_ids)) for path in result.trajectories}
     branches = Counter(hash(tuple(path.prompt_ids + path.completion_ids[:path.fork_position]))
                        for path in result.trajectories if path.kind == "branch")
@@ -296,9 +291,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rollouts per policy and backend (paired seeds)")
     parser.add_argument("--policies", default="entropy,none",
                         help="branch policies to run: 'entropy' (ARPO, N of M global) and/or 'none' (all M at once); "
-                        "'entropy:speculative' / 'entropy:deferred': ARPO whose uncertain forks' copies start beside "
-                        "the probe / once it keeps them (default: the sampler's); more variants, joined by '+': "
-                        "certain-fills, early-fills, late-fills (`make_sampler`)")
+                        "variants after ':', joined by '+': certain-fills, early-fills, late-fills (`make_sampler`)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
     parser.add_argument("--vllm-runs", default="events,waves,lora",

@@ -397,15 +397,15 @@ def test_rollout_throughput_policy_variants_set_the_sampler_and_refuse_contradic
     make = load("rollout_throughput").make_sampler
     args = SimpleNamespace(num_generations=8, initial_rollouts=4, max_tokens=32, seed=0)
     engine = AsyncScriptedEngine(tokenizer, lambda text, rng: ("", 0.0, "stop"))
-    sampler = make(engine, tokenizer, args, "entropy:late-fills+speculative")
+    sampler = make(engine, tokenizer, args, "entropy:late-fills")
     early = sampler.speculation
-    assert early.after_first_decision and early.fill_ups_early and early.branches_early
+    assert early.after_first_decision and early.fill_ups_early
     early = make(engine, tokenizer, args, "entropy:certain-fills").speculation
-    assert not early.fill_ups_early and not early.branches_early
+    assert not early.fill_ups_early
     assert not early.after_first_decision  # this engine is neither compute-bound nor drafting
     assert make(engine, tokenizer, args, "none").initial_rollouts == 8
     for policy, message in [("entropy:early-fills+late-fills", "early-fills and late-fills contradict"),
-                            ("entropy:speculative+deferred", "deferred and speculative contradict"),
+                            ("entropy:speculative", r"unknown variants \['speculative'\]"),
                             ("entropy:hedge=0.9", r"unknown variants \['hedge=0.9'\]"),
                             ("entropy:fast", r"unknown variants \['fast'\] in 'entropy:fast'")]:
         with pytest.raises(ValueError, match=message):

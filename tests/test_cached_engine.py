@@ -240,20 +240,18 @@ def _two_sample_chi2(a: list[int], b: list[int]) -> tuple[float, float]:
 def test_trees_have_the_waves_engines_distribution(tool_model_dir, tokenizer):
     """Sampled rollouts (entropy forking, tool calls) of one seeded model through each engine and scheduler: the
     distributions of tree shapes (branches per group, tool calls per trajectory), of first segments' lengths and of
-    first tokens agree (two-sample chi-square at p = 1e-6: failing takes a real difference, not bad luck). Also with
-    a fork's copies started after the probe keeps them (speculation 'auto', not 'branches')."""
+    first tokens agree (two-sample chi-square at p = 1e-6: failing takes a real difference, not bad luck)."""
     model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
     prompts = [_prompt(tokenizer, f"What is {a}+{b}?") for a, b in ((12, 30), (7, 5), (40, 2), (3, 9))]
     sampling = SamplingSettings(temperature=1.3, entropy_top_k=None)
 
-    def statistics(engine, scheduler: str, speculative_branches: bool = True, rollouts: int = 20) -> dict:
+    def statistics(engine, scheduler: str, rollouts: int = 20) -> dict:
         seen = {"branches": [], "calls": [], "first_length": [], "first_token": []}
         for seed in range(rollouts):
             torch.manual_seed(seed)
             sampler = BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=4,
                                        max_completion_length=48, branch_threshold=0.6, seed=seed,
-                                       scheduler=scheduler,
-                                       speculation="branches" if speculative_branches else "auto")
+                                       scheduler=scheduler)
             result = sampler.sample(prompts)
             seen["branches"] += [sum(t.kind == "branch" for t in group) for group in result.groups]
             for t in result.trajectories:
@@ -266,11 +264,11 @@ def test_trees_have_the_waves_engines_distribution(tool_model_dir, tokenizer):
 
     waves = statistics(TransformersEngine(model, tokenizer, sampling=sampling), "waves")
     assert sum(waves["branches"]) > 20 and sum(waves["calls"]) > 100  # the trees fork and call tools
-    for scheduler, speculative in (("events", True), ("waves", True), ("events", False)):
-        cached = statistics(CachedTransformersEngine(model, tokenizer, sampling=sampling), scheduler, speculative)
+    for scheduler in ("events", "waves"):
+        cached = statistics(CachedTransformersEngine(model, tokenizer, sampling=sampling), scheduler)
         for name in waves:
             chi2, bound = _two_sample_chi2(waves[name], cached[name])
-            assert chi2 < bound, f"{scheduler}, {speculative}: {name} differs (chi2 {chi2:.1f} > {bound:.1f})"
+            assert chi2 < bound, f"{scheduler}: {name} differs (chi2 {chi2:.1f} > {bound:.1f})"
 
 
 @pytest.mark.parametrize("top_k", [0, 50])

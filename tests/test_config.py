@@ -43,6 +43,7 @@ def test_defaults_follow_the_reference(tmp_path):
     ({"entropy_estimator": "top10"}, "entropy_estimator"),
     ({"segment_entropy": "max"}, "segment_entropy"),
     ({"rollout_speculation": "always"}, "rollout_speculation"),
+    ({"rollout_speculation": "branches"}, "rollout_speculation 'branches' was removed; write 'auto'"),
 ])
 def test_invalid_values_name_the_field(tmp_path, kw, field):
     with pytest.raises(ValueError, match=field):
@@ -56,7 +57,7 @@ def test_max_failed_tool_steps_must_not_be_negative(tmp_path):
 
 @pytest.mark.parametrize("field, value, replacement", [
     ("speculative_fill_ups", "false", "rollout_speculation: auto"), ("fill_up_hedge", "0.5", "rollout_speculation"),
-    ("speculative_branches", "true", "rollout_speculation: branches"),
+    ("speculative_branches", "true", "rollout_speculation: auto"),
 ])
 def test_a_removed_field_is_refused_in_one_line_saying_what_to_write(tmp_path, capsys, field, value, replacement):
     """In a recipe or as a flag, through `arpo-trl train`: the field, that it was removed and what replaces it."""

@@ -102,16 +102,15 @@ def test_a_branch_inherits_its_parents_settled_decisions(tokenizer):
     """M = 4, N = 1, two tool calls per path. The global forks at its first result; at their second results it
     forks again and the branch does not. The branch's first decision was its parent's, so that was the last decision
     that could fill the fourth slot: the fill-up starts right then, not before, not once the branch has answered."""
-    # requests: the global's call; its probe (forks) beside the branch's first request; the branch's re-scripted
-    # continuation (the engine's rest went to the global); the probes (fork, no fork) beside the new copies
+    # waves: the global's call; its probe (forks); the global's rest beside the branch's first request; their second
+    # probes (fork, no fork); the rests beside the new copy and the fill-up
     script = entropy_per_request([1.0, 5.0, 1.0, 1.0, 5.0, 0.0], calls=2)
     sampler = _sampler(tokenizer, script, num_generations=4, initial_rollouts=1, branch_threshold=0.5,
-                       entropy_weight=10.0, entropy_window=2, max_tool_calls=2, early_fill_ups=False,
-                       speculation="branches")
+                       entropy_weight=10.0, entropy_window=2, max_tool_calls=2, early_fill_ups=False)
     prompts = _prompts(tokenizer, 1)
     result = sampler.sample(prompts)
     assert _waves_with_bare_prompts(sampler.engine, prompts) == [1, 0, 0, 0, 1, 0, 0]
-    assert [len(wave) for wave in sampler.engine.calls][:5] == [1, 2, 2, 4, 4]
+    assert [len(wave) for wave in sampler.engine.calls][:5] == [1, 1, 2, 2, 4]
     assert kinds(result) == [["global", "branch", "branch", "fill"]]
 
 
@@ -211,31 +210,28 @@ def test_a_short_segment_reads_at_its_tokens_entropy_not_its_length(tokenizer, s
     assert (after == pytest.approx(first)) is same
 
 
-def _one_call_rollouts(tokenizer, probe_entropy: float, speculative_branches: bool, rollouts: int = 300):
+def _one_call_rollouts(tokenizer, probe_entropy: float, rollouts: int = 300):
     """M = 2, N = 1, one call (entropy 3.454, so H_initial = 2·3.454/ln 1000 = 1.0 with k = 2, |V| = 1000), τ = 0.6,
     β = 0.4: per seed, the result and the engine's waves (wave 1: the probe, and any copy started beside it)."""
     def script(text, rng):
         return (CALL, 3.454, "stop") if "</result>" not in text else (ANSWER, probe_entropy, "eos")
     for seed in range(rollouts):
         sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=0.6,
-                           entropy_weight=0.4, entropy_window=2, max_tool_calls=1, early_fill_ups=False,
-                           speculation="branches" if speculative_branches else "auto", seed=seed)
+                           entropy_weight=0.4, entropy_window=2, max_tool_calls=1, early_fill_ups=False, seed=seed)
         result = sampler.sample(_prompts(tokenizer, 1))
         assert len(result.groups[0]) == 2 and result.stats.fill_ups == result.stats.forks ^ 1
         yield result, sampler.engine.calls
 
 
-@pytest.mark.parametrize("speculative_branches", [False, True])
-def test_a_fork_certain_before_its_probe_starts_at_once_and_forks_as_often_as_p(tokenizer, speculative_branches):
+def test_a_fork_certain_before_its_probe_starts_at_once_and_forks_as_often_as_p(tokenizer):
     """k = 2, |V| = 1000: the call's entropy 3.454 gives H_initial = 2·3.454/ln 1000 = 1.0, the probe's 1.727 gives
     H = 0.5, so P = clip(τ + β·ΔH) = 0.6 - 0.4·0.5 = 0.4. The uniform number u is drawn at the tool result: with u
     below 0.6 - 0.4·1.0 = 0.2 (the P of a probe reading no entropy at all) the fork is certain and its copy starts
-    confirmed, beside the probe; otherwise the copy starts beside the probe only with speculation 'branches', and is
-    dropped unless u < P. Over 300 rollouts the forks follow Binomial(300, 0.4), within 4.5 standard deviations;
-    without speculation the copies that start beside the probe follow Binomial(300, 0.2), every one of them is kept,
-    and nothing is discarded."""
+    confirmed, beside the probe; otherwise it starts once the probe keeps it (u < P). Over 300 rollouts the forks
+    follow Binomial(300, 0.4), within 4.5 standard deviations; the copies that start beside the probe follow
+    Binomial(300, 0.2), every one of them is kept, and nothing is discarded."""
     forks = beside = beside_kept = discarded = 0
-    for result, waves in _one_call_rollouts(tokenizer, 1.727, speculative_branches):
+    for result, waves in _one_call_rollouts(tokenizer, 1.727):
         forks += result.stats.forks
         copy_beside_probe = len(waves[1]) == 2  # the wave after the tool result
         beside += copy_beside_probe
@@ -244,19 +240,15 @@ def test_a_fork_certain_before_its_probe_starts_at_once_and_forks_as_often_as_p(
         if result.stats.forks:
             assert result.stats.fork_deltas == [pytest.approx(-0.5, abs=1e-3)]
     assert abs(forks - 120) <= 4.5 * (300 * 0.4 * 0.6) ** 0.5
-    if speculative_branches:  # every copy starts beside its probe; those the probe does not keep are dropped
-        assert beside == 300 and beside_kept == forks
-    else:
-        assert discarded == 0 and beside == beside_kept and abs(beside - 60) <= 4.5 * (300 * 0.2 * 0.8) ** 0.5
+    assert discarded == 0 and beside == beside_kept and abs(beside - 60) <= 4.5 * (300 * 0.2 * 0.8) ** 0.5
 
 
-@pytest.mark.parametrize("speculative_branches", [False, True])
-def test_a_certain_fork_stands_when_the_probe_reads_below_zero_entropy(tokenizer, speculative_branches):
+def test_a_certain_fork_stands_when_the_probe_reads_below_zero_entropy(tokenizer):
     """A server's top logprobs may sit a rounding above 0, which makes a token's entropy slightly negative. As above,
     P₀ = 0.2; the probe now reads H = -0.5, so its own P is 0. The forks made certain at the tool result (u < 0.2)
     stand, and their running copies are not dropped: Binomial(300, 0.2) forks, and no others."""
     forks = 0
-    for result, waves in _one_call_rollouts(tokenizer, -1.727, speculative_branches):
+    for result, waves in _one_call_rollouts(tokenizer, -1.727):
         forks += result.stats.forks
         if result.stats.forks:  # kept only where certain: its copy started beside the probe, nothing was discarded
             assert len(waves[1]) == 2 and result.stats.discarded_tokens == 0

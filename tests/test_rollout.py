@@ -247,14 +247,13 @@ def test_fill_ups_wait_for_the_last_fork_decision_that_could_fill(tokenizer):
         return (CALL, 0.1, "stop") if "</result>" not in text else ("<answer>\\boxed{2}</answer>", 0.1, "eos")
     prompts = _prompts(tokenizer, 1)
     sampler = _sampler(tokenizer, script, num_generations=4, initial_rollouts=2, branch_threshold=0.0,
-                       entropy_weight=0.0, entropy_window=3, max_tool_calls=1, early_fill_ups=False,
-                       speculation="branches")
+                       entropy_weight=0.0, entropy_window=3, max_tool_calls=1, early_fill_ups=False)
     result = sampler.sample(prompts)
     engine = sampler.engine
-    # wave 1: globals to their call; wave 2: their probes (3 tokens) beside the unconfirmed copies; wave 3: the probes
-    # decided "no fork" (copies dropped), so both fill-ups start with the globals' continuations
+    # wave 1: globals to their call; wave 2: their probes (3 tokens); wave 3: the probes decided "no fork", so both
+    # fill-ups start with the globals' continuations
     assert _waves_with_bare_prompts(engine, prompts) == [2, 0, 2, 0]
-    assert engine.budgets[1] == [3, 3, 3, 3]  # two probes and the two copies, each k tokens
+    assert engine.budgets[1] == [3, 3]  # the two probes, k tokens each
     assert [t.kind for t in result.groups[0]] == ["global", "global", "fill", "fill"]
     assert result.stats.forks == 0 and result.stats.fill_ups == 2
 

@@ -80,10 +80,11 @@ def test_a_seed_reproduces_the_trees_under_events_with_a_concurrent_tool(tool_mo
 
 @pytest.mark.parametrize("policy", ["entropy", "random", "aepo", "none"])
 def test_the_same_seed_grows_the_same_trees_under_every_schedule(tool_model64, tokenizer, policy):
-    """Waves or events, drafts or none, speculative fill-ups and branches or none: one seed, one tree per prompt."""
+    """Waves or events, drafts or none, speculation (early fill-ups and certain forks) or none: one seed, one tree
+    per prompt."""
     expected = trees(grow(tool_model64, tokenizer, policy=policy, rollouts=1)[0][0])
-    for schedule in ({"scheduler": "waves"}, {"drafts": 0}, {"speculation": "off"}, {"speculation": "branches"},
-                     {"scheduler": "waves", "speculation": "branches"},
+    for schedule in ({"scheduler": "waves"}, {"drafts": 0}, {"speculation": "off"},
+                     {"scheduler": "waves", "speculation": "off"},
                      {"scheduler": "waves", "drafts": 0, "speculation": "off"}):
         result = grow(tool_model64, tokenizer, policy=policy, rollouts=1, **schedule)[0][0]
         assert trees(result) == expected, schedule

@@ -167,7 +167,7 @@ RENAMED_FIELDS = {"activation_checkpointing": "gradient_checkpointing",
 REMOVED_FIELDS = {
     "speculative_fill_ups": "rollout_speculation: auto (fill-ups early, the default) or off",
     "fill_up_hedge": "rollout_speculation (the hedge is fixed at 0.9; docs/differences.md)",
-    "speculative_branches": "rollout_speculation: branches (true) or auto (false)",
+    "speculative_branches": "rollout_speculation: auto (an uncertain fork's copies start once its probe keeps them)",
 }
 
 

@@ -68,8 +68,7 @@ class BranchingSampler:
 
     `scheduler`: 'events' (every path advances on its own; needs an engine with `agenerate`), 'waves' (ready requests
     batched into one `generate` call) or 'auto' (events where the engine can). `speculation`: 'auto' (likely fill-ups
-    and certain forks start early), 'branches' (also an uncertain fork's copies, beside its probe) or 'off'; the trees
-    are the same in every mode (`speculation.py`).
+    and certain forks start early) or 'off'; the trees are the same in both (`speculation.py`).
     """
 
     def __init__(
@@ -174,11 +173,10 @@ class BranchingSampler:
         """One path's program (steps 2-4): it yields requests (generate, call a tool) to the scheduler and receives
         their results (a `Segment`, a `CallOutcome`)."""
         probe = False  # the next request's entropy decides the fork at the tool result just appended
-        short = self.speculation.unconfirmed(path)  # an early copy goes no further than its parent's probe
         continued = False  # the request continues a segment that a short request stopped inside
         while path.active:
             room = self.max_completion_length - len(path.completion_ids)
-            cap = min(room, self.entropy_window) if probe or short else room
+            cap = min(room, self.entropy_window) if probe else room
             # the rest of a segment needs no entropy (its first k gave it); an engine may decode a probe on
             request = GenerateRequest(path, cap, continues_to=room if probe else None,
                                       entropy_tokens=0 if continued else self.entropy_window)
@@ -193,8 +191,7 @@ class BranchingSampler:
                     path.initial_entropy = entropy
             capped = request.max_new_tokens < room and len(segment.token_ids) >= request.max_new_tokens
             call = self.writer.absorb(rollout, path, segment, continued, capped)
-            probe, short, continued = False, False, call is OPEN
-            yield from self.speculation.until_kept(path)
+            probe, continued = False, call is OPEN
             if isinstance(call, ToolCall):  # step 3
                 outcome = yield CallRequest(path, bind_call(call, path.environment))
                 self.writer.append_result(rollout, path, call, outcome)
@@ -231,9 +228,9 @@ class BranchingSampler:
 
     def _decide_fork(self, rollout: Rollout, path: Trajectory, delta: float | None) -> None:
         """Settle the fork at the path's latest tool result: Z − 1 copies with probability P (None: no fork was
-        possible there). Copies the speculation started at the result are kept or dropped here."""
+        possible there). Copies the speculation started at the result (a fork its u made certain) are kept."""
         early, kept = self.speculation.early_copies(path), 0
-        held = bool(early) and early[0].committed  # certain at the tool result, whatever (even < 0) the probe read
+        held = bool(early)  # certain at the tool result, whatever (even < 0) the probe read
         draw, path.pending_draw = path.pending_draw, None
         if delta is not None and (held or self._may_fork(rollout, path)):
             probability = self.fork_probability(delta, rollout.policy, path.consecutive_forks)
@@ -245,18 +242,15 @@ class BranchingSampler:
                 copies = early if early is not None else [self.branch(rollout, path, c)
                                                           for c in range(min(self.branch_factor - 1, kept))]
                 for child in copies[:kept]:
-                    rollout.confirm(child)
                     child.fork_delta = delta
                     rollout.stats.forks += 1
                     rollout.stats.fork_deltas.append(delta)
                 self.speculation.forked(rollout, path.group)
         path.fork_decisions += 1
         path.consecutive_forks = path.consecutive_forks + 1 if kept else 0  # AEPO's l: forks in a row on this line
-        for child in (early or [])[kept:]:
-            rollout.drop(child)
         self._fill_up(rollout, path.group, path)
 
-    def branch(self, rollout: Rollout, source: Trajectory, copy: int, committed: bool = True) -> Trajectory:
+    def branch(self, rollout: Rollout, source: Trajectory, copy: int) -> Trajectory:
         """Copy number `copy` of `source` as it stands at its latest tool result (its probe not yet written)."""
         child = rollout.start(source.group, source.prompt_ids, "branch", source, copy)
         child.completion_ids, child.mask, child.logprobs, child.entropies = source.snapshot(len(source.completion_ids))
@@ -265,7 +259,6 @@ class BranchingSampler:
         child.segment_start = source.segment_start
         child.fork_decisions = source.fork_decisions + 1
         child.consecutive_forks = source.consecutive_forks + 1
-        child.committed = committed
         child.calls = list(source.calls)
         child.initial_entropy = source.initial_entropy
         child.segment_entropies = list(source.segment_entropies)

@@ -67,7 +67,7 @@ class Trajectory:
     segment_start: int = 0  # where the segment being generated began (after the last environment tokens)
     fork_decisions: int = 0  # tool results whose fork decision is settled (inherited by branches)
     consecutive_forks: int = 0  # AEPO's l: the latest fork decisions on this path's line that forked, in a row
-    committed: bool = True  # False: a speculative fill-up or branch, dropped if forks take its slot / not kept
+    committed: bool = True  # False: a speculative fill-up, dropped if forks take its slot
     pending_draw: float | None = None  # the uniform its pending fork decision compares with P (drawn at the result)
     environment: Any = None  # environment_factory: this path's own environment (docs/environments.md)
     line: int | None = None  # the id of the global path this one descends from (itself if global; None: fill-up)
@@ -167,7 +167,6 @@ class Rollout:
     stats: RolloutStats = field(default_factory=RolloutStats)
     started: list[tuple[Trajectory, Trajectory | None]] = field(default_factory=list)  # (new path, its creator)
     cancelled: list[Trajectory] = field(default_factory=list)  # speculative paths to stop
-    committed: list[Trajectory] = field(default_factory=list)  # speculative branches just confirmed
     next_id: int = 0
     segments: int = 0  # segments finished so far, and how many ended with a tool call (speculation's estimate)
     segments_calling: int = 0
@@ -210,12 +209,6 @@ class Rollout:
             for path in group:
                 path.id, path.parent = renumbered[path.id], renumbered.get(path.parent)
                 path.line = renumbered.get(path.line)
-
-    def confirm(self, path: Trajectory) -> None:
-        """A speculative path becomes one of its prompt's M (a waiting copy is told by `committed`)."""
-        if not path.committed:
-            self.committed.append(path)
-        path.committed = True
 
     def drop(self, path: Trajectory) -> None:
         """Stop a speculative path; its tokens and tool calls count as discarded, not as the rollout's."""

@@ -56,15 +56,7 @@ class CallRequest:
     call: ToolCall
 
 
-@dataclass
-class CommitRequest:
-    """Resume `path` once it is committed (a branch started before its parent's fork decision); a dropped path's
-    program is closed instead."""
-
-    path: Trajectory
-
-
-PathRequest = GenerateRequest | CallRequest | CommitRequest
+PathRequest = GenerateRequest | CallRequest
 
 
 Program = Generator[Any, Any, None]
@@ -179,7 +171,6 @@ class _EventRollout:
         self.tasks: dict[int, asyncio.Task] = {}
         self.rests: dict[int, tuple[asyncio.Task, int]] = {}  # path id -> its probe's request decoding on, its room
         self.dropped: list[asyncio.Task] = []  # rests cancelled with their paths, awaited before the rollout ends
-        self.commits: dict[int, asyncio.Event] = {}  # branches waiting for their parent's decision
         self.done: asyncio.Future | None = None
 
     async def run(self) -> None:
@@ -197,7 +188,7 @@ class _EventRollout:
         self._record_critical_path()
 
     def start_new(self) -> None:
-        """Start a task for each path the sampler started, resume the committed, cancel the dropped."""
+        """Start a task for each path the sampler started, cancel the dropped."""
         rollout = self.rollout
         for path, creator in rollout.started:
             self.clock[path.id] = self.started_at[path.id] = self.clock.get(creator.id, 0) if creator is not None else 0
@@ -205,12 +196,10 @@ class _EventRollout:
             self.tasks[path.id] = task = asyncio.create_task(self._drive(path))
             task.add_done_callback(lambda task, key=path.id: self._finished(key, task))
         rollout.started.clear()
-        for path in rollout.committed:
-            self.commits.setdefault(path.id, asyncio.Event()).set()
         for path in rollout.cancelled:  # speculative paths the decisions made unnecessary
             if path.id in self.tasks:
                 self.tasks[path.id].cancel()
-        rollout.committed.clear(), rollout.cancelled.clear()
+        rollout.cancelled.clear()
 
     def _finished(self, key: int, task: asyncio.Task) -> None:
         self.tasks.pop(key, None)
@@ -250,8 +239,6 @@ class _EventRollout:
                 with self.activity.busy("generating"):
                     answer = await self._generate(path, request)
                 self.clock[path.id] += len(answer.token_ids)
-            elif isinstance(request, CommitRequest):
-                answer = await self.commits.setdefault(path.id, asyncio.Event()).wait()
             elif request.call.error is not None:
                 answer = None
             else:
@@ -315,7 +302,6 @@ class WaveScheduler:
         self.rollout = rollout
         self.runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
         self.programs: dict[int, Program] = {}
-        self.waiting: dict[int, Trajectory] = {}  # branches waiting for their parent's decision
         answers: list[tuple[Trajectory, object]] = []
         held: list[tuple[Trajectory, Any]] = []  # generation requests waiting for the tool calls of their moment
         scope = getattr(sampler.engine, "rollout_scope", contextlib.nullcontext)  # an engine's cache, kept per rollout
@@ -329,7 +315,7 @@ class WaveScheduler:
             raise
         finally:
             self.runner.close()
-            del self.sampler, self.rollout, self.runner, self.programs, self.waiting
+            del self.sampler, self.rollout, self.runner, self.programs
 
     def _step(self, answers: list[tuple[Trajectory, object]]) -> list[tuple[Trajectory, Any]]:
         """Send every answer to its program in path order; new paths (forks, fill-ups) join at the end, in order."""
@@ -348,31 +334,22 @@ class WaveScheduler:
                 error.add_note(path_context([path]))
                 raise
             else:
-                if isinstance(request, CommitRequest):
-                    self.waiting[path.id] = path
-                else:
-                    requests.append((path, request))
+                requests.append((path, request))
             self._admit(work)
         self.rollout.stats.overhead_seconds += time.perf_counter() - start
-        if self.waiting and not requests:
-            raise RuntimeError(f"paths {sorted(self.waiting)} wait for a fork decision that no path will make")
         return [(path, request) for path, request in requests if path.id in self.programs]
 
     def _admit(self, work: list[tuple[Trajectory, object]]) -> None:
-        """Programs for the paths just started, resumed for those just committed, closed for those dropped."""
+        """Programs for the paths just started, closed for those dropped."""
         rollout = self.rollout
         for path, _ in rollout.started:
             self.programs[path.id] = self.sampler.grow(rollout, path)
             work.append((path, None))
-        for path in rollout.committed:
-            if self.waiting.pop(path.id, None) is not None:
-                work.append((path, None))
         for path in rollout.cancelled:
-            self.waiting.pop(path.id, None)
             program = self.programs.pop(path.id, None)
             if program is not None:
                 program.close()
-        rollout.started.clear(), rollout.committed.clear(), rollout.cancelled.clear()
+        rollout.started.clear(), rollout.cancelled.clear()
 
     def _align(self, generate: list[tuple[Trajectory, GenerateRequest]]) -> None:
         """A wave lasts as long as its longest request. When it holds short requests (probes, new branches: k

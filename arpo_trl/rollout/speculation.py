@@ -1,13 +1,12 @@
 """Speculation: work the rollout rule (`arpo.py`) will likely need, started before the rule decides it, so that the
 rollout's critical path is shorter. It never changes what the rule decides: forks never wait for it, the rule takes
-its fill-ups oldest first only once they are certain to be needed, and an early copy is kept only if its fork
-happens. Tested to grow the same trees in every mode (`tests/test_seeds.py`).
+its fill-ups oldest first only once they are certain to be needed, and a fork starts early only when its u already
+makes it certain. Tested to grow the same trees in every mode (`tests/test_seeds.py`).
 
 Modes (`BranchingSampler(speculation=...)`, `ARPOConfig.rollout_speculation`):
   * 'off': the rule alone.
   * 'auto' (default): speculative fill-ups, and a fork that u makes certain before its probe reads anything (u below
     the P of zero entropy, the lowest P a probe can give) starts its copies at the tool result, beside the probe.
-  * 'branches': also an uncertain fork's copies start beside the probe, and are dropped if it does not fork.
 
 Speculative fill-ups: besides the fill-ups a prompt is certain to need, as many run as forking is expected not to
 fill, from the rates seen so far (c, the share of segments that end with a tool call; p, the mean fork
@@ -22,12 +21,10 @@ docs/benchmarks.md ("Rollout wall time").
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
 
 from arpo_trl.rollout.paths import Rollout, Trajectory, committed_count
-from arpo_trl.rollout.schedulers import CommitRequest
 
-MODES = ("auto", "branches", "off")
+MODES = ("auto", "off")
 PRIOR_WEIGHT = 8  # segments (fork decisions) the previous rollouts' rates weigh in this rollout's estimates
 HEDGE = 0.9  # speculative fill-ups also cover what a prompt needs with this probability (`likely_needed`)
 SURELY = 0.99  # before a prompt is heard from, the fill-ups it needs with this probability start (`surely_needed`)
@@ -42,7 +39,6 @@ class Speculation:
         self.rule = rule
         self.fill_ups_early = mode != "off"
         self.certain_forks_early = mode != "off"
-        self.branches_early = mode == "branches"
         self.after_first_decision = after_first_decision
         self.call_rate = 0.5  # priors, learned from each rollout
         self.fork_rate = rule.branch_threshold
@@ -62,32 +58,21 @@ class Speculation:
 
     # ---- forks -------------------------------------------------------------------------------------------------
     def at_tool_result(self, rollout: Rollout, path: Trajectory) -> None:
-        """A fork is possible at the path's tool result and its u is drawn: start the copies now, beside the probe,
-        if u makes the fork certain (confirmed at once), or, in 'branches' mode, unconfirmed (`until_kept`)."""
+        """A fork is possible at the path's tool result and its u is drawn: if u makes the fork certain, start its
+        copies now, beside the probe."""
         rule = self.rule
         lowest = (0.0 if rule.entropy_weight >= 0 else rule.entropy_window) - (path.initial_entropy or 0.0)  # H ≥ 0
         certain = path.initial_entropy is not None and path.pending_draw < rule.fork_probability(
             lowest, rollout.policy, path.consecutive_forks)
-        if not (certain and self.certain_forks_early or self.branches_early):
+        if not (certain and self.certain_forks_early):
             return
         copies = min(rule.branch_factor - 1, rule.shares.free(rollout, path))
-        self.copies[path.id] = [rule.branch(rollout, path, c, committed=certain) for c in range(copies)]
+        self.copies[path.id] = [rule.branch(rollout, path, c) for c in range(copies)]
         self.forked(rollout, path.group)
 
     def early_copies(self, path: Trajectory) -> list[Trajectory] | None:
         """The copies `at_tool_result` started for the path's pending decision (None: none were)."""
         return self.copies.pop(path.id, None)
-
-    @staticmethod
-    def unconfirmed(path: Trajectory) -> bool:
-        """A copy started before its fork was decided."""
-        return path.kind == "branch" and not path.committed
-
-    @staticmethod
-    def until_kept(path: Trajectory) -> Generator[CommitRequest, object, None]:
-        """An unconfirmed copy waits here, after its first k tokens, for its parent's decision (or is dropped)."""
-        while path.kind == "branch" and not path.committed:
-            yield CommitRequest(path)
 
     def forked(self, rollout: Rollout, g: int) -> None:
         """Forks took slots held by speculative fill-ups: drop the youngest."""
