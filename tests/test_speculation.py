@@ -42,7 +42,7 @@ def test_drafts_repeat_a_sequence_that_loops():
 
 
 def test_draft_length_pays_for_the_positions_it_costs():
-    acceptance = Acceptance(max_draft=8)
+    acceptance = Acceptance(max_draft=8, cost=CPU_DECODE_COST)
     assert acceptance.rate == pytest.approx(0.5)
     assert acceptance.draft_length([8]) > 0  # one row: the forward's fixed cost dominates
     assert acceptance.draft_length([8] * 256) == 0  # many rows: every draft position costs its full price
@@ -50,7 +50,7 @@ def test_draft_length_pays_for_the_positions_it_costs():
     assert acceptance.may_pay(1) and not acceptance.may_pay(256)  # the bulk skips the lookups
     acceptance.record(drafted=1000, accepted=0)
     assert acceptance.draft_length([8]) == 0  # drafts that are never accepted do not pay
-    confident = Acceptance(max_draft=8)
+    confident = Acceptance(max_draft=8, cost=CPU_DECODE_COST)
     confident.record(drafted=1000, accepted=990)
     assert confident.draft_length([8]) == 8 and confident.draft_length([3, 8]) >= 3
 
@@ -58,7 +58,7 @@ def test_draft_length_pays_for_the_positions_it_costs():
 def test_draft_length_weighs_each_row_at_its_own_rate():
     """25 rows that follow text written before them (late paths) pay for drafts at their own α, although the
     rollout's rate (rows decoding side by side) would not; a lone confident row among many does not pay for all."""
-    acceptance = Acceptance(max_draft=8)
+    acceptance = Acceptance(max_draft=8, cost=CPU_DECODE_COST)
     acceptance.record(drafted=1000, accepted=300)
     assert acceptance.draft_length([8] * 25) == 0
     assert acceptance.draft_length([8] * 25, [0.95] * 25) > 0
@@ -81,7 +81,8 @@ def test_step_cost_follows_the_measured_steps():
             if rows * (1 + length) <= 160:
                 assert modelled == pytest.approx(ms, rel=0.25), (rows, length)
             else:  # where the model errs low, drafts must still not pay (α 0.9, every row holding 8)
-                assert modelled >= 0.8 * ms or Acceptance().draft_length([8] * rows, [0.9] * rows) < length
+                pays = Acceptance(cost=CPU_DECODE_COST).draft_length([8] * rows, [0.9] * rows)
+                assert modelled >= 0.8 * ms or pays < length
     assert all(step_cost(rows, d) < step_cost(rows, d + 1) < step_cost(rows + 1, d + 1) for rows in (1, 16, 64)
                for d in range(8))
 

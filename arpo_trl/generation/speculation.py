@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import torch
 
 from arpo_trl.generation.cost_model import DecodeCost
-from arpo_trl.generation.cpu.costs import CPU_DECODE_COST
 
 NGRAM_SIZES = (4, 3, 2)  # the longest suffix that occurred before wins
 MAX_DRAFT_TOKENS = 8
@@ -76,11 +75,11 @@ class Acceptance:
     """The acceptance rate α of the rollout's drafted tokens so far (with a prior), and the draft length it makes
     pay."""
 
-    def __init__(self, max_draft: int = MAX_DRAFT_TOKENS, cost: DecodeCost = CPU_DECODE_COST):
+    def __init__(self, max_draft: int = MAX_DRAFT_TOKENS, cost: DecodeCost | None = None):
         self.max_draft = max_draft
         self.drafted = 0
         self.accepted = 0
-        self.cost = cost  # the cached engine sets its device's, measured (`calibration.py`)
+        self.cost = cost  # the cached engine sets its device's before its first step (measured: `calibration.py`)
 
     @property
     def rate(self) -> float:

@@ -238,10 +238,10 @@ class BranchingSampler:
             rollout.fork_probabilities.append(probability)
             path.decisions.append(ForkDecision(len(path.completion_ids), delta, probability, draw, forked))
             if forked:
-                kept = len(early) if held else self.shares.free(rollout, path)
-                copies = early if early is not None else [self.branch(rollout, path, c)
-                                                          for c in range(min(self.branch_factor - 1, kept))]
-                for child in copies[:kept]:
+                copies = early or [self.branch(rollout, path, c)
+                                   for c in range(min(self.branch_factor - 1, self.shares.free(rollout, path)))]
+                kept = len(copies)
+                for child in copies:
                     child.fork_delta = delta
                     rollout.stats.forks += 1
                     rollout.stats.fork_deltas.append(delta)

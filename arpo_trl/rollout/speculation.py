@@ -43,7 +43,6 @@ class Speculation:
         self.call_rate = 0.5  # priors, learned from each rollout
         self.fork_rate = rule.branch_threshold
         self.copies: dict[int, list[Trajectory]] = {}  # path id -> the copies started at its pending tool result
-        self._terms: dict | None = None  # (kind, path id) -> a path's term, while `fill_ups` runs
 
     @classmethod
     def for_engine(cls, mode: str, rule, engine, event_driven: bool) -> Speculation:
@@ -99,62 +98,45 @@ class Speculation:
         self.forked(rollout, g)
         if not self.fill_ups_early:
             return
-        self._terms = {}  # each path's terms are asked for by several sums: computed once
-        try:
-            group = rollout.groups[g]
-            missing = rollout.num_generations - committed_count(group)
-            if self.after_first_decision and not self._heard_from(group):  # only what the rates make near-certain
-                wanted = min(missing, self.surely_needed(rollout, g))
-            else:
-                wanted = min(missing, max(math.ceil(missing - self.expected_slots(rollout, g)),
-                                          self.likely_needed(rollout, g)))
-            for _ in range(wanted - len(self.running_fill_ups(group))):
-                rollout.start(g, group[0].prompt_ids, "fill", creator).committed = False
-                rollout.stats.speculative_fill_ups += 1
-        finally:
-            self._terms = None
+        group = rollout.groups[g]
+        missing = rollout.num_generations - committed_count(group)
+        if self.after_first_decision and not self._heard_from(group):  # only what the rates make near-certain
+            wanted = min(missing, self.surely_needed(rollout, g))
+        else:
+            wanted = min(missing, max(math.ceil(missing - self.expected_slots(rollout, g)),
+                                      self.likely_needed(rollout, g)))
+        for _ in range(wanted - len(self.running_fill_ups(group))):
+            rollout.start(g, group[0].prompt_ids, "fill", creator).committed = False
+            rollout.stats.speculative_fill_ups += 1
 
     def expected(self, rollout: Rollout, path: Trajectory) -> float:
         """Paths forking is expected to add below a live path, from the rates: a path reaching r more decisions,
         E_r = (1 − c) + c·(1 + (Z − 1)·p)·E_{r−1}, E_0 = 1; a pending decision happens surely."""
         if not self.rule.forking(rollout, path):
             return 0.0
-        if self._terms is not None and ("expected", path.id) in self._terms:
-            return self._terms["expected", path.id]
         c, p = self._rates(rollout)
         growth, expected = 1 + (self.rule.branch_factor - 1) * p, 1.0
         pending = path.tool_calls > path.fork_decisions
         for _ in range(max(0, self.rule.max_tool_calls - path.fork_decisions - pending)):
             expected = (1 - c) + c * growth * expected
-        return self._remember("expected", path, (growth if pending else 1.0) * expected - 1)
+        return (growth if pending else 1.0) * expected - 1
 
     def never_forks(self, rollout: Rollout, path: Trajectory) -> float:
         """The probability that a live path forks at none of its remaining tool results: each segment ends the path
         (1 − c) or reaches a decision that does not fork (c·(1 − p))."""
         if not self.rule.forking(rollout, path):
             return 1.0
-        if self._terms is not None and ("never", path.id) in self._terms:
-            return self._terms["never", path.id]
         c, p = self._rates(rollout)
         pending = path.tool_calls > path.fork_decisions
         r = max(0, self.rule.max_tool_calls - path.fork_decisions - pending)
         q = sum((c * (1 - p)) ** j * (1 - c) for j in range(r)) + (c * (1 - p)) ** r
-        return self._remember("never", path, (1 - p) * q if pending else q)
-
-    def _remember(self, kind: str, path: Trajectory, value: float) -> float:
-        if self._terms is not None:
-            self._terms[kind, path.id] = value
-        return value
+        return (1 - p) * q if pending else q
 
     def _rates(self, rollout: Rollout) -> tuple[float, float]:
         """c and p: this rollout's, shrunk towards the previous rollouts'."""
-        if self._terms is not None and "rates" in self._terms:
-            return self._terms["rates"]
         c = (rollout.segments_calling + PRIOR_WEIGHT * self.call_rate) / (rollout.segments + PRIOR_WEIGHT)
         p = (sum(rollout.fork_probabilities) + PRIOR_WEIGHT * self.fork_rate) / \
             (len(rollout.fork_probabilities) + PRIOR_WEIGHT)
-        if self._terms is not None:
-            self._terms["rates"] = c, p
         return c, p
 
     def expected_slots(self, rollout: Rollout, g: int) -> float:
@@ -162,7 +144,7 @@ class Speculation:
         remaining share times the chance that the line forks at all (a line that ends without forking leaves its
         whole share to fill-ups, which the mean alone would hide)."""
         total = 0.0
-        for line, paths in self._live_lines(rollout, g).items():
+        for line, paths in self.rule.live_lines(rollout, g).items():
             forks = 1 - math.prod(self.never_forks(rollout, path) for path in paths)
             total += min(sum(self.expected(rollout, path) for path in paths),
                          self.rule.shares.remaining(rollout, g, line) * forks)
@@ -189,7 +171,7 @@ class Speculation:
     def _unforked_slots(self, rollout: Rollout, g: int) -> list[float]:
         """P(the live lines that never fork leave k slots), for k = 0, 1, ...: each leaves its remaining share."""
         left = [1.0]
-        for line, paths in self._live_lines(rollout, g).items():
+        for line, paths in self.rule.live_lines(rollout, g).items():
             never = math.prod(self.never_forks(rollout, path) for path in paths)
             share = self.rule.shares.remaining(rollout, g, line)
             spread = [0.0] * (len(left) + share)
@@ -198,14 +180,6 @@ class Speculation:
                 spread[k + share] += chance * never
             left = spread
         return left
-
-    def _live_lines(self, rollout: Rollout, g: int) -> dict:
-        """The rule's live lines of prompt `g`: while `fill_ups` runs, computed once for its several sums."""
-        if self._terms is None:
-            return self.rule.live_lines(rollout, g)
-        if ("lines", g) not in self._terms:
-            self._terms["lines", g] = self.rule.live_lines(rollout, g)
-        return self._terms["lines", g]
 
     @staticmethod
     def _heard_from(group: list[Trajectory]) -> bool:
