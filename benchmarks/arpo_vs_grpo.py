@@ -41,7 +41,9 @@ seeds or more, the mean of the per-seed values and a 95 % Student t interval ove
 between-seed variance dominates); with one seed, that seed's value with a bootstrap over its steps or questions,
 marked "1 seed, question noise only" and never starred. Each comparison keeps its per-seed values. Writes
 `<out>/results.json` (commit, machine load, each run's seed, commit and steps), `<out>/results.md` and `<out>/*.png`,
-and copies them to `--results`. `--runs-from RESULTS` reports the runs a results file recorded (no run folders).
+and copies them to `--results`. `--runs-from RESULTS...` reports the runs results files recorded (no run folders):
+seed pairs run in separate sessions or on separate machines, each published with `--results` (each run keeps its
+commit), are reported together.
 """
 
 from __future__ import annotations
@@ -140,9 +142,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--report-only", action="store_true",
                         help="train and evaluate nothing: report the complete runs and evaluations already in --out "
                              "(e.g. of an interrupted run)")
-    parser.add_argument("--runs-from", type=_path, default=None,
-                        help="with --report-only: report the runs, evaluations and cold starts recorded in this "
-                             "results.json instead of the run folders in --out")
+    parser.add_argument("--runs-from", type=_path, nargs="+", default=None,
+                        help="with --report-only: report the runs, evaluations and cold starts recorded in these "
+                             "results files (e.g. seed pairs run on different machines) instead of the run folders "
+                             "in --out; a run recorded twice, or cold starts that differ, are refused")
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (one-seed comparisons)")
     parser.add_argument("--out", default="runs/arpo_vs_grpo_headroom")
     parser.add_argument("--results", default=None,
@@ -333,7 +336,8 @@ def read_run(run_dir: Path, method: str, setting: tuple[int, int], seed: int, st
     return {"method": run_label(method, stack), "setting": _label(setting), "seed": seed, "dir": str(run_dir),
             "commit": resources.get("commit"),
             "steps": steps, "mean": {key: statistics.fmean(s[key] for s in steps) for key in steps[0]}
-            | {key: resources[key] for key in RUN_LEVEL}}
+            | {key: resources[key] for key in RUN_LEVEL},
+            "decisions": decisions_by_third(run_dir, len(steps))}  # recorded: a results file can be reported again
 
 
 def distinct_completions(run_dir: Path) -> list[float]:
@@ -390,13 +394,13 @@ def method_tau(args: argparse.Namespace, method: str) -> float:
 
 def fork_probability_report(args: argparse.Namespace, runs: list[dict]) -> dict:
     """Per setting and branching method: `decision_statistics` per third of training, pooled over its seeds' runs
-    and per seed. Methods whose runs recorded no decision are left out."""
+    and per seed (each run's `decisions`). Methods whose runs recorded no decision are left out."""
     report: dict = {}
     for run in runs:
         method = run["method"].partition("@")[0]
         if METHODS[method][1] in ("none", "trl"):
             continue
-        thirds = decisions_by_third(Path(run["dir"]), args.steps)
+        thirds = run.get("decisions", {})
         if not any(thirds.values()):
             continue
         tau = method_tau(args, method)
@@ -666,17 +670,37 @@ def finished_runs(args: argparse.Namespace, report: dict) -> list[dict]:
 
 
 def recorded_runs(args: argparse.Namespace, report: dict) -> list[dict]:
-    """The runs of the plan, evaluations and cold starts that the results file `--runs-from` recorded."""
-    recorded = json.loads(Path(args.runs_from).read_text())
+    """The runs of the plan, evaluations and cold starts that the results files `--runs-from` recorded."""
     wanted = {(_label(setting), seed, run_label(method, stack)) for index, setting in enumerate(args.settings)
               for seed, stack, method in planned(args, index)}
-    runs = [run for run in recorded["runs"] if (run["setting"], run["seed"], run["method"]) in wanted]
-    report["cold_start"] = recorded.get("cold_start", {})
-    report["runs_from"] = {"file": str(Path(args.runs_from).relative_to(ROOT)), "commit": recorded.get("commit")}
-    report |= {key: recorded[key] for key in ("load", "load_end", "machine") if key in recorded}  # the runs' machine
+    runs, source, report["cold_start"], report["runs_from"] = [], {}, {}, []
+    for path in args.runs_from:
+        recorded = json.loads(Path(path).read_text())
+        for run in recorded["runs"]:
+            if (key := (run["setting"], run["seed"], run["method"])) not in wanted:
+                continue
+            if key in source:
+                raise SystemExit(f"--runs-from: {key} is recorded in both {source[key]} and {path}.")
+            source[key] = path
+            runs.append(run)
+        for fmt, cold in recorded.get("cold_start", {}).items():
+            if report["cold_start"].setdefault(fmt, cold) != cold:
+                raise SystemExit(f"--runs-from: {path} records another {fmt} cold start than the files before it; "
+                                 "report them separately.")
+        report["runs_from"].append({"file": _shown(path), "commit": recorded.get("commit")}
+                                   | {key: recorded[key] for key in ("load", "load_end", "machine") if key in recorded})
+    if len(args.runs_from) == 1:  # the runs' machine
+        report |= {key: report["runs_from"][0][key] for key in ("load", "load_end", "machine")
+                   if key in report["runs_from"][0]}
     if not runs:
-        raise SystemExit(f"--runs-from: {args.runs_from} records none of the planned runs.")
+        raise SystemExit(f"--runs-from: {' '.join(args.runs_from)} record none of the planned runs.")
     return runs
+
+
+def _shown(path: str) -> str:
+    """`path` relative to the repository where it lies inside it."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(resolved)
 
 
 def main(argv=None) -> dict:
@@ -705,8 +729,9 @@ def main(argv=None) -> dict:
                               for setting in report["summary"] for method in report["summary"][setting]
                               if (gain := against_cold_start(runs, report.get("cold_start", {}), method, setting,
                                                              args.bootstrap))}
-    report["fork_probabilities"] = (json.loads(Path(args.runs_from).read_text()).get("fork_probabilities", {})
-                                    if args.runs_from else fork_probability_report(args, runs))
+    report["fork_probabilities"] = fork_probability_report(args, runs)
+    if args.runs_from and len(args.runs_from) == 1 and not report["fork_probabilities"]:  # runs recorded before
+        report["fork_probabilities"] = json.loads(Path(args.runs_from[0]).read_text()).get("fork_probabilities", {})
     report["plots"] = plot(runs, out, report.get("cold_start"))
     report.setdefault("load_end", os.getloadavg())
     (out / "results.json").write_text(json.dumps(report, indent=1))

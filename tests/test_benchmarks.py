@@ -207,6 +207,22 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
                         "--out", str(out)])
     assert _as_json(again["comparisons"]) == _as_json(report["comparisons"])
     assert again["cold_start"] == report["cold_start"]
+    parts = []  # each seed's runs in a results file of its own, as seed pairs run in separate sessions are published
+    for seed in (0, 1):
+        parts.append(tmp_path / f"seed{seed}.json")
+        parts[-1].write_text(json.dumps(published | {"runs": [r for r in published["runs"] if r["seed"] == seed]}))
+    recorded = [*methods, "--report-only", "--seeds", "0", "1", "--peer-seeds", "0", "1", "--steps", "1", "--settings",
+                "4:2", "2:1", "--bootstrap", "200", "--recipe", train, "--chat-recipe", chat,
+                "--out", str(tmp_path / "merged")]
+    merged = bench.main([*recorded, "--runs-from", *map(str, parts)])
+    assert _as_json(merged["comparisons"]) == _as_json(report["comparisons"])
+    assert _as_json(merged["fork_probabilities"]) == _as_json(report["fork_probabilities"])
+    assert [source["file"] for source in merged["runs_from"]] == [str(part) for part in parts]
+    with pytest.raises(SystemExit, match=r"\('M4N2', 0, 'arpo'\) is recorded in both"):
+        bench.main([*recorded, "--runs-from", str(parts[0]), str(parts[0])])
+    parts[1].write_text(json.dumps(json.loads(parts[1].read_text()) | {"cold_start": {"tags": {"pass@1": 0.0}}}))
+    with pytest.raises(SystemExit, match="records another tags cold start"):
+        bench.main([*recorded, "--runs-from", *map(str, parts)])
 
 
 def test_arpo_vs_grpo_stacks_reach_their_runs(tool_model_dir, tmp_path):
