@@ -31,9 +31,8 @@ class ARPOConfig(GRPOConfig):
     initial_rollouts: int | None = field(
         default=None,
         metadata={
-            "help": "N: trajectory-level ('global') samples started per prompt; the remaining M-N of the "
-            "`num_generations` budget is spent on branches. Defaults to `num_generations // 2` (M when "
-            "`branch_policy='none'`). Must satisfy 1 <= N <= M."
+            "help": "N, the global samples started per prompt (1 <= N <= M); the other M-N of `num_generations` go to "
+            "branches. Default: M // 2 (M when branch_policy='none')."
         },
     )
     branch_factor: int = field(
@@ -58,9 +57,8 @@ class ARPOConfig(GRPOConfig):
     entropy_estimator: str = field(
         default="auto",
         metadata={
-            "help": "Per-token entropy: 'exact' (needs logits), 'top_k_tail' (top-k logprobs plus their tail mass), "
-            "'top_k' (the reference's, no tail) or 'auto' (exact in process, top_k_tail on vLLM). "
-            "docs/configuration.md."},
+            "help": "Per-token entropy: 'exact' (logits), 'top_k_tail' (top-k logprobs and their tail), 'top_k' (the "
+            "reference's) or 'auto' (exact in process, top_k_tail on vLLM). docs/configuration.md."},
     )
     entropy_top_k: int | None = field(
         default=None,
@@ -92,9 +90,8 @@ class ARPOConfig(GRPOConfig):
     branch_penalty: float = field(
         default=0.05,
         metadata={
-            "help": "λ of AEPO's branch penalty P̂(l) = λ·l (branch_policy='aepo'): l is the number of fork decisions "
-            "in a row that forked on a path's line; the fork score (u + β·ΔH) is scaled by 1 - λ·l. 0.05 as the "
-            "authors' code; 0 = no penalty."
+            "help": "AEPO's λ (branch_policy='aepo'): the fork score u + β·ΔH is scaled by 1 - λ·l, l the forks in a "
+            "row on the path's line; 0.05 as the authors' code, 0: no penalty."
         },
     )
     pre_monitoring_beta: float | None = field(
@@ -126,9 +123,8 @@ class ARPOConfig(GRPOConfig):
     tree_packing: bool = field(
         default=True,
         metadata={
-            "help": "Forward each micro-batch's shared prefixes once (a tree attention mask), with the same "
-            "log-probs and gradients as unpacked rows; falls back, saying why, where that is not exact. "
-            "docs/tree_packing.md.",
+            "help": "Forward shared prefixes once (a tree attention mask): the same log-probs and gradients as "
+            "unpacked rows; falls back, saying why, where not exact. docs/tree_packing.md.",
         },
     )
     tree_packing_max_length: int | None = field(
@@ -170,9 +166,8 @@ class ARPOConfig(GRPOConfig):
     )
     max_failed_tool_steps: int = field(
         default=10,
-        metadata={"help": "Stop training when a tool has failed every one of its calls in this many training steps "
-                  "in a row (its first error is raised; each such tool is also reported once, at its first such "
-                  "step). 0: never stop."},
+        metadata={"help": "Stop (raising a tool's first error) when it failed every call in this many training "
+                  "steps in a row; each such tool is reported at its first such step. 0: never stop."},
     )
     max_tool_workers: int = field(
         default=8,
@@ -224,18 +219,15 @@ class ARPOConfig(GRPOConfig):
     use_vllm: bool | None = field(
         default=None,
         metadata={
-            "help": "Generate with vLLM. Unset: on one CUDA process with `vllm` importable, ARPO generates with vLLM "
-            "colocated in the training process (one log line says so); otherwise with the in-process transformers "
-            "engines (the CPU and test path). docs/one_gpu.md has the table.",
+            "help": "Generate with vLLM. Unset: colocated vLLM on one CUDA process with `vllm` importable (logged), "
+            "else the in-process transformers engines (CPU, tests). docs/one_gpu.md.",
         },
     )
     vllm_mode: str | None = field(
         default=None,
         metadata={
-            "help": "With use_vllm: 'colocate' (TRL's default: vLLM inside the training process, one device, synced "
-            "before each rollout, asleep during training with `vllm_enable_sleep_mode`) or 'server' (a vLLM server "
-            "at `vllm_server_base_url`, or `vllm_server_host` + `vllm_server_port`). Unset: 'server' when "
-            "`vllm_server_base_url` is set, else 'colocate'.",
+            "help": "With use_vllm: 'colocate' (vLLM in the training process, synced before each rollout) or 'server' "
+            "(at vllm_server_base_url or host:port). Unset: 'server' if vllm_server_base_url is set, else 'colocate'.",
             "choices": ["colocate", "server"],
         },
     )
@@ -266,9 +258,8 @@ class ARPOConfig(GRPOConfig):
     max_prompt_length: int | None = field(
         default=None,
         metadata={
-            "help": "Longest prompt (tokens, chat template applied) `arpo-trl train` accepts: a dataset with a longer "
-            "one is an error before training, never silently truncated. Default: the model's context length minus "
-            "max_completion_length."
+            "help": "Longest prompt in tokens (chat template applied); a longer one is an error before training, never "
+            "truncated. Default: the model's context length minus max_completion_length."
         },
     )
     reward_timeout: float = field(
