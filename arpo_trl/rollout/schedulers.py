@@ -352,9 +352,9 @@ class WaveScheduler:
         rollout.started.clear(), rollout.cancelled.clear()
 
     def _align(self, generate: list[tuple[Trajectory, GenerateRequest]]) -> None:
-        """A wave lasts as long as its longest request. When it holds short requests (probes, new branches: k
-        tokens), every request in it stops there too and goes on in the next wave, so that the fork decisions and
-        the branches they start do not wait for long segments (their programs continue them, as a probe's)."""
+        """A wave lasts as long as its longest request. When it holds short requests (probes: k tokens), every
+        request in it stops there too and goes on in the next wave, so that the fork decisions and the branches they
+        start do not wait for long segments (their programs continue them, as a probe's)."""
         limit = self.sampler.max_completion_length
         short = [r.max_new_tokens for path, r in generate if r.max_new_tokens < limit - len(path.completion_ids)]
         if short:
