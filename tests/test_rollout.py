@@ -559,6 +559,15 @@ def test_a_hung_tool_delays_only_its_own_path(tokenizer):
     assert sorted(answers)[2] - start < 1.5, "the other paths waited for the hung call (2 s)"
 
 
+def _cmdline(pid: str) -> str:
+    """A process's command line; empty if it ended after `ps` listed it (as the shell that ran `ps` does)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", errors="replace") as file:
+            return file.read()
+    except FileNotFoundError:
+        return ""
+
+
 @pytest.mark.parametrize("scheduler", ["events", "waves"])
 def test_ctrl_c_cancels_the_rollout_and_leaves_nothing_running(tokenizer, scheduler):
     """SIGINT while a sandboxed Python call sleeps and (events) requests are in flight: KeyboardInterrupt comes out
@@ -614,7 +623,7 @@ def test_ctrl_c_cancels_the_rollout_and_leaves_nothing_running(tokenizer, schedu
     assert not mine(), "a tool thread outlived the cancelled rollout"
     assert not python.sandbox._running, "the sandboxed call was not killed"
     children = os.popen(f"ps -o pid= --ppid {os.getpid()}").read().split()
-    assert not [pid for pid in children if "sleep(50)" in open(f"/proc/{pid}/cmdline", errors="replace").read()]
+    assert not [pid for pid in children if "sleep(50)" in _cmdline(pid)]
     python.close()
 
 
