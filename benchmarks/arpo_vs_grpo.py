@@ -331,24 +331,28 @@ def read_run(run_dir: Path, method: str, setting: tuple[int, int], seed: int, st
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [{ours: row[key] for key, ours in PER_STEP.items() if key in row} for row in rows if "step_time" in row]
     resources = json.loads((run_dir / RESOURCES).read_text())
-    for step, distinct in zip(steps, distinct_completions(run_dir)):
+    trees = read_trees(run_dir)
+    for step, distinct in zip(steps, distinct_completions(trees)):
         step["distinct_completions_per_group"] = distinct
     return {"method": run_label(method, stack), "setting": _label(setting), "seed": seed, "dir": str(run_dir),
             "commit": resources.get("commit"),
             "steps": steps, "mean": {key: statistics.fmean(s[key] for s in steps) for key in steps[0]}
             | {key: resources[key] for key in RUN_LEVEL},
-            "decisions": decisions_by_third(run_dir, len(steps))}  # recorded: a results file can be reported again
+            "decisions": decisions_by_third(trees, len(steps))}  # recorded: a results file can be reported again
 
 
-def distinct_completions(run_dir: Path) -> list[float]:
-    """Per step, the mean over groups of how many of a group's M completions differ (trees.jsonl; TRL's peer writes
-    none). A peaked policy samples duplicates, which tree packing also computes once."""
+def read_trees(run_dir: Path) -> list[dict]:
+    """A run's tree records (trees.jsonl, one per path); none for TRL's peer, which writes no trees."""
     from arpo_trl.trees import read_jsonl
 
-    if not (run_dir / "trees.jsonl").is_file():
-        return []
+    return list(read_jsonl(run_dir / "trees.jsonl")) if (run_dir / "trees.jsonl").is_file() else []
+
+
+def distinct_completions(trees: list[dict]) -> list[float]:
+    """Per step, the mean over groups of how many of a group's M completions differ. A peaked policy samples
+    duplicates, which tree packing also computes once."""
     groups: dict[tuple[int, int], set[str]] = {}
-    for record in read_jsonl(run_dir / "trees.jsonl"):
+    for record in trees:
         groups.setdefault((record["step"], record["group"]), set()).add(json.dumps(record["segments"]))
     steps = sorted({step for step, _ in groups})
     return [statistics.fmean(len(v) for (s, _), v in groups.items() if s == step) for step in steps]
@@ -357,16 +361,13 @@ def distinct_completions(run_dir: Path) -> list[float]:
 THIRDS = ("first", "middle", "last")
 
 
-def decisions_by_third(run_dir: Path, steps: int) -> dict[str, list[tuple[float, float]]]:
+def decisions_by_third(trees: list[dict], steps: int) -> dict[str, list[tuple[float, float]]]:
     """The (probability, draw) of every fork decision in a run's trees (`decisions`, one list per path), grouped by
     the third of training its step falls in. Empty for GRPO and for trees written before decisions were recorded."""
-    from arpo_trl.trees import read_jsonl
-
     thirds: dict[str, list[tuple[float, float]]] = {third: [] for third in THIRDS}
-    if (run_dir / "trees.jsonl").is_file():
-        for record in read_jsonl(run_dir / "trees.jsonl"):
-            third = THIRDS[min(2, 3 * record["step"] // max(steps, 1))]
-            thirds[third] += [(d["probability"], d["draw"]) for d in record.get("decisions", [])]
+    for record in trees:
+        third = THIRDS[min(2, 3 * record["step"] // max(steps, 1))]
+        thirds[third] += [(d["probability"], d["draw"]) for d in record.get("decisions", [])]
     return thirds
 
 
