@@ -43,7 +43,8 @@ marked "1 seed, question noise only" and never starred. Each comparison keeps it
 `<out>/results.json` (commit, machine load, each run's seed, commit and steps), `<out>/results.md` and `<out>/*.png`,
 and copies them to `--results`. `--runs-from RESULTS...` reports the runs results files recorded (no run folders):
 seed pairs run in separate sessions or on separate machines, each published with `--results` (each run keeps its
-commit), are reported together.
+commit and the cold start it was measured against: the cold start's weights and samples differ by machine), are
+reported together.
 """
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ RATIOS = ("tool_calls_per_group", "tokens_generated_per_group", "tokens_trained_
           "step_seconds", "training_seconds", "tokens_forwarded_per_group", "prefill_tokens_per_group", "peak_rss_mb")
 RUN_LEVEL = ("peak_rss_mb",)  # one value per run (resources.json), not per step
 DIFFERENCES = ("reward", "heldout_pass@1")
+# What results files reported together must share (--runs-from): one cold-start recipe, training length and held-out
+# set. Their cold starts' evaluations differ by machine; each run is measured against its own.
+SAME_EXPERIMENT = ("cold_start", "steps", "prompts_per_step", "eval_questions", "eval_samples")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -145,7 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--runs-from", type=_path, nargs="+", default=None,
                         help="with --report-only: report the runs, evaluations and cold starts recorded in these "
                              "results files (e.g. seed pairs run on different machines) instead of the run folders "
-                             "in --out; a run recorded twice, or cold starts that differ, are refused")
+                             "in --out; a run recorded twice, or files of another experiment (SAME_EXPERIMENT), are "
+                             "refused")
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (one-seed comparisons)")
     parser.add_argument("--out", default="runs/arpo_vs_grpo_headroom")
     parser.add_argument("--results", default=None,
@@ -427,7 +432,7 @@ def read_eval(path: Path) -> dict:
             "format_valid_rate": results["summary"]["format_valid_rate"]["mean"]}  # answers the reward can score
 
 
-def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int, cold_start: dict) -> dict:
+def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int) -> dict:
     """`mine` against `base` at one setting, per seed and across seeds (`seed_interval`): cost ratios and quality
     differences. Methods of different call formats start from different cold starts: their held-out gains over them
     are compared too."""
@@ -437,10 +442,9 @@ def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int
         chosen = [r for r in runs if r["method"] == method and r["setting"] == setting]
         if key == "heldout_pass@1":
             return {r["seed"]: r["eval"]["per_question"] for r in chosen if "eval" in r}
-        if key == "heldout_gain@1":  # pass@1 minus the cold start's, question by question
-            cold = cold_start.get(format_of(method), {}).get("per_question", [])
+        if key == "heldout_gain@1":  # pass@1 minus its cold start's, question by question
             return {r["seed"]: [a - b for a, b in zip(r["eval"]["per_question"], cold)] for r in chosen
-                    if "eval" in r and cold}
+                    if (cold := cold_start_of(r))}
         if key in RUN_LEVEL:
             return {r["seed"]: [r["mean"][key]] for r in chosen if key in r["mean"]}  # older runs lack some
         return {r["seed"]: [s[key] for s in r["steps"] if key in s] for r in chosen}
@@ -457,18 +461,41 @@ def compare(runs: list[dict], mine: str, base: str, setting: str, resamples: int
     return result
 
 
-def against_cold_start(runs: list[dict], cold_start: dict, method: str, setting: str, resamples: int) -> dict:
-    """Held-out pass@1 of `method`'s runs minus their format's cold start, per seed and across seeds ({} without
-    both)."""
+def against_cold_start(runs: list[dict], method: str, setting: str, resamples: int) -> dict:
+    """Held-out pass@1 of `method`'s runs minus their cold start's, per seed and across seeds ({} without both)."""
     from arpo_trl.rewards.eval_metrics import seed_interval
 
-    base = cold_start.get(format_of(method))
-    mine = {r["seed"]: r["eval"]["per_question"] for r in runs
-            if r["method"] == method and r["setting"] == setting and "eval" in r}
-    if not (base and mine):
+    chosen = [r for r in runs if r["method"] == method and r["setting"] == setting and cold_start_of(r)]
+    if not chosen:
         return {}
-    return {"heldout_pass@1": seed_interval(mine, {seed: base["per_question"] for seed in mine}, "difference",
+    return {"heldout_pass@1": seed_interval({r["seed"]: r["eval"]["per_question"] for r in chosen},
+                                            {r["seed"]: cold_start_of(r) for r in chosen}, "difference",
                                             resamples=resamples)}
+
+
+def attach_cold_starts(runs: list[dict], cold_start: dict[str, dict]) -> None:
+    """Give each evaluated run lacking one the per-question pass@1 of its format's cold start in `cold_start` (the
+    one evaluated beside it). A run's gain is measured against the cold start of its own machine and session: the
+    SFT's weights and vLLM's samples differ across machines, so two results files' cold starts never agree."""
+    for run in runs:
+        if "eval" in run and (cold := cold_start.get(format_of(run["method"]))):
+            run["eval"].setdefault("cold_start_per_question", cold["per_question"])
+
+
+def cold_start_of(run: dict) -> list[float]:
+    """The per-question pass@1 of the cold start `run` is measured against ([] when not evaluated)."""
+    return run.get("eval", {}).get("cold_start_per_question", [])
+
+
+def pooled_cold_start(evaluations: list[dict]) -> dict:
+    """One format's cold-start evaluations from several results files as one (the "before RL" row): the mean of
+    each, the mean per question, and each file's pass@1."""
+    if len(evaluations) == 1:
+        return evaluations[0]
+    pooled = {key: statistics.fmean(e[key] for e in evaluations)
+              for key in ("pass@1", "calls_per_trajectory", "format_valid_rate")}
+    return pooled | {"per_question": [statistics.fmean(q) for q in zip(*(e["per_question"] for e in evaluations))],
+                     "evaluations": [e["pass@1"] for e in evaluations]}
 
 
 def git_commit() -> str:
@@ -558,7 +585,9 @@ def markdown(report: dict) -> str:
     rows = [[setting, method, *(_fmt(values.get(c)) for c in columns)]
             for setting, methods in report["summary"].items() for method, values in methods.items()]
     cold = {"heldout_pass@1": "pass@1", "heldout_calls_per_trajectory": "calls_per_trajectory"}
-    rows += [["before RL", f"cold start ({fmt})", *(_fmt(e[cold[c]]) if c in cold else "-" for c in columns)]
+    rows += [["before RL", f"cold start ({fmt})" + (f", mean of {len(e['evaluations'])} machines' evaluations"
+                                                    if "evaluations" in e else ""),
+              *(_fmt(e[cold[c]]) if c in cold else "-" for c in columns)]
              for fmt, e in report.get("cold_start", {}).items()]
     lines = ["Means over seeds:", "", markdown_table(["setting", "method", *columns], rows), "",
              "Per seed, the ratio or difference of the two runs' means; the mean over seeds with a 95 % Student t "
@@ -674,22 +703,27 @@ def recorded_runs(args: argparse.Namespace, report: dict) -> list[dict]:
     """The runs of the plan, evaluations and cold starts that the results files `--runs-from` recorded."""
     wanted = {(_label(setting), seed, run_label(method, stack)) for index, setting in enumerate(args.settings)
               for seed, stack, method in planned(args, index)}
-    runs, source, report["cold_start"], report["runs_from"] = [], {}, {}, []
+    runs, source, experiment, evaluations, report["runs_from"] = [], {}, None, {}, []
     for path in args.runs_from:
         recorded = json.loads(Path(path).read_text())
+        config = {key: recorded.get("config", {}).get(key) for key in SAME_EXPERIMENT}
+        if (experiment := experiment or config) != config:
+            raise SystemExit(f"--runs-from: {path} ran {config}, the files before it {experiment}; report them "
+                             "separately.")
         for run in recorded["runs"]:
             if (key := (run["setting"], run["seed"], run["method"])) not in wanted:
                 continue
             if key in source:
                 raise SystemExit(f"--runs-from: {key} is recorded in both {source[key]} and {path}.")
             source[key] = path
+            attach_cold_starts([run], recorded.get("cold_start", {}))
             runs.append(run)
         for fmt, cold in recorded.get("cold_start", {}).items():
-            if report["cold_start"].setdefault(fmt, cold) != cold:
-                raise SystemExit(f"--runs-from: {path} records another {fmt} cold start than the files before it; "
-                                 "report them separately.")
+            if cold not in evaluations.setdefault(fmt, []):
+                evaluations[fmt].append(cold)
         report["runs_from"].append({"file": _shown(path), "commit": recorded.get("commit")}
                                    | {key: recorded[key] for key in ("load", "load_end", "machine") if key in recorded})
+    report["cold_start"] = {fmt: pooled_cold_start(each) for fmt, each in evaluations.items()}
     if len(args.runs_from) == 1:  # the runs' machine
         report |= {key: report["runs_from"][0][key] for key in ("load", "load_end", "machine")
                    if key in report["runs_from"][0]}
@@ -721,15 +755,14 @@ def main(argv=None) -> dict:
             runs.append(read_run(train(args, method, setting, seed, stack), method, setting, seed, stack))
             if index == 0 and args.eval_questions and method in (args.eval_methods or args.methods):
                 evaluate_run(args, runs[-1], report.setdefault("cold_start", {}))  # the main row only
+    attach_cold_starts(runs, report.get("cold_start", {}))
     report |= {"runs": runs, "summary": summarize(runs)}
-    report["comparisons"] = {f"{setting} {mine} vs {base}": compare(runs, mine, base, setting, args.bootstrap,
-                                                                    report.get("cold_start", {}))
+    report["comparisons"] = {f"{setting} {mine} vs {base}": compare(runs, mine, base, setting, args.bootstrap)
                              for setting in report["summary"]
                              for mine, base in comparisons(set(report["summary"][setting]), args.stacks)}
     report["comparisons"] |= {f"{setting} {method} vs cold start": gain
                               for setting in report["summary"] for method in report["summary"][setting]
-                              if (gain := against_cold_start(runs, report.get("cold_start", {}), method, setting,
-                                                             args.bootstrap))}
+                              if (gain := against_cold_start(runs, method, setting, args.bootstrap))}
     report["fork_probabilities"] = fork_probability_report(args, runs)
     if args.runs_from and len(args.runs_from) == 1 and not report["fork_probabilities"]:  # runs recorded before
         report["fork_probabilities"] = json.loads(Path(args.runs_from[0]).read_text()).get("fork_probabilities", {})

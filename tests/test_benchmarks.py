@@ -220,8 +220,27 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
     assert [source["file"] for source in merged["runs_from"]] == [str(part) for part in parts]
     with pytest.raises(SystemExit, match=r"\('M4N2', 0, 'arpo'\) is recorded in both"):
         bench.main([*recorded, "--runs-from", str(parts[0]), str(parts[0])])
-    parts[1].write_text(json.dumps(json.loads(parts[1].read_text()) | {"cold_start": {"tags": {"pass@1": 0.0}}}))
-    with pytest.raises(SystemExit, match="records another tags cold start"):
+    # Seed 0 as a file written before runs kept their cold start; seed 1 from a machine whose tag cold start scored 1:
+    # each run is measured against its own file's cold start, and the "before RL" row pools the two.
+    first, other = (json.loads(part.read_text()) for part in parts)
+    for run in first["runs"] + other["runs"]:
+        run.get("eval", {}).pop("cold_start_per_question", None)
+    tags = report["cold_start"]["tags"]
+    other["cold_start"]["tags"] = tags | {"pass@1": 1.0, "per_question": [1.0] * len(tags["per_question"])}
+    parts[0].write_text(json.dumps(first))
+    parts[1].write_text(json.dumps(other))
+    pooled = bench.main([*recorded, "--runs-from", *map(str, parts)])
+    assert pooled["cold_start"]["tags"]["evaluations"] == [tags["pass@1"], 1.0]
+    assert pooled["cold_start"]["tags"]["pass@1"] == pytest.approx((tags["pass@1"] + 1) / 2)
+    assert pooled["cold_start"]["chat_template"] == report["cold_start"]["chat_template"]  # the same in both files
+    gain = pooled["comparisons"]["M4N2 arpo vs cold start"]["heldout_pass@1"]["per_seed"]
+    runs = {r["seed"]: r for r in report["runs"] if (r["setting"], r["method"]) == ("M4N2", "arpo")}
+    assert gain == pytest.approx({"0": runs[0]["eval"]["pass@1"] - tags["pass@1"],
+                                  "1": runs[1]["eval"]["pass@1"] - 1})
+    assert "mean of 2 machines' evaluations" in (tmp_path / "merged" / "results.md").read_text()
+    other["config"]["steps"] = 2  # another experiment
+    parts[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="report them separately"):
         bench.main([*recorded, "--runs-from", *map(str, parts)])
 
 
