@@ -125,7 +125,9 @@ def test_a_request_too_large_alone_fails_naming_the_setting_and_the_others_compl
     small, large, other = asyncio.run(rollout())
     assert isinstance(large, ValueError) and "transformers_continuous_batching_config" in str(large)
     assert "num_blocks" in str(large) and "max_memory_percent" in str(large)
-    assert len(small.token_ids) == len(other.token_ids) == 8
+    # They complete: the random model may end either one early (greedy EOS depends on the CPU's rounding).
+    assert all(s.finish_reason in ("eos", "length") and 0 < len(s.token_ids) <= 8 for s in (small, other))
+    assert all(s.finish_reason == "eos" or len(s.token_ids) == 8 for s in (small, other))
 
 
 def test_the_waves_engine_splits_a_wave_under_the_budget(tool_model64, tokenizer):
