@@ -350,7 +350,7 @@ def read_trees(run_dir: Path) -> list[dict]:
     """A run's tree records (trees.jsonl, one per path); none for TRL's peer, which writes no trees."""
     from arpo_trl.trees import read_jsonl
 
-    return list(read_jsonl(run_dir / "trees.jsonl")) if (run_dir / "trees.jsonl").is_file() else []
+    return read_jsonl(run_dir / "trees.jsonl") if (run_dir / "trees.jsonl").is_file() else []
 
 
 def distinct_completions(trees: list[dict]) -> list[float]:
@@ -476,7 +476,7 @@ def against_cold_start(runs: list[dict], method: str, setting: str, resamples: i
 def attach_cold_starts(runs: list[dict], cold_start: dict[str, dict]) -> None:
     """Give each evaluated run lacking one the per-question pass@1 of its format's cold start in `cold_start` (the
     one evaluated beside it). A run's gain is measured against the cold start of its own machine and session: the
-    SFT's weights and vLLM's samples differ across machines, so two results files' cold starts never agree."""
+    SFT's weights and vLLM's samples differ across machines, so results files from two machines differ in theirs."""
     for run in runs:
         if "eval" in run and (cold := cold_start.get(format_of(run["method"]))):
             run["eval"].setdefault("cold_start_per_question", cold["per_question"])
