@@ -673,12 +673,10 @@ def expected_seconds(args: argparse.Namespace) -> float:
     """The run's expected seconds on a quiet 2-core CPU (the constants above), counting only what --reuse keeps not."""
     seconds, evaluation = 0.0, args.eval_questions * args.eval_samples * EVAL_TRAJECTORY_SECONDS + EVAL_OVERHEAD_SECONDS
     for index, setting in enumerate(args.settings):
-        scale = args.prompts_per_step * setting[0] / 16
         for seed, stack, method in planned(args, index):
             run_dir = Path(args.out) / _label(setting) / f"seed{seed}" / run_label(method, stack)
             if not (args.reuse and _trained(run_dir, args.steps)):
-                step = PEER_STEP_SECONDS if METHODS[method][1] == "trl" else STEP_SECONDS
-                seconds += args.steps * step * scale
+                seconds += args.steps * expected_step_seconds(args, method, setting)
             if index == 0 and args.eval_questions and method in (args.eval_methods or args.methods) \
                     and not (args.reuse and evaluated(args, run_dir / "eval")):
                 seconds += evaluation
