@@ -10,7 +10,7 @@ from arpo_trl.data import SHORT_PYTHON_SYSTEM_PROMPT
 from arpo_trl.rewards import arpo_math_reward, validate_format
 
 
-@pytest.mark.parametrize("task", ["basic_arithmetic", "chain_sum"])
+@pytest.mark.parametrize("task", ["arithmetic", "basic_arithmetic", "chain_sum"])
 def test_transcripts_are_well_formed_and_correct(task):
     data = tool_transcripts(task, size=32, seed=3, system_prompt=SHORT_PYTHON_SYSTEM_PROMPT)
     assert len(data) == 32 and data[0]["prompt"][0] == {"role": "system", "content": SHORT_PYTHON_SYSTEM_PROMPT}
@@ -24,8 +24,11 @@ def test_transcripts_are_well_formed_and_correct(task):
 
 
 def test_task_without_expression_is_refused():
-    with pytest.raises(ValueError, match="task: reasoning-gym task 'leg_counting' has no `expression`"):
+    with pytest.raises(ValueError, match="task: reasoning-gym task 'leg_counting' has no `expression`; use "
+                                         "'arithmetic' or one of"):
         tool_transcripts("leg_counting", size=2)
+    with pytest.raises(ValueError, match="task_config: the arithmetic task has no option 'max_termz'"):
+        tool_transcripts("arithmetic", size=2, task_config={"max_termz": 2})
 
 
 def test_sft_command_saves_a_merged_model(tiny_model_dir, tmp_path):

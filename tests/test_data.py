@@ -43,6 +43,56 @@ def test_reasoning_gym_rows_have_arpo_prompts_and_ground_truth():
     assert reasoning_gym_dataset("basic_arithmetic", size=8, seed=3)["ground_truth"] == data["ground_truth"]
 
 
+def test_arithmetic_problems_are_seeded_distinct_and_answered_exactly():
+    """The quickstart's own task: reproducible from its seed, no question twice, each answer what sympy (not the
+    generator's own evaluation) makes of the expression, and within the options' terms and digits."""
+    import sympy
+
+    from arpo_trl.data.arithmetic import ArithmeticOptions, arithmetic_problems
+
+    problems = arithmetic_problems(300, seed=5, options=ArithmeticOptions(max_terms=4, max_digits=2))
+    assert problems == arithmetic_problems(300, seed=5, options=ArithmeticOptions(max_terms=4, max_digits=2))
+    assert problems != arithmetic_problems(300, seed=6, options=ArithmeticOptions(max_terms=4, max_digits=2))
+    assert len({p.expression for p in problems}) == 300
+    for problem in problems:
+        assert problem.answer == str(sympy.sympify(problem.expression)), problem
+        assert problem.expression in problem.question
+        numbers = re.findall(r"\d+", problem.expression)
+        assert 2 <= len(numbers) <= 4 and all(len(n) <= 2 for n in numbers), problem
+    assert any("(" in p.expression for p in problems) and any(p.answer.startswith("-") for p in problems)
+    assert not any("(" in p.expression for p in arithmetic_problems(50, 1, ArithmeticOptions(parentheses=False)))
+
+
+def test_arithmetic_options_and_sizes_that_cannot_work_name_the_field():
+    from arpo_trl.data.arithmetic import ArithmeticOptions, arithmetic_problems
+
+    bad = [({"max_termz": 3}, "no option 'max_termz'; expected some of"), ({"max_terms": 1}, "task_config.max_terms"),
+           ({"max_digits": "3"}, "task_config.max_digits: expected a positive integer, got '3'"),
+           ({"min_terms": 4, "max_terms": 3}, "task_config.max_terms: expected >= min_terms"),
+           ({"max_digits": 9}, "task_config.max_digits: expected at most 6"),
+           ({"parentheses": "yes"}, "task_config.parentheses: expected true or false")]
+    for config, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ArithmeticOptions.from_config(config)
+    with pytest.raises(ValueError, match="arithmetic: found only 243 distinct problems of the 300 asked"):
+        arithmetic_problems(300, options=ArithmeticOptions(max_terms=2, max_digits=1))  # 9 x 3 x 9 expressions
+    with pytest.raises(ValueError, match="positive integer size, got 0"):
+        arithmetic_problems(0)
+
+
+def test_arithmetic_dataset_rows_and_task_config():
+    data = named_dataset("arithmetic:40", seed=4, task_config={"max_terms": 3, "max_digits": 2})
+    assert len(data) == 40 and COLUMNS <= set(data.column_names) and set(data["task"]) == {"arithmetic"}
+    assert data["prompt"][0][0] == {"role": "system", "content": PYTHON_SYSTEM_PROMPT}
+    assert arpo_math_reward([boxed(a) for a in data["ground_truth"]], ground_truth=data["ground_truth"]) == [1.0] * 40
+    assert data["prompt"] == named_dataset("arithmetic:40", seed=4, task_config={"max_terms": 3, "max_digits": 2})[
+        "prompt"]
+    assert data["prompt"] != named_dataset("arithmetic:40", seed=4)["prompt"]
+    assert len(named_dataset("arithmetic")) == 512 and dataset_metric("arithmetic:8") == "math"
+    with pytest.raises(ValueError, match="task_config: the arithmetic task has no option 'max_termz'"):
+        named_dataset("arithmetic:4", task_config={"max_termz": 3})
+
+
 def test_gsm8k100_is_the_real_gsm8k_test_items():
     data = gsm8k100()
     assert len(data) == 100 and COLUMNS <= set(data.column_names) and set(data["task"]) == {"gsm8k"}
@@ -225,6 +275,7 @@ def test_named_dataset_specs():
     assert named_dataset("champ:5", seed=1)["source"] == champ(5, seed=1)["source"]
     assert named_dataset("two_hop_qa:7", seed=2)["prompt"] == two_hop_qa(7, seed=2)["prompt"]
     bad = {"reasoning_gym:chain_sum:many": "reasoning_gym:<task>", "champ:x": "champ\\[:<size>\\]",
+           "arithmetic:-2": "arithmetic\\[:<size>\\]",
            "two_hop_qa:0": "two_hop_qa", "gsm8k100:5": "'gsm8k100'", "paper:nope": "paper:<benchmark>.*aime24",
            "arpo:train.json": "arpo:<file.parquet>"}
     for spec, expected in bad.items():

@@ -311,6 +311,6 @@ def test_quickstart_eval_recipe_parses_and_passes_the_checks():
     (args,) = make_eval_parser().parse_args_and_config(["--config", str(RECIPE)])
     check_args(args)
     assert args.model_name_or_path == "runs/quickstart-sft"
-    assert args.dataset_name.startswith("reasoning_gym:basic_arithmetic")
+    assert args.dataset_name == "arithmetic"
     assert args.system_prompt == "python_short"
     assert args.n_samples >= max(args.k) and args.k == [1, 2] and args.max_completion_length <= 128

@@ -40,7 +40,8 @@ class DatasetArguments:
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "'reasoning_gym:<task>[:<size>]' (built offline, seeded), one of the offline stand-ins "
+        metadata={"help": "'arithmetic[:<size>]' or 'reasoning_gym:<task>[:<size>]' (built offline, seeded; "
+                  "reasoning-gym needs `pip install arpo-trl[reasoning-gym]`), one of the offline stand-ins "
                   "(gsm8k100, champ, two_hop_qa), a local .json/.jsonl/.parquet/.csv file or a datasets hub id, with "
                   f"a `prompt` column (conversational or text) and a ground-truth column (one of "
                   f"{list(GROUND_TRUTH_COLUMNS)})."},
@@ -48,8 +49,8 @@ class DatasetArguments:
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
     task_config: dict | None = field(
         default=None,
-        metadata={"help": "Options of a 'reasoning_gym:<task>' dataset, as the task's config takes them (YAML mapping "
-                  "or JSON on the command line), e.g. {max_terms: 3, max_digits: 2} for basic_arithmetic."},
+        metadata={"help": "Options of an 'arithmetic' or 'reasoning_gym:<task>' dataset, as the task's config takes "
+                  "them (YAML mapping or JSON on the command line), e.g. {max_terms: 3, max_digits: 2}."},
     )
     system_prompt: str | None = field(
         default=None,
@@ -385,11 +386,11 @@ def load_dataset(args: DatasetArguments, split: str, split_field: str, seed: int
 
     name = args.dataset_name
     if not name:
-        raise UserInputError("dataset_name: required ('reasoning_gym:<task>', a local .jsonl/.json/.parquet/.csv "
-                             "file or a hub dataset id).")
-    if args.task_config and not name.startswith("reasoning_gym:"):
-        raise UserInputError(f"task_config: only 'reasoning_gym:<task>' datasets take options; dataset_name is "
-                             f"{name!r} (remove task_config, or pass --task_config null).")
+        raise UserInputError("dataset_name: required ('arithmetic', 'reasoning_gym:<task>', a local "
+                             ".jsonl/.json/.parquet/.csv file or a hub dataset id).")
+    if args.task_config and name.partition(":")[0] not in ("arithmetic", "reasoning_gym"):
+        raise UserInputError(f"task_config: only 'arithmetic' and 'reasoning_gym:<task>' datasets take options; "
+                             f"dataset_name is {name!r} (remove task_config, or pass --task_config null).")
     data = named_dataset(name, seed, task_config=args.task_config)
     if data is None:
         data = _load_file_or_hub(args, split, split_field)

@@ -39,6 +39,7 @@ from arpo_trl.commands.builders import (
     parse_recipe,
     resolve_model,
 )
+from arpo_trl.data.arithmetic import ArithmeticOptions, arithmetic_problems
 from arpo_trl.data.arithmetic_chains import THOUGHT, arithmetic_chains
 from arpo_trl.data.offline_sets import create_reasoning_gym_task
 from arpo_trl.data.prompts import PYTHON_SYSTEM_PROMPT, arpo_prompt, resolve_system_prompt
@@ -46,7 +47,8 @@ from arpo_trl.preflight import adopt_checkpointing_default, check_writable_dir
 from arpo_trl.tools.base import format_result
 from arpo_trl.tools.python import PythonTool
 
-ARITHMETIC_TASKS = ("basic_arithmetic", "chain_sum", "products")
+ARITHMETIC_TASK = "arithmetic"  # one Python call per question (arpo_trl.data.arithmetic)
+ARITHMETIC_TASKS = ("basic_arithmetic", "chain_sum", "products")  # reasoning-gym's, with an `expression`
 CHAIN_TASK = "arithmetic_chain"  # multi-call transcripts: one Python call per step (arpo_trl.data.arithmetic_chains)
 _THOUGHTS = (
     "I will compute this with Python.",
@@ -61,9 +63,10 @@ class ColdStartArguments:
     """What `arpo-trl sft` needs beyond TRL's SFTConfig and ModelConfig."""
 
     task: str = field(
-        default="basic_arithmetic",
-        metadata={"help": f"{CHAIN_TASK!r} (multi-step arithmetic, one Python call per step), or a reasoning-gym "
-                  f"task whose metadata holds an `expression` to compute: {ARITHMETIC_TASKS}."},
+        default=ARITHMETIC_TASK,
+        metadata={"help": f"{ARITHMETIC_TASK!r} (one Python call per question), {CHAIN_TASK!r} (multi-step "
+                  f"arithmetic, one Python call per step), or a reasoning-gym task whose metadata holds an "
+                  f"`expression` to compute: {ARITHMETIC_TASKS} (needs `pip install arpo-trl[reasoning-gym]`)."},
     )
     tool_call_format: str = field(
         default="tags",
@@ -77,7 +80,8 @@ class ColdStartArguments:
     )
     task_config: dict | None = field(
         default=None,
-        metadata={"help": "Options of the reasoning-gym task (e.g. {max_terms: 3}); use the RL recipe's task_config."},
+        metadata={"help": "Options of the arithmetic or reasoning-gym task (e.g. {max_terms: 3}); use the RL recipe's "
+                  "task_config."},
     )
     num_examples: int = field(default=256, metadata={"help": "Number of transcripts to build."})
     transcript_seed: int = field(
@@ -94,20 +98,28 @@ class ColdStartArguments:
     )
 
 
-def tool_transcripts(task: str = "basic_arithmetic", size: int = 256, seed: int = 1,
-                     system_prompt: str = PYTHON_SYSTEM_PROMPT, task_config: dict | None = None) -> Dataset:
-    """Prompt-completion conversations in ARPO's format, with results printed by the real Python tool."""
-    source = create_reasoning_gym_task(task, size, seed, task_config)
-    rng, tool = random.Random(seed), PythonTool(timeout=10)
-    codes, rows = [], []
-    for entry in source:
+def _questions(task: str, size: int, seed: int, task_config: dict | None) -> list[dict]:
+    """Each question with its answer and the Python expression that computes it."""
+    if task == ARITHMETIC_TASK:
+        return [{"question": problem.question, "answer": problem.answer, "expression": problem.expression}
+                for problem in arithmetic_problems(size, seed, ArithmeticOptions.from_config(task_config))]
+    rows = []
+    for entry in create_reasoning_gym_task(task, size, seed, task_config):
         expression = entry.get("metadata", {}).get("expression")
         if not expression:
             raise ValueError(f"task: reasoning-gym task {task!r} has no `expression` in its metadata; "
-                             f"use one of {ARITHMETIC_TASKS}.")
-        codes.append(f"print({expression})")
-        rows.append(entry)
-    outputs = _run_prints(tool, [entry["metadata"]["expression"] for entry in rows])
+                             f"use {ARITHMETIC_TASK!r} or one of {ARITHMETIC_TASKS}.")
+        rows.append({"question": entry["question"], "answer": entry["answer"], "expression": expression})
+    return rows
+
+
+def tool_transcripts(task: str = ARITHMETIC_TASK, size: int = 256, seed: int = 1,
+                     system_prompt: str = PYTHON_SYSTEM_PROMPT, task_config: dict | None = None) -> Dataset:
+    """Prompt-completion conversations in ARPO's format, with results printed by the real Python tool."""
+    rows = _questions(task, size, seed, task_config)
+    rng, tool = random.Random(seed), PythonTool(timeout=10)
+    codes = [f"print({entry['expression']})" for entry in rows]
+    outputs = _run_prints(tool, [entry["expression"] for entry in rows])
     examples = []
     for entry, code, output in zip(rows, codes, outputs):
         transcript = (f"<think>{rng.choice(_THOUGHTS)}</think>\n<python>{code}</python>{format_result(output.strip())}"

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from datasets import Dataset
 
+from arpo_trl.data.arithmetic import ArithmeticOptions, arithmetic_problems
 from arpo_trl.data.arithmetic_chains import arithmetic_chains
 from arpo_trl.data.corpora import PAPER_BENCHMARKS, benchmark
 from arpo_trl.data.hub_sets import arpo_released, paper_benchmark
 from arpo_trl.data.offline_sets import champ, gsm8k100, reasoning_gym_dataset, two_hop_qa
 from arpo_trl.data.prompts import PYTHON_SYSTEM_PROMPT, prompt_row
 
-NAMED_SPECS = ("reasoning_gym:<task>[:<size>]", "gsm8k100", "champ[:<size>]", "two_hop_qa[:<size>]",
-               "arithmetic_chain[:<size>]", "paper:<benchmark>", "arpo:<file.parquet>")
+NAMED_SPECS = ("arithmetic[:<size>]", "reasoning_gym:<task>[:<size>]", "gsm8k100", "champ[:<size>]",
+               "two_hop_qa[:<size>]", "arithmetic_chain[:<size>]", "paper:<benchmark>", "arpo:<file.parquet>")
 
 
 def _size(spec: str, text: str, expected: str) -> int | None:
@@ -27,6 +28,11 @@ def named_dataset(spec: str, seed: int = 0, task_config: dict | None = None) -> 
     """A dataset addressed by name in recipes (one of `NAMED_SPECS`); None for anything else (a local file or a Hub
     id)."""
     source, _, rest = spec.partition(":")
+    if source == "arithmetic":
+        problems = arithmetic_problems(_size(spec, rest, "arithmetic[:<size>]") or 512, seed,
+                                       ArithmeticOptions.from_config(task_config))
+        return Dataset.from_list([prompt_row(p.question, p.answer, source, f"{source}:{seed}", PYTHON_SYSTEM_PROMPT)
+                                  for p in problems])
     if source == "reasoning_gym":
         task, _, size = rest.partition(":")
         if not task:
@@ -63,7 +69,7 @@ def dataset_metric(spec: str, default: str | None = None) -> str:
     """How to score answers to a named dataset: "math" (math-verify equivalence) or "f1" (token F1, the reference's
     reward, also for ARPO's released mixed data). Other specs get `default`, or a ValueError if it is None."""
     source, _, rest = spec.partition(":")
-    if source in ("reasoning_gym", "gsm8k100", "champ", "arithmetic_chain"):
+    if source in ("arithmetic", "reasoning_gym", "gsm8k100", "champ", "arithmetic_chain"):
         return "math"
     if source in ("two_hop_qa", "arpo"):
         return "f1"

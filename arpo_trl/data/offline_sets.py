@@ -34,7 +34,9 @@ def create_reasoning_gym_task(task: str, size: int, seed: int, task_config: dict
     try:
         import reasoning_gym
     except ImportError as error:
-        raise ImportError("reasoning-gym datasets need `pip install reasoning-gym==0.1.25`.") from error
+        raise ImportError("'reasoning_gym:<task>' datasets need `pip install \"arpo-trl[reasoning-gym]\"` "
+                          "(reasoning-gym 0.1.25; its pycosat builds from source and needs a C compiler). The "
+                          "quickstart's 'arithmetic' task needs nothing more.") from error
     from reasoning_gym.factory import DATASETS
 
     if task not in DATASETS:
