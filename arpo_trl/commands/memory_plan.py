@@ -7,7 +7,6 @@ the models the shipped recipes name, arpo-trl's copy of it; downloads no weights
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
@@ -31,6 +30,14 @@ def architecture(name: str, revision: str | None, trust_remote_code: bool):
     return Architecture.from_config(config), config
 
 
+def make_parser():
+    """The training recipe's parser, and the card's memory."""
+    parser = train_recipe_parser("arpo-trl memory-plan")
+    parser.add_argument("--gpu-gib", type=float, required=True,
+                        help="The card's memory in GiB, as its maker states it (e.g. 24).")
+    return parser
+
+
 def plan_recipe(argv: Sequence[str]):
     """(architecture, shape, plan, gpu GiB) of a recipe and its flags on a card of `--gpu-gib` GiB."""
     from peft import LoraConfig
@@ -40,15 +47,11 @@ def plan_recipe(argv: Sequence[str]):
     from arpo_trl.colocate.engine_args import batch_limits
     from arpo_trl.colocate.memory_plan import GIB, model_dtype, plan, run_shape
 
-    own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--gpu-gib", type=float, required=True)
-    known, rest = own.parse_known_args(argv)
+    fields = {f for f in TrainingArguments.__dataclass_fields__}
+    with renamed_recipe([*argv, "--use_cpu", "true"], fields) as args:  # a GPU recipe, planned on any machine
+        _, training_args, model_args, known = make_parser().parse_args_and_config(args)
     if known.gpu_gib <= 0:
         raise UserInputError(f"--gpu-gib: expected the card's memory in GiB (e.g. 24), got {known.gpu_gib}.")
-    fields = {f for f in TrainingArguments.__dataclass_fields__}
-    parser = train_recipe_parser("arpo-trl memory-plan")
-    with renamed_recipe([*rest, "--use_cpu", "true"], fields) as args:  # a GPU recipe, planned on any machine
-        _, training_args, model_args = parser.parse_args_and_config(args)
     if not (training_args.use_vllm and training_args.vllm_mode == "colocate"):
         raise UserInputError("use_vllm / vllm_mode: the plan is for vLLM colocated in the trainer (use_vllm: true, "
                              "vllm_mode: colocate).")
