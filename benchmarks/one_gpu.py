@@ -6,11 +6,12 @@
     python benchmarks/one_gpu.py --model smollm2 --engines colocate --steps 1 --max-completion-length 64 \\
         --python $(python -m arpo_trl.server setup --colocate | tail -n 1) \\
         --set num_generations=2 initial_rollouts=1 per_device_train_batch_size=2 gradient_accumulation_steps=1 \\
-        max_tool_calls=1 dataset_name=reasoning_gym:gsm_symbolic:16            # CPU smoke test
+        max_tool_calls=1 dataset_name=gsm8k100            # CPU smoke test (the colocate env has no reasoning-gym)
 
-Needs, on the GPU machine: arpo-trl with vLLM in the range TRL 1.16 supports (`pip install -e ".[vllm]"`, vLLM 0.22 to
-0.31, which brings its CUDA torch), and the recipe's model in the Hugging Face cache (the runs set HF_HUB_OFFLINE=1
-unless it is set: `huggingface-cli download Qwen/Qwen2.5-3B-Instruct` first); nvidia-smi for the GPU's peak memory.
+Needs, on the GPU machine: arpo-trl with vLLM in the range TRL 1.16 supports and the recipe's dataset
+(`pip install -e ".[vllm,reasoning-gym]"`, vLLM 0.22 to 0.31, which brings its CUDA torch), and the recipe's
+model in the Hugging Face cache (the runs set HF_HUB_OFFLINE=1 unless it is set: `huggingface-cli download
+Qwen/Qwen2.5-3B-Instruct` first); nvidia-smi for the GPU's peak memory.
 The default run (two engines, 3 steps, the model cached) is sized to end within 8 minutes on one H100/H200-class GPU;
 it prints its expected time first.
 
