@@ -58,6 +58,12 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 @pytest.fixture(autouse=True)
+def tier_markers_in_reports(request, record_property):
+    """A JUnit report (`--junitxml`) names each test's full-tier markers: benchmarks/test_durations.py sums by them."""
+    record_property("markers", ",".join(sorted({m.name for m in request.node.iter_markers()} & set(FULL_TIER))))
+
+
+@pytest.fixture(autouse=True)
 def restored_environment():
     """What a test (or the library under test) sets in `os.environ` does not reach the tests after it."""
     saved = dict(os.environ)

@@ -265,6 +265,7 @@ def test_bad_aepo_options_name_their_field(tmp_path, kw, field):
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------------
+@pytest.mark.long  # 33 s; each option's effect has its own test above
 def test_all_aepo_options_train_end_to_end(tool_model_dir, tokenizer, addition_dataset, tmp_path):
     """The tiny tool model, the real PythonTool, TRL's loss: AEPO's rollout and update together, two optimizer steps
     over four micro-batches each (steps_per_generation=2 makes the second micro-batch off-policy, where clipping

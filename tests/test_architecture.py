@@ -28,7 +28,7 @@ LAYERS: dict[str, list[str]] = {
                 "data", "data.prompts", "data.offline_sets", "data.hub_sets", "data.named"],
     "trainer": ["config", "config_checks", "trainer", "trl_state", "training", "training.*", "dropin", "dropin.*",
                 "server.trainer_mode", "server.weight_sync", "server.launcher",
-                "colocate.trainer_mode", "colocate.weight_sync", "colocate.environment"],
+                "colocate.trainer_mode", "colocate.weight_sync"],
     "commands": ["commands", "commands.*", "server.serve_config", "server.serve_command"],
     "top": ["__init__", "cli", "server.__main__"],
 }

@@ -83,6 +83,7 @@ def _steps(run_dir: Path) -> list[dict]:
     return [row for row in rows if "step_time" in row]
 
 
+@pytest.mark.long  # 5 min: 16 training subprocesses; the report's parts have their own tests below
 def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_model_dir, tmp_path):
     """The real pipeline on tiny models: ARPO and GRPO with tag calls, ARPO with chat-template calls, TRL's own
     GRPOTrainer(tools=…) (its train subprocess, `benchmarks/trl_peer.py`) and AEPO with every option; two settings
@@ -244,6 +245,7 @@ def test_arpo_vs_grpo_end_to_end_on_the_tiny_models(tool_model_dir, qwen_chat_mo
         bench.main([*recorded, "--runs-from", *map(str, parts)])
 
 
+@pytest.mark.long  # the flags' path to the trainer: test_each_ablation_trains_arpo_with_its_one_setting_changed
 def test_arpo_vs_grpo_stacks_reach_their_runs(tool_model_dir, tmp_path):
     """`--stacks`: each method trains on each stack in its own folder and the report compares them. The flags reach
     the trainer: a base run forwards all M rows in full (per group, M × (prompt + longest completion)), a packed run
@@ -335,6 +337,7 @@ def test_merged_adapter_is_the_adapted_model(tiny_model_dir, tokenizer, tmp_path
     assert (merged_dir / "tokenizer_config.json").is_file()
 
 
+@pytest.mark.long  # 80 s of training runs; packing's maths: tests/test_tree_packing.py
 def test_packed_training_reports_what_its_runs_measured(tmp_path, capsys):
     """benchmarks/packed_training.py on the tiny Llama: every configuration ran, packing forwarded fewer tokens per
     group than unpacked rows for both methods, and the report's ratios are those of its runs."""
@@ -545,3 +548,36 @@ def test_rollout_throughput_cost_fit_recovers_a_known_cost_and_removes_the_fork_
     assert report["ms_per_step"] == 20.0 and report["ms_per_computed_token"] == 1.5
     arpo, grpo = runs["vllm-colocate/entropy"]["wall_s"], runs["vllm-colocate/none"]["wall_s"]
     assert report["arpo_vs_grpo_without_fork_prefill"] == {"entropy": round((arpo - 800 * per_token) / grpo, 3)}
+
+
+def test_test_durations_sums_a_junit_report_by_file_and_by_kind(tmp_path):
+    """A JUnit report of five cases: seconds by file and by kind (markers, a parametrized case marked `long` alone,
+    the sandbox's file, a test that builds a trainer), and outcomes."""
+    bench = load("test_durations")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_a.py").write_text(
+        "import pytest\n\n\n@pytest.mark.vllm\ndef test_served():\n    pass\n\n\n"
+        "@pytest.mark.parametrize('x', [1, pytest.param(2, marks=pytest.mark.long)])\n"
+        "def test_cases(x):\n    pass\n\n\n"
+        "def test_trains():\n    ARPOTrainer(model=None)\n")
+    (tests / "test_sandbox.py").write_text("def test_hostile():\n    pass\n")
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_a" name="test_served" time="30.0"/>'
+        '<testcase classname="tests.test_a" name="test_cases[1]" time="1.5"/>'
+        '<testcase classname="tests.test_a" name="test_cases[2]" time="4.0"/>'
+        '<testcase classname="tests.test_a" name="test_trains" time="2.0"><failure message="x"/></testcase>'
+        '<testcase classname="tests.test_sandbox" name="test_hostile" time="3.0"><skipped/></testcase>'
+        '<testcase classname="tests.test_a" name="test_cases[3]" time="0.5">'
+        '<properties><property name="markers" value="colocate,long"/></properties></testcase>'
+        "</testsuite></testsuites>")
+    rows = bench.read_junit(junit, bench.test_kinds(tests))
+    assert [row["kind"] for row in rows] == ["vllm server", "logic", "long", "tiny-model training", "sandbox",
+                                             "colocate"]  # the last: as the run recorded its markers
+    rows = rows[:-1]
+    summary = bench.summarize(rows)
+    assert summary["by_file"] == {"test_a": 37.5, "test_sandbox": 3.0} and summary["seconds"] == 40.5
+    assert summary["by_kind"]["long"] == 4.0 and summary["outcomes"] == {"passed": 3, "failed": 1, "skipped": 1}
+    table = bench.table({"runs": {"before": summary, "after": bench.summarize(rows[:2])}})
+    assert "| vllm server | 30 s | 30 s |" in table and "| **tests (sum)** | 40 s | 32 s |" in table

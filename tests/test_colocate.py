@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def colocate_python() -> Path:
     """The colocate environment's python; created on first use (a few minutes), never skipped."""
-    from arpo_trl.colocate.environment import setup_colocate_venv
+    from arpo_trl.server.launcher import setup_vllm_venv
 
-    return setup_colocate_venv()
+    return setup_vllm_venv()
 
 
 def _run_worker(python: Path, scenario: str, model_dir: Path | str, tmp_path: Path) -> dict:

@@ -74,7 +74,7 @@ def test_several_tools_by_comma_or_by_space():
 def test_train_and_eval_before_the_cold_start_name_the_command_that_makes_it(tmp_path):
     """As a newcomer runs them, in a folder without `runs/`: one stderr line each, the next command in it, and no
     warning about our own defaults before it."""
-    # reasoning-gym imports matplotlib, which builds its font cache in the home folder on its first use there and
+    # matplotlib (the run's pictures) builds its font cache in the home folder on its first use there and
     # says so on stderr when that takes over 5 s (a loaded machine): built here first, whichever test ran before
     import matplotlib.font_manager  # noqa: F401
 

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# minutes of two-rank training; the default tier's two-process run is tests/test_cli.py's accelerate launch
+pytestmark = pytest.mark.long
+
 SCRIPT = Path(__file__).parent / "scripts" / "multiprocess_train.py"
 
 

@@ -361,7 +361,7 @@ def test_every_shipped_recipe_parses_in_the_colocate_environment(tmp_path):
     """The colocate environment's transformers (< 5.18): each SFT recipe parses, each server-mode training recipe as
     written, and every other training recipe with `--use_vllm true --vllm_mode colocate`, as a user tries a CPU
     recipe there."""
-    from arpo_trl.colocate.environment import setup_colocate_venv
+    from arpo_trl.server.launcher import setup_vllm_venv
 
     script = (
         "import sys, yaml\n"
@@ -378,7 +378,7 @@ def test_every_shipped_recipe_parses_in_the_colocate_environment(tmp_path):
         "        parse_train_args(['--config', path, '--use_vllm', 'true', '--vllm_mode', 'colocate'])\n"
         "    print('parsed', path)\n")
     recipes = sorted(str(p) for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("eval_"))
-    proc = subprocess.run([str(setup_colocate_venv()), "-c", script, *recipes], capture_output=True, text=True,
+    proc = subprocess.run([str(setup_vllm_venv()), "-c", script, *recipes], capture_output=True, text=True,
                           timeout=600, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("parsed") == len(recipes)

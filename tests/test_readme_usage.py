@@ -38,10 +38,10 @@ def cached_cold_start() -> Path:
     ARPO_TRL_CACHE (~1 min on 2 idle cores, far more on a loaded machine) and kept under a key of everything that
     shapes it: the recipe, the SFT and data code, the library versions. A fresh cache (`.ci/run`) trains it."""
     sources = [ROOT / "recipes" / "quickstart_sft.yaml", *(ROOT / "arpo_trl" / name for name in (
-        "commands/sft.py", "data/prompts.py", "data/offline_sets.py", "tools/python.py", "tools/base.py",
+        "commands/sft.py", "data/prompts.py", "data/arithmetic.py", "tools/python.py", "tools/base.py",
         "data/models.py"))]
     key = hashlib.sha256(b"".join(path.read_bytes() for path in sources))
-    for package in ("torch", "transformers", "trl", "peft", "reasoning-gym", "datasets"):
+    for package in ("torch", "transformers", "trl", "peft", "datasets"):
         key.update(f"{package}=={importlib.metadata.version(package)};".encode())
     folder = default_cache_dir() / f"quickstart-sft-{key.hexdigest()[:16]}"
     if not (folder / "config.json").is_file():

@@ -196,7 +196,9 @@ def _fork_rate(tokenizer, h_initial, h_after, prompts=6000, policy="entropy", sc
     return sum(group[1].kind == "branch" for group in groups) / prompts
 
 
-@pytest.mark.parametrize("delta", [-3.0, -1.0, 0.0, 1.0, 4.0])
+# below, inside and above [0, 1]: the default tier; two more points inside, the full tier
+@pytest.mark.parametrize("delta", [-3.0, pytest.param(-1.0, marks=pytest.mark.long),
+                                   pytest.param(0.0, marks=pytest.mark.long), 1.0, 4.0])
 def test_fork_frequency_matches_clip_tau_plus_beta_delta(tokenizer, delta):
     vocab_log = math.log(1000)
     per_token = lambda h: h * vocab_log / 4  # noqa: E731  (4 tokens summed, then / ln|V|)

@@ -314,6 +314,7 @@ def busy_namespace_tool(namespace_tool):
     tool.close()
 
 
+@pytest.mark.long  # 21 s; each hostile program alone: test_hostile_code_in_namespace_sandbox
 def test_hostile_code_under_concurrency(busy_namespace_tool, namespace_tool, trainer):
     """Timeouts, crashes and normal calls at once, from the sampler's tool threads: each gets its own outcome."""
     tool = busy_namespace_tool

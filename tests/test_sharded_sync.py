@@ -42,7 +42,8 @@ def _launch(mode: str, model_dir, out: Path, *extra: str) -> list[dict]:
     return reports
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [mode if mode == "fsdp1" else pytest.param(mode, marks=pytest.mark.long)
+                                  for mode in MODES])  # one sharding in the default tier
 def test_lora_adapter_is_gathered_from_shards(mode, tool_model_dir, tmp_path):
     _launch(mode, tool_model_dir, tmp_path)
 

@@ -35,6 +35,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.long  # 19 s in a subprocess; what is logged: the other tests here and tests/test_trainer.py
 def test_wandb_offline_and_trackio(tool_model_dir, tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb"), "WANDB_SILENT": "true",
            "TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HUB_OFFLINE": "1", "WANDB_DISABLE_GIT": "true"}

