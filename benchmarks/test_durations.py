@@ -2,6 +2,7 @@
 
     python benchmarks/test_durations.py --run default --label after          # runs the default tier, then reports
     python benchmarks/test_durations.py --junit before.xml full.xml --label before full   # reports existing runs
+    python benchmarks/test_durations.py --junit ci.xml --label ci --reports earlier.json  # + an earlier report's runs
 
 `--run default|full` runs `python -m pytest -q [--full] --junitxml ...` in this checkout (HF_HUB_OFFLINE=1) and
 times it; `--junit` reads reports that a run wrote (e.g. `.ci/run` with `PYTEST_ADDOPTS=--junitxml=FILE`). A test's
@@ -156,17 +157,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--junit", type=Path, nargs="*", default=[], help="JUnit XML files of earlier runs.")
     parser.add_argument("--run", choices=["default", "full"], nargs="*", default=[], help="Tiers to run now.")
     parser.add_argument("--label", nargs="*", default=[], help="A name per --junit file, then per --run tier.")
+    parser.add_argument("--reports", type=Path, nargs="*", default=[],
+                        help="Earlier JSON reports of this script: their runs come first, under their own labels.")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "test_durations.json")
     args = parser.parse_args(argv)
     sources = [*args.junit, *args.run]
-    if not sources:
-        parser.error("give --junit files or --run tiers")
+    if not sources and not args.reports:
+        parser.error("give --junit files, --run tiers or --reports")
     if args.label and len(args.label) != len(sources):
         parser.error(f"--label: {len(sources)} names expected (one per --junit file, then per --run tier)")
     kinds = test_kinds(ROOT / "tests")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     report = {"commit": commit, "machine": f"{os.cpu_count()} CPUs", "load_avg_start": os.getloadavg()[0],
               "runs": {}}
+    for earlier in args.reports:
+        for label, run in json.loads(earlier.read_text())["runs"].items():
+            report["runs"][label] = {**run, "report": str(earlier)}
     for index, source in enumerate(sources):
         label = args.label[index] if args.label else str(source)
         if isinstance(source, Path):

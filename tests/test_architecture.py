@@ -19,7 +19,8 @@ MIN_COPIED_LINES = 6
 # slices of a vLLM mode (`server/`, `colocate/`) and `data/`, whose offline assets the tools read (their `__init__`
 # docstrings say so).
 LAYERS: dict[str, list[str]] = {
-    "records": ["preflight", "markdown", "data.assets", "data.corpora", "data.models", "data.arithmetic_chains"],
+    "records": ["preflight", "markdown", "data.assets", "data.corpora", "data.models", "data.arithmetic",
+                "data.arithmetic_chains"],
     "engines/tools": ["entropy", "entropy.*", "generation", "generation.*", "tools", "tools.*",
                       "server", "server.client", "server.responses", "server.segments", "server.engine",
                       "server.server_check", "colocate", "colocate.outputs", "colocate.engine", "colocate.engine_args",

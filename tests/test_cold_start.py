@@ -24,8 +24,8 @@ def test_transcripts_are_well_formed_and_correct(task):
 
 
 def test_task_without_expression_is_refused():
-    with pytest.raises(ValueError, match="task: reasoning-gym task 'leg_counting' has no `expression`; use "
-                                         "'arithmetic' or one of"):
+    with pytest.raises(ValueError, match="task: reasoning-gym task 'leg_counting' has no `expression` in its "
+                                         "metadata; use 'arithmetic' or one of"):
         tool_transcripts("leg_counting", size=2)
     with pytest.raises(ValueError, match="task_config: the arithmetic task has no option 'max_termz'"):
         tool_transcripts("arithmetic", size=2, task_config={"max_termz": 2})

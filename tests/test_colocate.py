@@ -246,14 +246,15 @@ def test_prefix_cache_counters_count_the_prompt_tokens_sent_and_served():
 def test_the_cached_engine_steps_aside_for_transformers_older_than_its_cache_api(monkeypatch, tokenizer, tmp_path):
     """The colocate environment's transformers (vLLM 0.31 pins < 5.18) leaves the cache layers the cached engine
     reads empty: `in_process_engine='auto'` then picks the waves engine, saying why."""
-    import transformers
     from tiny import tiny_model
 
+    from arpo_trl.generation import support
     from arpo_trl.generation.support import cached_engine_blocker
 
     model = tiny_model(tokenizer)
     assert cached_engine_blocker(model, None, None, False) is None
-    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    # the transformers module the check reads (some test before this one can leave sys.modules a second one)
+    monkeypatch.setattr(support.transformers, "__version__", "5.17.0")
     assert "transformers 5.17.0 predates the cache API" in cached_engine_blocker(model, None, None, False)
 
 

