@@ -33,8 +33,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     from arpo_trl.commands import help_texts
 
-    if argv[0] in help_texts.PARSERS and help_texts.asks_for_help(argv[1:]):
-        text = help_texts.stored_help(argv[0])  # TRL's parsers take seconds to import; their text does not
+    if (command := help_texts.help_command(argv)) is not None:
+        text = help_texts.stored_help(command)  # TRL's parsers take seconds to import; their text does not
         if text is not None:
             print(text, end="")
             sys.exit(0)

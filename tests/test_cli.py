@@ -162,7 +162,7 @@ def test_console_script_is_installed():
     assert result.returncode == 0 and "--branch_threshold" in result.stdout and "--reward_funcs" in result.stdout
 
 
-@pytest.mark.parametrize("command", ["train", "quickstart", "sft", "eval", "memory-plan"])
+@pytest.mark.parametrize("command", ["train", "sft", "eval", "memory-plan"])
 def test_stored_help_is_what_the_live_parser_prints(command):
     """The shipped `--help` texts are the parsers' own (rewrite them with `python -m arpo_trl.commands.help_texts`
     after a config change); under other transformers/TRL versions they are not used."""
@@ -174,14 +174,16 @@ def test_stored_help_is_what_the_live_parser_prints(command):
 
 
 def test_help_imports_neither_torch_nor_trl_and_other_versions_get_the_live_help(tmp_path, monkeypatch, capsys):
-    probe = ("import sys\nfrom arpo_trl.cli import main\ntry:\n    main(['train', '--help'])\nexcept SystemExit as e:\n"
-             "    assert e.code == 0\nprint(sorted(m for m in ('torch', 'trl', 'transformers', 'datasets') "
-             "if m in sys.modules))")
+    probe = ("import sys\nfrom arpo_trl.cli import main\ntry:\n    main(['quickstart', '--help'])\n"
+             "except SystemExit as e:\n    assert e.code == 0\n"
+             "print(sorted(m for m in ('torch', 'trl', 'transformers', 'datasets') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "--branch_threshold" in done.stdout, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
     from arpo_trl.commands import help_texts
 
+    assert help_texts.help_command(["quickstart", "--max_steps", "2", "-h"]) == "train"
+    assert help_texts.help_command(["view", "--help"]) is None and help_texts.help_command(["train"]) is None
     (tmp_path / "train.txt").write_text("written with transformers==0.0 trl==0.0\nstale text\n")
     monkeypatch.setattr(help_texts, "FOLDER", tmp_path)
     assert help_texts.stored_help("train") is None and help_texts.stored_help("sft") is None  # stale, missing

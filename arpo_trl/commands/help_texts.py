@@ -1,5 +1,5 @@
-"""The `--help` of the commands whose parsers are built from TRL's configs (`train`, `sft`, `eval`, `memory-plan`,
-`quickstart`), kept as text files beside this module so that printing them imports neither torch nor TRL (a tenth
+"""The `--help` of the commands whose parsers are built from TRL's configs (`train` and `quickstart`, `sft`, `eval`,
+`memory-plan`), kept as text files beside this module so that printing them imports neither torch nor TRL (a tenth
 of a second instead of several). Each file names the transformers and TRL it was written with; under other
 versions (whose configs may have other fields) the command builds its parser and prints the live help instead.
 `tests/test_cli.py` checks each file against the live parser; after changing a config field, write them again:
@@ -16,18 +16,20 @@ from pathlib import Path
 
 FOLDER = Path(__file__).parent / "help"
 WIDTH = 120  # the columns the texts are wrapped to (argparse reads COLUMNS)
-# command -> "module:function" that builds its parser (quickstart parses its ARPO run's flags: train's parser)
+# command -> "module:function" that builds its parser
 PARSERS = {
     "train": "arpo_trl.commands.train:make_parser",
-    "quickstart": "arpo_trl.commands.train:make_parser",
     "sft": "arpo_trl.commands.sft:make_parser",
     "eval": "arpo_trl.commands.evaluate:make_eval_parser",
     "memory-plan": "arpo_trl.commands.memory_plan:make_parser",
 }
+SAME_HELP = {"quickstart": "train"}  # quickstart parses its ARPO run's flags with train's parser
 
 
-def asks_for_help(argv: list[str]) -> bool:
-    return any(arg in ("-h", "--help") for arg in argv)
+def help_command(argv: list[str]) -> str | None:
+    """The command whose stored help `argv` (the command line after `arpo-trl`) asks for, if any."""
+    command = SAME_HELP.get(argv[0], argv[0]) if argv else None
+    return command if command in PARSERS and any(arg in ("-h", "--help") for arg in argv[1:]) else None
 
 
 def written_with() -> str:
