@@ -96,11 +96,18 @@ def save_random_architecture(tokenizer, path, architecture: str):
 def train_tool_model(tokenizer, path):
     """The tiny Llama after a few hundred SFT steps on tool transcripts: it writes `<python>…</python>`. Untied
     embeddings, so that a vLLM server can also reload its full weights from disk."""
-    model = tiny_model(tokenizer, seed=1, tie=False)
+    model = teach_tool_calls(tiny_model(tokenizer, seed=1, tie=False), tokenizer)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def teach_tool_calls(model, tokenizer, steps: int = 300, foreach: bool | None = None):
+    """`steps` AdamW steps of SFT on tool transcripts of random additions."""
     rng = random.Random(1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=foreach)
     model.train()
-    for _ in range(300):
+    for _ in range(steps):
         texts = []
         for _ in range(16):
             a, b = rng.randint(0, 99), rng.randint(0, 99)
@@ -109,13 +116,10 @@ def train_tool_model(tokenizer, path):
             texts.append(prompt + tool_transcript(a, b) + "<|im_end|>")
         batch = tokenizer(texts, return_tensors="pt", padding=True)
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        loss = model(**batch, labels=labels).loss
-        loss.backward()
+        model(**batch, labels=labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return model
 
 
 # A Hermes-style chat template with tool calling (as Qwen2.5/Qwen3 write it), small enough for the tiny tokenizer.
@@ -149,3 +153,18 @@ def qwen_chat_tokenizer():
     tokenizer = build_tokenizer()
     tokenizer.chat_template = files("trl").joinpath("chat_templates/qwen2_5.jinja").read_text()
     return tokenizer
+
+
+def exact_tool_model(tokenizer):
+    """The tool model's recipe (`train_tool_model`) in float64 from weights drawn by Python's own RNG: trained alike on
+    every CPU to within float64 rounding (torch's float32 kernels and its normal draws differ in the last bits between
+    CPU kinds, and 300 AdamW steps magnify that), so that a sample at temperature 1 is the same token everywhere unless
+    its uniform falls within ~1e-12 of a boundary. For records compared across machines (`tests/golden/`)."""
+    model = tiny_model(tokenizer, seed=1, tie=False).double()
+    draw = random.Random(1)
+    with torch.no_grad():
+        for _, parameter in sorted(model.named_parameters()):
+            if parameter.dim() > 1:  # norms keep their ones
+                values = [draw.uniform(-0.035, 0.035) for _ in range(parameter.numel())]  # std ≈ 0.02, as Llama's
+                parameter.copy_(torch.tensor(values, dtype=torch.float64).view_as(parameter))
+    return teach_tool_calls(model, tokenizer, foreach=False).eval()
