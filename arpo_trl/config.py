@@ -48,7 +48,7 @@ class ARPOConfig(GRPOConfig):
     )
     entropy_weight: float = field(
         default=0.2,
-        metadata={"help": "β: weight of the normalised entropy change ΔH in the fork probability."},
+        metadata={"help": "β: weight of the normalised entropy change ΔH in the fork probability (a finite number)."},
     )
     entropy_window: int = field(
         default=20,
@@ -192,8 +192,8 @@ class ARPOConfig(GRPOConfig):
     rollout_speculation: str = field(
         default="auto",
         metadata={
-            "help": "Work started before the rule needs it, trees unchanged: 'auto' (likely fill-ups, certain forks at "
-            "the tool result) or 'off'. docs/differences.md.",
+            "help": "'auto': the event scheduler runs likely fill-ups ahead of the rule, trees unchanged; 'off': none. "
+            "docs/architecture.md.",
             "choices": list(SPECULATION_MODES),
         },
     )

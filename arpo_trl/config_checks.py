@@ -46,7 +46,8 @@ def check_arpo_config(config) -> None:
     if config.initial_rollouts is None:
         config.initial_rollouts = default_initial_rollouts(m, config.branch_policy)
     check_branching_args(m, config.initial_rollouts, config.branch_factor, config.branch_threshold,
-                         config.entropy_window, config.branch_policy, config.max_tool_calls)
+                         config.entropy_window, config.branch_policy, config.max_tool_calls,
+                         entropy_weight=config.entropy_weight)
     check_aepo_args(config.branch_penalty, config.pre_monitoring_beta)
     check_entropy_balanced_update(config)
     check_entropy_args(config.entropy_estimator, config.entropy_top_k, config.segment_entropy)

@@ -67,8 +67,8 @@ class Target:
 _ROLLOUT_FAST = tuple(f"tests/test_rollout.py::test_{name}" for name in (
     "exactly_m_per_prompt_and_branch_prefixes", "mask_is_zero_exactly_on_result_spans",
     "fork_probability_is_clip_tau_plus_beta_delta", "fill_ups_start_at_once_when_forks_cannot_fill_the_budget",
-    "fill_ups_wait_for_the_last_fork_decision_that_could_fill", "branches_start_beside_their_parents_probe",
-    "speculative_fill_ups_leave_the_trees_unchanged", "call_limit_ends_with_eos",
+    "fill_ups_wait_for_the_last_fork_decision_that_could_fill", "branches_start_after_their_parents_probe",
+    "call_limit_ends_with_eos", "fill_ups_run_ahead_of_the_rule_leave_the_trees_unchanged",
 ))
 _FUZZ_TAGS = tuple(f"tests/test_fuzz.py::test_{name}" for name in (
     "cut_with_char_level_tokens", "cut_with_byte_chunk_tokens", "cut_with_the_byte_level_bpe",
@@ -96,7 +96,7 @@ TARGETS = (
         "BranchingSampler._fill_up", "BranchingSampler.capacity", "BranchingSampler.forking",
         "BranchingSampler.live_lines", "ForkShares.split", "ForkShares.shares", "ForkShares.remaining",
         "ForkShares.free")),
-    Target("speculation", "arpo_trl/rollout/speculation.py", ("tests/test_budget.py", *_ROLLOUT_FAST)),
+    Target("prefetch", "arpo_trl/rollout/prefetch.py", ("tests/test_prefetch.py", *_ROLLOUT_FAST)),
     # The fork rule only: the rest of the sampler is the path program, covered by the slower rollout tests.
     Target("fork_rule", "arpo_trl/rollout/arpo.py", ("tests/test_fork_rule.py", *_ROLLOUT_FAST), (
         "default_initial_rollouts", "BranchingSampler.fork_probability", "BranchingSampler._at_tool_result",

@@ -30,8 +30,9 @@ latency, not in entropy; a fork-slot rule that does not depend on arrival order 
 branches it has of global paths (|gap| <= 0.05 is the target).
 
 Each rollout samples `--prompts` prompts; every method sees the same agent and fork seeds per rollout index
-(paired), and ratios are of means over rollouts. Speculation's hedge is its constant (`HEDGE`); `--fill-up-hedge`
-(the hedge varied, <= 0: off) ran at 758a85e and earlier.
+(paired), and ratios are of means over rollouts. `--speculation off`: no fill-ups run ahead of the rule
+(`rollout/prefetch.py`; the hedge is its constant `HEDGE`, and `--fill-up-hedge`, which varied it, ran at 758a85e and
+earlier; `--no-speculation` was `--speculation off` before 77a01e5, when the same estimate ran inside the rule).
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ from tiny import build_tokenizer  # noqa: E402
 
 from arpo_trl.generation.engine import Segment  # noqa: E402
 from arpo_trl.rollout import BranchingSampler  # noqa: E402
-from arpo_trl.rollout.speculation import HEDGE  # noqa: E402
 from arpo_trl.tools import Tool  # noqa: E402
 
 QWEN_VOCAB = 151_665  # entropy is normalised by ln|V| of a Qwen-sized vocabulary, as in the paper's runs
@@ -136,7 +136,7 @@ class SyntheticAgent:
         segment, start = self._segment(prefix, max_new_tokens), time.perf_counter()
         try:
             await asyncio.sleep(self.token_seconds * (self.request_steps + len(segment.token_ids)))
-        except asyncio.CancelledError:  # a speculative path dropped: the server generated this much of it
+        except asyncio.CancelledError:  # a failed rollout cancelled it: the server generated this much of it
             done = (time.perf_counter() - start) / self.token_seconds - self.request_steps if self.token_seconds \
                 else len(segment.token_ids)
             self.generated += min(len(segment.token_ids), max(0.0, done))
@@ -191,8 +191,8 @@ def _counts() -> dict[str, dict]:
 
 
 def rollouts(tokenizer, regime: Regime, method: str, scheduler: str, args, counts: dict, threshold: float = 0.5):
-    """`args.rollouts` successive rollouts of one sampler, as in training (its speculation learns the rates): one
-    report per rollout, yielded as it ends (`run_paired` interleaves the methods' rollouts)."""
+    """`args.rollouts` successive rollouts of one sampler, as in training: one report per rollout, yielded as it ends
+    (`run_paired` interleaves the methods' rollouts)."""
     policy = METHODS[method]
     token_seconds = args.token_ms / 1000 if scheduler.startswith("server") else 0.0
     engine = SyntheticAgent(tokenizer, regime, args.seed, token_seconds, args.request_steps)
@@ -205,9 +205,8 @@ def rollouts(tokenizer, regime: Regime, method: str, scheduler: str, args, count
         num_generations=m, initial_rollouts=m if policy == "none" else regime.initial_rollouts,
         branch_policy=policy, max_tool_calls=regime.max_calls, max_completion_length=regime.max_completion_length,
         seed=args.seed, scheduler=scheduler.split("/")[-1], max_tool_workers=64, tool_timeout=60.0,
-        branch_threshold=threshold, **extra,
+        branch_threshold=threshold, speculation=args.speculation, **extra,
     )
-    sampler.speculation.fill_ups_early = not args.no_speculation
     for rollout in range(args.rollouts):
         prompts = [tokenizer.encode(f"<|im_start|>user\nWhat is {i}+{rollout}?<|im_end|>\n<|im_start|>assistant\n")
                    for i in range(args.prompts)]
@@ -224,7 +223,6 @@ def rollouts(tokenizer, regime: Regime, method: str, scheduler: str, args, count
             "unique_tokens_per_group": sum(t.own_tokens() for t in result.trajectories) / groups,
             "generated_tokens_per_group": (engine.generated - generated) / groups,
             "tool_calls_per_group": stats.tool_calls / groups,
-            "discarded_tool_calls_per_group": stats.discarded_tool_calls / groups,
             "forks_per_group": stats.forks / groups, "fill_ups_per_group": stats.fill_ups / groups,
             "latest_fill_up_start_tokens": stats.latest_fill_up_start_tokens,
             "wall_s": stats.seconds, "overhead_fraction": stats.overhead_seconds / stats.seconds,
@@ -306,12 +304,12 @@ def print_tables(report: dict) -> None:
     for key, section in report["regimes"].items():
         print(f"\n### {key}: {section['regime']}\n")
         print("| scheduler/method | critical-path tokens | waves | wall s | unique tokens/group | generated/group | "
-              "tool calls/group (+discarded) | forks/group | fill-ups/group | sampler overhead |")
+              "tool calls/group | forks/group | fill-ups/group | sampler overhead |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for name, r in section["runs"].items():
             print(f"| {name} | {r['critical_path_tokens']:.0f} | {r['waves']:.1f} | {r['wall_s']:.2f} | "
                   f"{r['unique_tokens_per_group']:.0f} | {r['generated_tokens_per_group']:.0f} | "
-                  f"{r['tool_calls_per_group']:.2f} (+{r['discarded_tool_calls_per_group']:.2f}) | "
+                  f"{r['tool_calls_per_group']:.2f} | "
                   f"{r['forks_per_group']:.2f} | {r['fill_ups_per_group']:.2f} | "
                   f"{100 * r['overhead_fraction']:.1f} % |")
         print()
@@ -337,7 +335,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-steps", type=int, default=1,
                         help="simulated server: decode steps a request waits before its first token")
-    parser.add_argument("--no-speculation", action="store_true", help="fill-ups only once certain (ablation)")
+    parser.add_argument("--speculation", choices=["auto", "off"], default="auto",
+                        help="'off': no fill-ups run ahead of the rule (ablation)")
     parser.add_argument("--thresholds", nargs="+", type=float, default=[0.3, 1.0], help="τ values of the bias regime")
     parser.add_argument("--segment-statistic", choices=["mean", "sum"], default=None,
                         help="the sampler's segment entropy statistic (default: the sampler's own)")
@@ -351,9 +350,9 @@ def main(argv=None) -> dict:
                   "jitter": ["server/waves", "server/events"], "bias": ["steps/waves", "server/events"]}
     if args.schedulers:
         schedulers = {key: [name for name in names if name in args.schedulers] for key, names in schedulers.items()}
-    report = {"token_ms": args.token_ms, "request_steps": args.request_steps, "fill_up_hedge": HEDGE,
-              "rollouts": args.rollouts, "prompts": args.prompts,
-              "speculative_fill_ups": not args.no_speculation, "segment_statistic": args.segment_statistic,
+    report = {"token_ms": args.token_ms, "request_steps": args.request_steps,
+              "rollouts": args.rollouts, "prompts": args.prompts, "speculation": args.speculation,
+              "segment_statistic": args.segment_statistic,
               "regimes": {key: measure_bias(tokenizer, schedulers[key], args) if key == "bias"
                           else measure(tokenizer, key, schedulers[key], args) for key in args.regimes}}
     print(json.dumps(report, indent=2))

@@ -58,35 +58,22 @@ IN_PROCESS_ENGINES = {
 
 
 def make_sampler(engine, tokenizer, args, policy: str, scheduler: str = "auto") -> BranchingSampler:
-    """`policy`: a branch policy, optionally with variants joined by '+' after a ':':
-    'certain-fills' (fill-ups start only once certain: `Speculation.fill_ups_early=False`), 'early-fills' (speculative
-    fill-ups from the rollout's start even on an engine that drafts late paths), 'late-fills' (speculative fill-ups
-    wait for the prompt's first fork decision on every engine). The hedge and the near-certainty that fill-ups start
-    at are constants (`HEDGE`, `SURELY` in `arpo_trl/rollout/speculation.py`); the variants that varied them
-    (`mean-fills`, `hedge=P`, `surely=P`) ran at 758a85e and earlier; `speculative` and `deferred` (an uncertain
-    fork's copies beside the probe, or once it keeps them: `rollout_speculation: branches`, removed) at 2e0c538."""
-    given = policy
-    policy, _, variants = policy.partition(":")
-    variants = set(filter(None, variants.split("+")))
-    if unknown := variants - {"certain-fills", "early-fills", "late-fills"}:
-        raise ValueError(f"--policies: unknown variants {sorted(unknown)} in {given!r}")
-    if {"early-fills", "late-fills"} <= variants:
-        raise ValueError(f"--policies: early-fills and late-fills contradict each other in {given!r}")
+    """`policy`: a branch policy, optionally `:off` (no fill-ups run ahead of the rule: `rollout_speculation: off`).
+    The speculation's older variants (`certain-fills`, `early-fills`, `late-fills`: when speculative fill-ups
+    started, from the rule itself) ran at 77a01e5 and earlier; `certain-fills` is what `:off` measures now."""
+    policy, _, variant = policy.partition(":")
+    if variant not in ("", "off"):
+        raise ValueError(f"--policies: unknown variant {variant!r} in {policy}:{variant} (only ':off', no fill-ups run "
+                         "ahead; the rollout speculation's older variants were removed)")
     n = args.num_generations if policy == "none" else args.initial_rollouts
     sampler = BranchingSampler(engine, tokenizer, [PythonTool(timeout=10)], num_generations=args.num_generations,
                                initial_rollouts=n, max_completion_length=args.max_tokens, branch_policy=policy,
-                               seed=args.seed, scheduler=scheduler)
-    early = sampler.speculation  # the knobs users no longer set: the benchmark reaches them here
-    if "certain-fills" in variants:
-        early.fill_ups_early = False
-    if variants & {"early-fills", "late-fills"}:  # when speculative fill-ups start, whatever the engine drafts
-        early.after_first_decision = "late-fills" in variants
+                               seed=args.seed, scheduler=scheduler, speculation="off" if variant else "auto")
     return sampler
 
 
 def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
-    """One rollout; `seed` seeds torch's sampling. The sampler is the policy's for the whole run, as in training: the
-    rates its speculation learns carry over from one rollout to the next."""
+    """One rollout; `seed` seeds torch's sampling. The sampler is the policy's for the whole run, as in training."""
     engine = sampler.engine
     client = getattr(engine, "client", None)
     before = client.metrics() if client else {}
@@ -112,6 +99,7 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
            "forks_per_group": stats.forks / groups, "tool_calls_per_group": stats.tool_calls / groups,
            "fill_ups_per_group": stats.fill_ups / groups, "continued_probes_per_group": stats.continued_probes / groups,
            "speculative_fill_ups_per_group": stats.speculative_fill_ups / groups,
+           "adopted_fill_ups_per_group": stats.adopted_fill_ups / groups,
            "waves": stats.waves, "critical_path_tokens": stats.critical_path_tokens,
            "discarded_tokens": stats.discarded_tokens, "sampler_overhead_s": round(stats.overhead_seconds, 2),
            "trajectories_per_group": statistics.mean(map(len, result.groups)),
@@ -125,7 +113,7 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
         per_group = {name: (getattr(counters, name) - before_counts[name]) / groups for name in names}
         run["prefill_tokens_per_group"] = per_group["prefill_tokens"]  # padding included
         run["prefill_forwards_per_group"] = per_group["prefill_forwards"]
-        run["decoded_positions_per_group"] = per_group["decode_tokens"]  # speculative paths and drafts included
+        run["decoded_positions_per_group"] = per_group["decode_tokens"]  # shadows and drafts included
         run["drafted_tokens_per_group"] = per_group["drafted_tokens"]  # n-gram drafts fed (cached engine)
         run["accepted_tokens_per_group"] = per_group["accepted_tokens"]
         run["decode_steps"] = counters.decode_steps - before_counts["decode_steps"]  # the cached engine's forwards
@@ -290,8 +278,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="rollouts per policy and backend (paired seeds)")
     parser.add_argument("--policies", default="entropy,none",
-                        help="branch policies to run: 'entropy' (ARPO, N of M global) and/or 'none' (all M at once); "
-                        "variants after ':', joined by '+': certain-fills, early-fills, late-fills (`make_sampler`)")
+                        help="branch policies to run: 'entropy' (ARPO, N of M global), 'random', 'aepo' and/or 'none' "
+                        "(all M at once); ':off' after one: no fill-ups run ahead of the rule")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true", help="the transformers backend only (no server)")
     parser.add_argument("--vllm-runs", default="events,waves,lora",

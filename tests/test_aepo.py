@@ -71,10 +71,10 @@ def monitor_script(h_root, h_tools):
 @pytest.mark.parametrize(("h_root", "h_tools"), [(3.0, [1.0, 1.0, 1.0]), (0.5, [2.0, 4.0, 4.0]), (1.0, [1.0] * 3)])
 def test_pre_monitoring_sets_the_global_samples_after_one_path(tokenizer, h_root, h_tools):
     """One non-forking path per prompt runs first; when it ends, m - 1 more global samples start at once (one wave),
-    m = global_samples(M, H_root, its segment entropies). Speculation off: no fill-up before it is certain."""
+    m = global_samples(M, H_root, its segment entropies)."""
     m_budget = 8
     sampler = _sampler(tokenizer, monitor_script(h_root, h_tools), num_generations=m_budget, branch_policy="aepo",
-                       entropy_window=WINDOW, max_tool_calls=3, early_fill_ups=False, seed=0)
+                       entropy_window=WINDOW, max_tool_calls=3, seed=0)
     prompts = _prompts(tokenizer, 2)
     result = sampler.sample(prompts)
     segments = [segment_entropy(h_root)] + [segment_entropy(h) for h in h_tools]
@@ -108,7 +108,7 @@ def segment_entropy_inverse(segment: float) -> float:
 def fork_tree(tokenizer, penalty: float, policy: str = "aepo", threshold: float = 0.4) -> list:
     sampler = _sampler(tokenizer, penalty_script, num_generations=16, initial_rollouts=1, branch_policy=policy,
                        pre_monitoring_beta=None, branch_penalty=penalty, branch_threshold=threshold, entropy_weight=0.2,
-                       entropy_window=WINDOW, max_tool_calls=3, early_fill_ups=False, seed=0)
+                       entropy_window=WINDOW, max_tool_calls=3, seed=0)
     return sampler.sample(_prompts(tokenizer, 1)).groups[0]
 
 

@@ -491,24 +491,18 @@ def test_a_failing_watch_stops_the_command_it_watches(tmp_path):
         bench.run("-c", "import time; time.sleep(600)", watch=watch)
 
 
-def test_rollout_throughput_policy_variants_set_the_sampler_and_refuse_contradictions(tokenizer):
+def test_rollout_throughput_policies_make_their_samplers_and_refuse_the_removed_variants(tokenizer):
     from test_rollout import AsyncScriptedEngine
 
     make = load("rollout_throughput").make_sampler
     args = SimpleNamespace(num_generations=8, initial_rollouts=4, max_tokens=32, seed=0)
     engine = AsyncScriptedEngine(tokenizer, lambda text, rng: ("", 0.0, "stop"))
-    sampler = make(engine, tokenizer, args, "entropy:late-fills")
-    early = sampler.speculation
-    assert early.after_first_decision and early.fill_ups_early
-    early = make(engine, tokenizer, args, "entropy:certain-fills").speculation
-    assert not early.fill_ups_early
-    assert not early.after_first_decision  # this engine is neither compute-bound nor drafting
+    assert make(engine, tokenizer, args, "entropy").initial_rollouts == 4
     assert make(engine, tokenizer, args, "none").initial_rollouts == 8
-    for policy, message in [("entropy:early-fills+late-fills", "early-fills and late-fills contradict"),
-                            ("entropy:speculative", r"unknown variants \['speculative'\]"),
-                            ("entropy:hedge=0.9", r"unknown variants \['hedge=0.9'\]"),
-                            ("entropy:fast", r"unknown variants \['fast'\] in 'entropy:fast'")]:
-        with pytest.raises(ValueError, match=message):
+    assert make(engine, tokenizer, args, "entropy").scheduler.speculation == "auto"
+    assert make(engine, tokenizer, args, "entropy:off").scheduler.speculation == "off"
+    for policy in ("entropy:certain-fills", "entropy:late-fills", "entropy:fast"):
+        with pytest.raises(ValueError, match="unknown variant"):
             make(engine, tokenizer, args, policy)
 
 

@@ -30,6 +30,8 @@ def test_defaults_follow_the_reference(tmp_path):
     ({"entropy_window": 0}, "entropy_window"),
     ({"branch_threshold": 1.5}, "branch_threshold"),
     ({"branch_threshold": -0.1}, "branch_threshold"),
+    ({"entropy_weight": float("nan")}, r"entropy_weight \(β\) must be a finite number"),
+    ({"entropy_weight": float("inf")}, "entropy_weight"),
     ({"branch_policy": "greedy"}, "branch_policy"),
     ({"advantage_attribution": "medium"}, "advantage_attribution"),
     ({"entropy_top_k": 0}, "entropy_top_k"),

@@ -38,10 +38,10 @@ def test_forks_never_exceed_the_budget(tokenizer, m, copies_started, shares):
     """N = 2 globals call a tool at once; every decision forks (τ = 1), Z = 3. Each line holds its share of branches,
     listed right after its global path (tree order)."""
     sampler = _sampler(tokenizer, call_then_answer(), num_generations=m, initial_rollouts=2, branch_factor=3,
-                       branch_threshold=1.0, entropy_weight=0.0, entropy_window=2, max_tool_calls=1,
-                       early_fill_ups=False)
+                       branch_threshold=1.0, entropy_weight=0.0, entropy_window=2, max_tool_calls=1)
     result = sampler.sample(_prompts(tokenizer, 1))
-    assert len(sampler.engine.calls[1]) == 2 + copies_started  # the two probes and the copies beside them
+    assert len(sampler.engine.calls[1]) == 2  # the two probes; the copies start once they have decided
+    assert len(sampler.engine.calls[2]) == 2 + copies_started  # the globals going on, and the copies
     lines = [path for path in result.groups[0] if path.kind == "global"]
     per_line = [sum(path.line == line.id for path in result.groups[0] if path.kind == "branch") for line in lines]
     assert sorted(per_line, reverse=True) == shares
@@ -57,7 +57,7 @@ def test_a_rollouts_policy_override_decides_its_forks(tokenizer):
     def script(text, rng):
         return (CALL, 50.0, "stop") if "</result>" not in text else (ANSWER, 0.0, "eos")
     sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=1.0,
-                       entropy_weight=1.0, entropy_window=2, max_tool_calls=1, early_fill_ups=False)
+                       entropy_weight=1.0, entropy_window=2, max_tool_calls=1)
     assert kinds(sampler.sample(_prompts(tokenizer, 1))) == [["global", "fill"]]
     assert kinds(sampler.sample(_prompts(tokenizer, 1), branch_policy="random")) == [["global", "branch"]]
 
@@ -67,7 +67,7 @@ def test_no_probe_where_no_fork_can_follow(tokenizer, m, n, z):
     """With Z = 1, or once the prompt holds all M paths, a path goes on after a tool result with its whole budget:
     no k-token probe, no copies."""
     sampler = _sampler(tokenizer, call_then_answer(), num_generations=m, initial_rollouts=n, branch_factor=z,
-                       entropy_window=2, max_tool_calls=1, max_completion_length=200, early_fill_ups=False)
+                       entropy_window=2, max_tool_calls=1, max_completion_length=200)
     result = sampler.sample(_prompts(tokenizer, 1))
     assert all(budget > 2 for wave in sampler.engine.budgets for budget in wave)
     assert result.stats.forks == 0 and {path.kind for path in result.groups[0]} <= {"global", "fill"}
@@ -77,8 +77,7 @@ def test_each_tool_result_settles_one_fork_decision(tokenizer):
     """One global (M = 2) calls twice and never forks (τ = β = 0): the fill-up starts right after its second
     decision, when no decision is left that could fill the slot; not after the first, not once the global ended."""
     sampler = _sampler(tokenizer, call_then_answer(calls=2), num_generations=2, initial_rollouts=1,
-                       branch_threshold=0.0, entropy_weight=0.0, entropy_window=3, max_tool_calls=2,
-                       early_fill_ups=False)
+                       branch_threshold=0.0, entropy_weight=0.0, entropy_window=3, max_tool_calls=2)
     prompts = _prompts(tokenizer, 1)
     result = sampler.sample(prompts)
     # waves: the global to its call; its probe (P = 0: no copy starts); on to its second call; its probe; the
@@ -106,7 +105,7 @@ def test_a_branch_inherits_its_parents_settled_decisions(tokenizer):
     # probes (fork, no fork); the rests beside the new copy and the fill-up
     script = entropy_per_request([1.0, 5.0, 1.0, 1.0, 5.0, 0.0], calls=2)
     sampler = _sampler(tokenizer, script, num_generations=4, initial_rollouts=1, branch_threshold=0.5,
-                       entropy_weight=10.0, entropy_window=2, max_tool_calls=2, early_fill_ups=False)
+                       entropy_weight=10.0, entropy_window=2, max_tool_calls=2)
     prompts = _prompts(tokenizer, 1)
     result = sampler.sample(prompts)
     assert _waves_with_bare_prompts(sampler.engine, prompts) == [1, 0, 0, 0, 1, 0, 0]
@@ -117,25 +116,27 @@ def test_a_branch_inherits_its_parents_settled_decisions(tokenizer):
 def test_decisions_at_a_full_prompt_do_not_count_in_the_fork_rate(tokenizer):
     """M = 3, N = 2, τ = 1, β = 0.2: the first global's probe entropy rises (P = 1: it forks and fills the prompt),
     the second's falls (P < 1) but its line owns no branch slot (seed 1 gives the prompt's one slot to the first
-    line, `ForkShares`; the branch is listed after its parent, tree order). The fork-rate estimate the next rollout's
-    speculation starts from (`state_dict`) holds the decisions that could fork only."""
+    line, `ForkShares`; the branch is listed after its parent, tree order). Only the decisions that could fork are
+    recorded (`Trajectory.decisions`)."""
     entropies = iter([1.0, 1.0, 5.0, 0.0])  # per request, in path order: the two calls, then the two probes
 
     def script(text, rng):
         return (CALL if "</result>" not in text else ANSWER), next(entropies, 1.0), \
             "stop" if "</result>" not in text else "eos"
     sampler = _sampler(tokenizer, script, num_generations=3, initial_rollouts=2, branch_threshold=1.0,
-                       entropy_weight=0.2, entropy_window=2, max_tool_calls=1, early_fill_ups=False, seed=1)
+                       entropy_weight=0.2, entropy_window=2, max_tool_calls=1, seed=1)
     result = sampler.sample(_prompts(tokenizer, 1))
     assert kinds(result) == [["global", "branch", "global"]] and result.groups[0][1].parent == result.groups[0][0].id
-    assert sampler.state_dict()["fork_rate"] == 1.0
+    first, branch, second = result.groups[0]
+    assert [d.probability for d in first.decisions] == [1.0] and second.decisions == []
 
 
 def _one_call_event_rollout(tokenizer, branch_threshold: float):
-    """M = 2, N = 1, one tool call, event-driven, zero-cost tokens: (result, call tokens, answer tokens + EOS)."""
+    """M = 2, N = 1, one tool call, event-driven, zero-cost tokens, no fill-up run ahead of the rule: (result, call
+    tokens, answer tokens + EOS)."""
     sampler = _sampler(tokenizer, call_then_answer(), num_generations=2, initial_rollouts=1,
                        branch_threshold=branch_threshold, entropy_weight=0.0, entropy_window=2, max_tool_calls=1,
-                       early_fill_ups=False, scheduler="events", engine_class=AsyncScriptedEngine)
+                       scheduler="events", engine_class=AsyncScriptedEngine, speculation="off")
     sampler.engine.token_seconds = 0.0
     result = sampler.sample(_prompts(tokenizer, 1))
     call = len(tokenizer.encode(CALL, add_special_tokens=False))
@@ -152,14 +153,13 @@ def test_a_fill_ups_chain_continues_the_decision_that_started_it(tokenizer):
 
 
 def test_a_branchs_chain_continues_its_parents_at_the_fork(tokenizer):
-    """τ = 1: the branch starts at the global's tool result, so its chain counts the global's call before its own
-    tokens. The fork is certain before the probe reads anything (P = 1 whatever the entropy), so the branch is
-    confirmed at once and writes its whole answer beside the global's probe, without stopping where the probe stops."""
+    """τ = 1: the branch starts once the global's probe decides the fork, from the global's tool result, so its chain
+    counts the global's call and probe before its own tokens."""
     result, call, answer = _one_call_event_rollout(tokenizer, branch_threshold=1.0)
-    assert kinds(result) == [["global", "branch"]] and result.stats.discarded_tokens == 0
-    assert result.stats.critical_path_tokens == call + answer  # the branch's: the global's call, then its own
-    # the global's chain is as long (its call, then the same answer): a tie goes to the earlier path
-    assert result.stats.critical_path_kind == "global" and result.stats.latest_fill_up_start_tokens == 0
+    assert kinds(result) == [["global", "branch"]]
+    assert result.stats.critical_path_tokens == call + 2 + answer  # the branch's: the global's call and probe, its own
+    # the global's chain is shorter (its call, then the answer its probe began): the longest is the branch's
+    assert result.stats.critical_path_kind == "branch" and result.stats.latest_fill_up_start_tokens == 0
 
 
 def _line(path, by_id) -> int:
@@ -212,44 +212,37 @@ def test_a_short_segment_reads_at_its_tokens_entropy_not_its_length(tokenizer, s
 
 def _one_call_rollouts(tokenizer, probe_entropy: float, rollouts: int = 300):
     """M = 2, N = 1, one call (entropy 3.454, so H_initial = 2·3.454/ln 1000 = 1.0 with k = 2, |V| = 1000), τ = 0.6,
-    β = 0.4: per seed, the result and the engine's waves (wave 1: the probe, and any copy started beside it)."""
+    β = 0.4: per seed, the result and the engine's waves (wave 1: the probe)."""
     def script(text, rng):
         return (CALL, 3.454, "stop") if "</result>" not in text else (ANSWER, probe_entropy, "eos")
     for seed in range(rollouts):
         sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=0.6,
-                           entropy_weight=0.4, entropy_window=2, max_tool_calls=1, early_fill_ups=False, seed=seed)
+                           entropy_weight=0.4, entropy_window=2, max_tool_calls=1, seed=seed)
         result = sampler.sample(_prompts(tokenizer, 1))
         assert len(result.groups[0]) == 2 and result.stats.fill_ups == result.stats.forks ^ 1
         yield result, sampler.engine.calls
 
 
-def test_a_fork_certain_before_its_probe_starts_at_once_and_forks_as_often_as_p(tokenizer):
+def test_a_fork_starts_once_its_probe_decides_it_and_forks_as_often_as_p(tokenizer):
     """k = 2, |V| = 1000: the call's entropy 3.454 gives H_initial = 2·3.454/ln 1000 = 1.0, the probe's 1.727 gives
-    H = 0.5, so P = clip(τ + β·ΔH) = 0.6 - 0.4·0.5 = 0.4. The uniform number u is drawn at the tool result: with u
-    below 0.6 - 0.4·1.0 = 0.2 (the P of a probe reading no entropy at all) the fork is certain and its copy starts
-    confirmed, beside the probe; otherwise it starts once the probe keeps it (u < P). Over 300 rollouts the forks
-    follow Binomial(300, 0.4), within 4.5 standard deviations; the copies that start beside the probe follow
-    Binomial(300, 0.2), every one of them is kept, and nothing is discarded."""
-    forks = beside = beside_kept = discarded = 0
+    H = 0.5, so P = clip(τ + β·ΔH) = 0.6 - 0.4·0.5 = 0.4. Over 300 rollouts the forks follow Binomial(300, 0.4),
+    within 4.5 standard deviations, and a fork's copy starts in the wave after the probe that decided it."""
+    forks = 0
     for result, waves in _one_call_rollouts(tokenizer, 1.727):
         forks += result.stats.forks
-        copy_beside_probe = len(waves[1]) == 2  # the wave after the tool result
-        beside += copy_beside_probe
-        beside_kept += copy_beside_probe and result.stats.forks == 1
-        discarded += result.stats.discarded_tokens
+        assert len(waves[1]) == 1  # the wave after the tool result: the probe alone
         if result.stats.forks:
-            assert result.stats.fork_deltas == [pytest.approx(-0.5, abs=1e-3)]
+            assert result.stats.fork_deltas == [pytest.approx(-0.5, abs=1e-3)] and len(waves[2]) == 2
     assert abs(forks - 120) <= 4.5 * (300 * 0.4 * 0.6) ** 0.5
-    assert discarded == 0 and beside == beside_kept and abs(beside - 60) <= 4.5 * (300 * 0.2 * 0.8) ** 0.5
 
 
-def test_a_certain_fork_stands_when_the_probe_reads_below_zero_entropy(tokenizer):
-    """A server's top logprobs may sit a rounding above 0, which makes a token's entropy slightly negative. As above,
-    P₀ = 0.2; the probe now reads H = -0.5, so its own P is 0. The forks made certain at the tool result (u < 0.2)
-    stand, and their running copies are not dropped: Binomial(300, 0.2) forks, and no others."""
-    forks = 0
-    for result, waves in _one_call_rollouts(tokenizer, -1.727):
-        forks += result.stats.forks
-        if result.stats.forks:  # kept only where certain: its copy started beside the probe, nothing was discarded
-            assert len(waves[1]) == 2 and result.stats.discarded_tokens == 0
-    assert abs(forks - 60) <= 4.5 * (300 * 0.2 * 0.8) ** 0.5
+def test_a_probe_that_reads_below_zero_entropy_forks_at_the_clipped_p(tokenizer):
+    """A server's top logprobs may sit a rounding above 0, which makes a token's entropy slightly negative. The probe
+    here reads H = -0.5, so P = clip(0.6 + 0.4·(-1.5), 0, 1) = 0: no rollout forks."""
+    assert sum(result.stats.forks for result, _ in _one_call_rollouts(tokenizer, -1.727, rollouts=50)) == 0
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), "0.2", True])
+def test_beta_is_checked_like_tau(tokenizer, weight):
+    with pytest.raises(ValueError, match=r"entropy_weight \(β\) must be a finite number"):
+        _sampler(tokenizer, call_then_answer(), entropy_weight=weight)

@@ -93,13 +93,11 @@ def calls_then_answers(max_calls):
     return script
 
 
-def _sampler(tokenizer, script, tools=None, engine_class=None, early_fill_ups=True, **kw):
-    """A sampler over a scripted engine; `early_fill_ups=False`: speculation's fill-ups off (certain forks still start
-    at their tool result), so that a test counts only the fill-ups the rule is certain of."""
+def _sampler(tokenizer, script, tools=None, engine_class=None, **kw):
+    """A sampler over a scripted engine."""
     engine = (engine_class or ScriptedEngine)(tokenizer, script, seed=kw.pop("engine_seed", 0))
     kw.setdefault("seed", 0)  # a seed fixes every fork draw: no test depends on an unseeded one
     sampler = BranchingSampler(engine, tokenizer, tools if tools is not None else [Tool("python", lambda c: "2")], **kw)
-    sampler.speculation.fill_ups_early = early_fill_ups
     return sampler
 
 
@@ -136,15 +134,14 @@ def test_exactly_m_per_prompt_and_branch_prefixes(tokenizer, policy, seed, sched
 
 @pytest.mark.parametrize("scheduler", ["waves", "events"])
 @pytest.mark.parametrize("seed", range(3))
-def test_deferred_branches_start_from_the_tool_result_and_discard_nothing(tokenizer, seed, scheduler):
-    """Speculation 'auto': an uncertain fork's copies start once the probe keeps them, from the path as it was at the
-    tool result (its probe's tokens not included); nothing is generated for copies that are not kept."""
+def test_branches_start_from_the_tool_result(tokenizer, seed, scheduler):
+    """A fork's copies start once the probe decides the fork, from the path as it was at the tool result (its probe's
+    tokens not included)."""
     sampler = _sampler(tokenizer, calls_then_answers(3), num_generations=8, initial_rollouts=2, seed=seed,
                        engine_seed=seed, max_completion_length=200, scheduler=scheduler,
-                       early_fill_ups=False, engine_class=AsyncScriptedEngine if scheduler == "events" else None)
+                       engine_class=AsyncScriptedEngine if scheduler == "events" else None)
     result = sampler.sample(_prompts(tokenizer, 3))
     assert [len(g) for g in result.groups] == [8, 8, 8] and result.stats.forks > 0
-    assert result.stats.discarded_tokens == 0 and not any(not t.committed for t in result.trajectories)
     by_id = {t.id: t for t in result.trajectories}
     for t in result.trajectories:
         if t.kind == "branch":
@@ -225,18 +222,17 @@ def _waves_with_bare_prompts(engine, prompts) -> list[int]:
 
 
 def test_fill_ups_start_at_once_when_forks_cannot_fill_the_budget(tokenizer):
-    """Replay the engine's calls wave by wave (speculation off: only certain fill-ups). The reference adds one fill-up
+    """Replay the engine's calls wave by wave (fill-ups start once certain). The reference adds one fill-up
     per round once every path has ended; here all missing paths start together as soon as they are certain."""
     answer = lambda text, rng: ("<answer>\\boxed{2}</answer>", 0.1, "eos")  # noqa: E731  (no call: nothing forks)
     prompts = _prompts(tokenizer, 2)
-    sampler = _sampler(tokenizer, answer, num_generations=6, initial_rollouts=2, early_fill_ups=False)
+    sampler = _sampler(tokenizer, answer, num_generations=6, initial_rollouts=2)
     result = sampler.sample(prompts)
     # wave 1: the 2 globals of each prompt; they end without a call, so wave 2 starts the 4 missing of each prompt
     assert _waves_with_bare_prompts(sampler.engine, prompts) == [4, 8]
     assert [[t.kind for t in g] for g in result.groups] == [["global"] * 2 + ["fill"] * 4] * 2
     # no tool calls allowed: forking can never fill, so every path starts in wave 1
-    sampler = _sampler(tokenizer, calls_then_answers(2), num_generations=6, initial_rollouts=2, max_tool_calls=0,
-                       early_fill_ups=False)
+    sampler = _sampler(tokenizer, calls_then_answers(2), num_generations=6, initial_rollouts=2, max_tool_calls=0)
     sampler.sample(prompts)
     assert _waves_with_bare_prompts(sampler.engine, prompts) == [12]
 
@@ -249,7 +245,7 @@ def test_fill_ups_wait_for_the_last_fork_decision_that_could_fill(tokenizer):
         return (CALL, 0.1, "stop") if "</result>" not in text else ("<answer>\\boxed{2}</answer>", 0.1, "eos")
     prompts = _prompts(tokenizer, 1)
     sampler = _sampler(tokenizer, script, num_generations=4, initial_rollouts=2, branch_threshold=0.0,
-                       entropy_weight=0.0, entropy_window=3, max_tool_calls=1, early_fill_ups=False)
+                       entropy_weight=0.0, entropy_window=3, max_tool_calls=1)
     result = sampler.sample(prompts)
     engine = sampler.engine
     # wave 1: globals to their call; wave 2: their probes (3 tokens); wave 3: the probes decided "no fork", so both
@@ -260,62 +256,71 @@ def test_fill_ups_wait_for_the_last_fork_decision_that_could_fill(tokenizer):
     assert result.stats.forks == 0 and result.stats.fill_ups == 2
 
 
-def test_branches_start_beside_their_parents_probe(tokenizer):
-    """Fork probability 1: the copy's first request is in the same wave as its parent's probe (no lag), and it is kept
-    with the parent's tokens up to the result."""
+def test_branches_start_after_their_parents_probe(tokenizer):
+    """Fork probability 1: the copy starts once the probe has decided the fork, from its parent's tokens up to the
+    result (the probe's not included): its first request is in the wave after the probe, beside the parent's
+    continuation."""
     def script(text, rng):
         return (CALL, 0.1, "stop") if "</result>" not in text else ("thinking hard <answer>\\boxed{2}</answer>",
                                                                      0.1, "eos")
     prompts = _prompts(tokenizer, 1)
     sampler = _sampler(tokenizer, script, num_generations=2, initial_rollouts=1, branch_threshold=1.0,
-                       entropy_window=2, max_tool_calls=1, early_fill_ups=False)
+                       entropy_window=2, max_tool_calls=1)
     result = sampler.sample(prompts)
     parent, child = result.groups[0]
-    assert child.kind == "branch" and child.parent == parent.id and child.fork_position == len(parent.completion_ids
-                                                                                              [: child.fork_position])
-    second = sampler.engine.calls[1]
-    assert [list(p) for p in second] == [parent.prompt_ids + parent.completion_ids[: child.fork_position]] * 2
-    assert sampler.engine.budgets[1] == [2, 2]
+    assert child.kind == "branch" and child.parent == parent.id
+    fork_point = parent.prompt_ids + parent.completion_ids[: child.fork_position]
+    probe, after = sampler.engine.calls[1], sampler.engine.calls[2]
+    assert [list(p) for p in probe] == [fork_point] and sampler.engine.budgets[1] == [2]
+    assert len(after) == 2 and fork_point in [list(p) for p in after]
+    assert child.completion_ids[: child.fork_position] == parent.completion_ids[: child.fork_position]
 
 
-class PrefixPolicy(ScriptedEngine):
-    """A deterministic policy: each segment is a function of the whole prefix (prompt included), so a path's tokens
-    do not depend on which other requests share its wave."""
+class KeyedAsyncPolicy(AsyncScriptedEngine):
+    """As a server that takes a path's seed: each segment a function of the path's seed and whole prefix (prompt
+    included), served one request at a time in random order."""
 
-    def __init__(self, tokenizer, script=None, seed=0):
-        super().__init__(tokenizer, self.script, seed=seed)
+    request_options = frozenset({"seed"})
 
-    def segment(self, prefix, budget):
-        self._prefix = prefix
-        return super().segment(prefix, budget)
+    def __init__(self, tokenizer, script=None, seed=0, **kw):
+        super().__init__(tokenizer, self.script, seed=seed, **kw)
+
+    async def agenerate(self, prefix, max_new_tokens, stop, seed=0):
+        self._key = (seed, list(prefix))  # read by `script`, which runs before the first await
+        return await super().agenerate(prefix, max_new_tokens, stop)
 
     def script(self, text, rng):
-        h = int(hashlib.sha256(str(self._prefix).encode()).hexdigest()[:6], 16) / 16**6
+        h = int(hashlib.sha256(str(self._key).encode()).hexdigest()[:6], 16) / 16**6
         calls = text.count("</result>")
         if calls < 3 and h < 0.7:
             return f"step{calls}{int(h * 100)} {CALL}", 3 * h, "stop"
         return "<answer>\\boxed{2}</answer>", h, "eos"
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_speculative_fill_ups_leave_the_trees_unchanged(tokenizer, seed):
-    """Forks take precedence over speculative fill-ups, which are committed in start order: on a policy whose output
-    depends only on its own prefix, the committed trees are those of fill-ups started only once certain."""
-    shapes, stats = [], []
-    for speculate, after_first_decision in ((True, False), (False, False), (True, True)):
-        sampler = _sampler(tokenizer, None, num_generations=8, initial_rollouts=3, seed=seed, engine_class=PrefixPolicy,
-                           early_fill_ups=speculate)
-        sampler.speculation.after_first_decision = after_first_decision  # as on an engine that drafts late paths
-        result = sampler.sample(_prompts(tokenizer, 6))
-        stats.append(result.stats)
-        by_id = {t.id: t for t in result.trajectories}  # a path: its kind, tokens and its parent's (ids differ)
-        shapes.append([sorted((t.kind, t.fork_position, t.completion_ids, by_id[t.parent].completion_ids
-                               if t.parent is not None else None) for t in g) for g in result.groups])
-    assert shapes[0] == shapes[1] == shapes[2]
-    assert stats[0].forks == stats[1].forks == stats[2].forks > 0
-    assert stats[0].fill_ups == stats[1].fill_ups == stats[2].fill_ups > 0
-    assert stats[0].speculative_fill_ups > 0 and stats[0].discarded_tokens > 0  # some were dropped for forks
-    assert stats[1].speculative_fill_ups == stats[1].discarded_tokens == 0
+def test_fill_ups_run_ahead_of_the_rule_leave_the_trees_unchanged(tokenizer):
+    """The event scheduler runs likely fill-ups ahead of the rule (`prefetch.py`) and hands one over only when the
+    rule starts it, its program replaying the shadow's answers: on an engine that draws a path's tokens from its seed,
+    the trees are those grown without it, token for token, whatever order the requests complete in. One tool call per
+    path: then only a global path can fork, so no two paths of a line race for its last branch slot (which the first
+    to decide takes, so that with more calls a tree may depend on the order decisions come in, prefetch or not)."""
+    adopted = discarded = 0
+    for seed in range(4):
+        grown, stats = [], []
+        for speculation in ("auto", "off"):
+            sampler = _sampler(tokenizer, None, num_generations=8, initial_rollouts=3, seed=seed, engine_seed=seed,
+                               max_tool_calls=1, engine_class=KeyedAsyncPolicy, scheduler="events",
+                               speculation=speculation)
+            result = sampler.sample(_prompts(tokenizer, 6))
+            grown.append([[(t.id, t.key, t.kind, t.parent, t.fork_position, t.completion_ids, t.mask, t.finish_reason,
+                            [(c.tool, c.arguments, c.result_start, c.result_end) for c in t.calls]) for t in group]
+                           for group in result.groups])
+            stats.append(result.stats)
+        assert grown[0] == grown[1], seed
+        assert stats[0].forks == stats[1].forks > 0 and stats[0].fill_ups == stats[1].fill_ups > 0
+        assert stats[0].speculative_fill_ups > 0 and stats[0].tool_calls == stats[1].tool_calls
+        assert stats[1].speculative_fill_ups == stats[1].adopted_fill_ups == stats[1].discarded_tokens == 0
+        adopted, discarded = adopted + stats[0].adopted_fill_ups, discarded + stats[0].discarded_tokens
+    assert adopted > 0 and discarded > 0  # some fill-ups were handed over, some dropped
 
 
 def test_call_limit_ends_with_eos(tokenizer):

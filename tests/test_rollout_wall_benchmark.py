@@ -46,7 +46,7 @@ def test_the_methods_rollouts_alternate(tokenizer, monkeypatch):
         return sample(self, prompts, *args, **kwargs)
 
     monkeypatch.setattr(rollout_shape.BranchingSampler, "sample", traced)
-    args = types.SimpleNamespace(rollouts=2, prompts=2, token_ms=0.0, seed=0, no_speculation=False, request_steps=1,
+    args = types.SimpleNamespace(rollouts=2, prompts=2, token_ms=0.0, seed=0, speculation="auto", request_steps=1,
                                  segment_statistic=None)
     runs = rollout_shape.run_paired(tokenizer, rollout_shape.REGIMES["quickstart"], ["arpo", "grpo"], "steps/events",
                                     args)

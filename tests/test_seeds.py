@@ -1,7 +1,8 @@
 """A seed reproduces a rollout, whatever its schedule (docs/differences.md, "Seeds"): every random draw is keyed by the
 rollout's seed and the path's place in its tree (`Trajectory.key`), its fork draws in the sampler and its tokens in
 the cached engine (`generation/sampling.py`), so neither the arrival of tool results nor the batch a request ran in,
-nor the scheduler, drafts or speculative paths change what a path samples.
+nor the scheduler, drafts or fill-ups run ahead of the rule change what a path samples (`test_golden_trees.py` holds
+the trees themselves).
 
 The model is the tool model in float64 and samples at temperature 1: a batch's rounding then moves a logit by ~1e-16,
 so a token could only change where its uniform falls within that of a boundary of its distribution."""
@@ -80,21 +81,19 @@ def test_a_seed_reproduces_the_trees_under_events_with_a_concurrent_tool(tool_mo
 
 @pytest.mark.parametrize("policy", ["entropy", "random", "aepo", "none"])
 def test_the_same_seed_grows_the_same_trees_under_every_schedule(tool_model64, tokenizer, policy):
-    """Waves or events, drafts or none, speculation (early fill-ups and certain forks) or none: one seed, one tree
-    per prompt."""
+    """Waves or events, drafts or none, fill-ups run ahead (`prefetch.py`) or not: one seed, one tree per prompt."""
     expected = trees(grow(tool_model64, tokenizer, policy=policy, rollouts=1)[0][0])
-    for schedule in ({"scheduler": "waves"}, {"drafts": 0}, {"speculation": "off"},
-                     {"scheduler": "waves", "speculation": "off"},
-                     {"scheduler": "waves", "drafts": 0, "speculation": "off"}):
+    for schedule in ({"scheduler": "waves"}, {"drafts": 0}, {"speculation": "off"}, {"drafts": 0, "speculation": "off"},
+                     {"scheduler": "waves", "drafts": 0}):
         result = grow(tool_model64, tokenizer, policy=policy, rollouts=1, **schedule)[0][0]
         assert trees(result) == expected, schedule
 
 
-# What a run's schedule decides (when requests ran, what the prefix cache held, speculation's waste) and its timings:
-# the rest of a step's metrics are the seed's.
+# What a run's schedule decides (when requests ran, what the prefix cache held) and its timings: the rest of a step's
+# metrics are the seed's.
 SCHEDULE_METRICS = ("arpo/critical_path_tokens", "arpo/latest_fill_up_start_tokens", "arpo/discarded_tokens_per_group",
-                    "arpo/waves", "arpo/prefill_tokens_per_group", "arpo/engine_", "seconds", "step_time", "runtime",
-                    "per_second")
+                    "arpo/waves",
+                    "arpo/prefill_tokens_per_group", "arpo/engine_", "seconds", "step_time", "runtime", "per_second")
 
 
 def test_two_runs_of_one_seed_log_the_same_steps(tool_model_dir, tokenizer, addition_dataset, tmp_path):

@@ -12,11 +12,9 @@ from arpo_trl.generation import CachedTransformersEngine
 from arpo_trl.generation.cpu.costs import CPU_COSTS, CPU_DECODE_COST
 from arpo_trl.generation.engine import SamplingSettings
 from arpo_trl.generation.speculation import Acceptance, DraftIndex
-from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.rollout import BranchingSampler
 from arpo_trl.tools import Tool
 from tests.test_cached_engine import GREEDY, _chi2_and_bound, _prompt
-from tests.test_rollout import AsyncScriptedEngine
 
 
 def test_drafts_follow_the_longest_suffix_where_it_occurred_before():
@@ -180,21 +178,3 @@ def test_tokens_after_a_verified_draft_follow_the_model_distribution(tiny_model_
         x1, x2 = segment.token_ids
         row = int((support == x1).nonzero())
         assert segment.logprobs[1] == pytest.approx(math.log(second[row, x2]), abs=1e-3)
-
-
-def test_fill_ups_wait_for_the_first_fork_decision_on_an_engine_that_drafts_late_paths_or_is_compute_bound(
-        tool_model64, tokenizer):
-    """Event-driven only: under the waves scheduler a seed fixes the trees with either in-process engine. A
-    compute-bound engine (vLLM on a CPU: `ColocatedVLLMEngine.compute_bound`, checked in the colocate tests) pays for
-    every fill-up a fork drops, so it waits too; one that is not starts them with the rollout."""
-    def waits(engine, scheduler="auto"):
-        return BranchingSampler(engine, tokenizer, [Tool("python", lambda c: "42")], num_generations=4, seed=0,
-                                scheduler=scheduler).speculation.after_first_decision
-
-    assert waits(CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY))
-    assert not waits(CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY), "waves")
-    assert not waits(CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=0))
-    assert not waits(TransformersEngine(tool_model64, tokenizer, sampling=GREEDY))
-    on_a_gpu, on_a_cpu = AsyncScriptedEngine(tokenizer, {}), AsyncScriptedEngine(tokenizer, {})
-    on_a_gpu.compute_bound, on_a_cpu.compute_bound = False, True
-    assert not waits(on_a_gpu) and waits(on_a_cpu) and not waits(on_a_cpu, "waves")

@@ -11,7 +11,6 @@ within rounding of a boundary of F (docs/differences.md, "Seeds").
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,13 +45,6 @@ def distributions(scores: torch.Tensor, temperature: float, warpers: LogitsProce
 
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
-def derive_seed(*parts) -> int:
-    """A 63-bit seed from `parts` (ints, strings and tuples of them): the same in every process, run and machine
-    (Python's `hash` of a string is not)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:

@@ -31,9 +31,9 @@ Where we differ from the reference code, deliberately (docs/differences.md says 
     scheduler, whenever tool results arrive.
 
 What is not the rule lives behind the calls this file makes: `self.writer` writes into a path (tokens in, the call
-cut at its tag, results appended: `path_writer.py`), `self.scheduler` decides when each request runs (waves or
-events: `schedulers.py`), and `self.speculation` starts work before the rule needs it (likely fill-ups, a certain
-fork's copies at its tool result: `speculation.py`) without changing what the rule decides.
+cut at its tag, results appended: `path_writer.py`) and `self.scheduler` decides when each request runs (waves or
+events: `schedulers.py`, which may run likely fill-ups ahead and hand one over when the rule starts it: the rule does
+not see it, `prefetch.py`).
 """
 
 from __future__ import annotations
@@ -45,11 +45,10 @@ from collections.abc import Generator, Sequence
 
 from arpo_trl.entropy import check_entropy_args, segment_entropy
 from arpo_trl.generation.engine import GenerationEngine
-from arpo_trl.generation.sampling import derive_seed
 from arpo_trl.rollout.path_writer import OPEN, PathWriter
-from arpo_trl.rollout.paths import ForkDecision, Rollout, RolloutResult, Trajectory, committed_count
+from arpo_trl.rollout.paths import ForkDecision, Rollout, RolloutResult, Trajectory
 from arpo_trl.rollout.schedulers import CallRequest, GenerateRequest, PathRequest, make_scheduler
-from arpo_trl.rollout.speculation import Speculation
+from arpo_trl.rollout.seeds import derive_seed
 from arpo_trl.rollout.tool_calls import CallFormat, TagFormat, ToolCall, bind_call
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.environments import fork_environment
@@ -67,8 +66,9 @@ class BranchingSampler:
     (`TagFormat`, the default) or through the chat template (`call_format=ChatTemplateFormat(...)`).
 
     `scheduler`: 'events' (every path advances on its own; needs an engine with `agenerate`), 'waves' (ready requests
-    batched into one `generate` call) or 'auto' (events where the engine can). `speculation`: 'auto' (likely fill-ups
-    and certain forks start early) or 'off'; the trees are the same in both (`speculation.py`).
+    batched into one `generate` call) or 'auto' (events where the engine can). `speculation`: 'auto' (the event
+    scheduler runs likely fill-ups ahead of the rule and hands one over only when the rule starts it: `prefetch.py`)
+    or 'off'; the trees are the same in both.
     """
 
     def __init__(
@@ -102,7 +102,7 @@ class BranchingSampler:
         if initial_rollouts is None:
             initial_rollouts = default_initial_rollouts(num_generations, branch_policy)
         check_branching_args(num_generations, initial_rollouts, branch_factor, branch_threshold, entropy_window,
-                             branch_policy, max_tool_calls)
+                             branch_policy, max_tool_calls, entropy_weight=entropy_weight)
         check_aepo_args(branch_penalty, pre_monitoring_beta)
         check_entropy_args("auto", None, segment_statistic)
         if tool_timeout <= 0 or max_tool_workers < 1:
@@ -127,9 +127,8 @@ class BranchingSampler:
         self.tool_timeout = tool_timeout
         self.max_tool_workers = max_tool_workers
         self.reseed(random.randrange(2 ** 63) if seed is None else seed)
-        self.scheduler = make_scheduler(scheduler, engine)
+        self.scheduler = make_scheduler(scheduler, engine, speculation)
         self.shares = ForkShares()
-        self.speculation = Speculation.for_engine(speculation, self, engine, self.scheduler.event_driven)
         eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
         self.eos_token_id = eos[0]
         self.writer = PathWriter(tokenizer, self.call_format, self.eos_token_id, max_completion_length, max_tool_calls,
@@ -150,12 +149,11 @@ class BranchingSampler:
         m = num_generations or self.num_generations
         n = initial_rollouts or (m if policy == "none" else min(self.initial_rollouts, m))
         check_branching_args(m, n, self.branch_factor, self.branch_threshold, self.entropy_window, policy,
-                             self.max_tool_calls)
+                             self.max_tool_calls, entropy_weight=self.entropy_weight)
         start = time.perf_counter()
         rollout = Rollout([[] for _ in prompts], m, policy, environments=environments, fork=fork_environment,
                           seed=derive_seed(self.seed, self.rollouts))
         self.rollouts += 1
-        self.speculation.begin(rollout)
         monitored = policy == "aepo" and self.pre_monitoring_beta is not None
         for g, prompt in enumerate(prompts):  # step 1: N global samples (AEPO: one monitoring path first)
             for _ in range(1 if monitored else n):
@@ -165,7 +163,6 @@ class BranchingSampler:
             self._fill_up(rollout, g, None)
         self.scheduler.run(self, rollout)
         rollout.finish()
-        self.speculation.learn(rollout)
         rollout.stats.seconds = time.perf_counter() - start
         return RolloutResult(rollout.groups, rollout.stats)
 
@@ -219,7 +216,6 @@ class BranchingSampler:
             self._decide_fork(rollout, path, None)
             return False
         path.pending_draw = fork_draw(path)
-        self.speculation.at_tool_result(rollout, path)  # may start the copies now (a fork u already makes certain)
         return True
 
     def _may_fork(self, rollout: Rollout, path: Trajectory) -> bool:
@@ -228,24 +224,21 @@ class BranchingSampler:
 
     def _decide_fork(self, rollout: Rollout, path: Trajectory, delta: float | None) -> None:
         """Settle the fork at the path's latest tool result: Z − 1 copies with probability P (None: no fork was
-        possible there). Copies the speculation started at the result (a fork its u made certain) are kept."""
-        early, kept = self.speculation.early_copies(path), 0
-        held = bool(early)  # certain at the tool result, whatever (even < 0) the probe read
+        possible there)."""
+        kept = 0
         draw, path.pending_draw = path.pending_draw, None
-        if delta is not None and (held or self._may_fork(rollout, path)):
+        if delta is not None and self._may_fork(rollout, path):
             probability = self.fork_probability(delta, rollout.policy, path.consecutive_forks)
-            forked = held or draw < probability
-            rollout.fork_probabilities.append(probability)
+            forked = draw < probability
             path.decisions.append(ForkDecision(len(path.completion_ids), delta, probability, draw, forked))
             if forked:
-                copies = early or [self.branch(rollout, path, c)
-                                   for c in range(min(self.branch_factor - 1, self.shares.free(rollout, path)))]
+                copies = [self.branch(rollout, path, c)
+                          for c in range(min(self.branch_factor - 1, self.shares.free(rollout, path)))]
                 kept = len(copies)
                 for child in copies:
                     child.fork_delta = delta
                     rollout.stats.forks += 1
                     rollout.stats.fork_deltas.append(delta)
-                self.speculation.forked(rollout, path.group)
         path.fork_decisions += 1
         path.consecutive_forks = path.consecutive_forks + 1 if kept else 0  # AEPO's l: forks in a row on this line
         self._fill_up(rollout, path.group, path)
@@ -267,22 +260,18 @@ class BranchingSampler:
     # ---- the budget of exactly M (step 5) ----------------------------------------------------------------------
     def _fill_up(self, rollout: Rollout, g: int, creator: Trajectory | None) -> None:
         """Start every fill-up prompt `g` is now certain to need: the slots forking cannot supply even if every live
-        path forked at every tool result it may still reach (`capacity`). Fill-ups the speculation started early are
-        taken first, oldest first, so the trees are those of fill-ups started only once certain."""
+        path forked at every tool result it may still reach (`capacity`)."""
         if g in rollout.monitoring:  # AEPO: how many global samples the group gets is not decided yet
             return
         group = rollout.groups[g]
-        if committed_count(group) >= rollout.num_generations and not self.speculation.running_fill_ups(group):
+        if len(group) >= rollout.num_generations:
             return  # the prompt's M paths are all decided
         forkable = sum(min(sum(self.capacity(rollout, path) for path in paths), self.shares.remaining(rollout, g, line))
                        for line, paths in self.live_lines(rollout, g).items())
-        certain = rollout.num_generations - committed_count(group) - forkable
-        if certain > 0:
-            taken = self.speculation.take_fill_ups(group, certain)
-            for _ in range(certain - taken):
-                rollout.start(g, group[0].prompt_ids, "fill", creator)
-            rollout.stats.fill_ups += certain
-        self.speculation.fill_ups(rollout, g, creator)
+        certain = rollout.num_generations - len(group) - forkable
+        for _ in range(max(0, certain)):
+            rollout.start(g, group[0].prompt_ids, "fill", creator)
+        rollout.stats.fill_ups += max(0, certain)
 
     def capacity(self, rollout: Rollout, path: Trajectory) -> int:
         """The most paths forking can still add below a live path: Z − 1 copies at each tool result it may still
@@ -297,10 +286,10 @@ class BranchingSampler:
         return path.active and path.kind != "fill" and rollout.policy != "none" and self.branch_factor > 1
 
     def live_lines(self, rollout: Rollout, g: int) -> dict[int | None, list[Trajectory]]:
-        """Prompt `g`'s committed paths that may still fork, by line (`ForkShares`)."""
+        """Prompt `g`'s paths that may still fork, by line (`ForkShares`)."""
         lines: dict[int | None, list[Trajectory]] = {}
         for path in rollout.groups[g]:
-            if path.committed and self.forking(rollout, path):
+            if self.forking(rollout, path):
                 lines.setdefault(path.line, []).append(path)
         return lines
 
@@ -324,9 +313,8 @@ class BranchingSampler:
         self.rollouts = 0
 
     def state_dict(self) -> dict:
-        """What a resumed run needs to grow the same trees: the seed, the rollouts drawn so far and the speculation's
-        rates."""
-        return {"seed": self.seed, "rollouts": self.rollouts, **self.speculation.state_dict()}
+        """What a resumed run needs to grow the same trees: the seed and the rollouts drawn so far."""
+        return {"seed": self.seed, "rollouts": self.rollouts}
 
     def load_state_dict(self, state: dict) -> None:
         if not {"seed", "rollouts"} <= set(state):
@@ -334,7 +322,6 @@ class BranchingSampler:
                              "an arpo-trl before keyed draws, whose trees a resumed run cannot continue.")
         self.reseed(state["seed"])
         self.rollouts = state["rollouts"]
-        self.speculation.load_state_dict(state)
 
 
 def fork_draw(path: Trajectory) -> float:
@@ -369,12 +356,12 @@ class ForkShares:
         """Branch slots `line` may still take."""
         if line is None:
             return 0
-        used = sum(path.committed for path in rollout.groups[g] if path.kind == "branch" and path.line == line)
+        used = sum(path.kind == "branch" and path.line == line for path in rollout.groups[g])
         return self.shares(rollout, g).get(line, 0) - used
 
     def free(self, rollout: Rollout, path: Trajectory) -> int:
         """Branch slots a fork of `path` may take now: its line's remaining share, within the prompt's M."""
-        open_slots = rollout.num_generations - committed_count(rollout.groups[path.group])
+        open_slots = rollout.num_generations - len(rollout.groups[path.group])
         return min(open_slots, self.remaining(rollout, path.group, path.line))
 
 
@@ -407,7 +394,7 @@ def aepo_fork_probability(delta_entropy: float, consecutive_forks: int, threshol
 # ---- argument checks (shared by ARPOConfig) ----------------------------------------------------------------------
 def check_branching_args(
     num_generations: int, initial_rollouts: int, branch_factor: int, branch_threshold: float,
-    entropy_window: int, branch_policy: str, max_tool_calls: int,
+    entropy_window: int, branch_policy: str, max_tool_calls: int, *, entropy_weight: float = 0.2,
 ) -> None:
     """Raise a ValueError naming the field for any invalid combination."""
     m, n = num_generations, initial_rollouts
@@ -426,6 +413,10 @@ def check_branching_args(
         raise ValueError(f"branch_factor (Z) must be >= 1, got {branch_factor}.")
     if not 0.0 <= branch_threshold <= 1.0:
         raise ValueError(f"branch_threshold (τ) must be in [0, 1], got {branch_threshold}.")
+    if isinstance(entropy_weight, bool) or not isinstance(entropy_weight, (int, float)) \
+            or not math.isfinite(entropy_weight):
+        raise ValueError(f"entropy_weight (β) must be a finite number (ΔH's weight in P = clip(τ + β·ΔH, 0, 1)), got "
+                         f"{entropy_weight!r}.")
     if entropy_window < 1:
         raise ValueError(f"entropy_window (k) must be >= 1, got {entropy_window}.")
     if max_tool_calls < 0:

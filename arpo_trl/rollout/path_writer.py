@@ -52,14 +52,12 @@ class PathWriter:
         cut = cut_at_stop(path.completion_ids[start:], self.decode, self.encode, stops) if found else None
         if cut is None and may_continue and seg.finish_reason == "length":
             return OPEN
-        rollout.segments += 1
         if cut is None:
             unclosed = self.call_format.unclosed_call(self.decode(path.completion_ids[start:]))
             if unclosed is not None:  # a call the environment never saw: a format error, as in the reference
                 path.calls.append(ToolCallRecord(unclosed, ran=False))
             return self.finish(path, "eos" if seg.finish_reason == "eos" else "length")
         kept, rewritten, stop = cut
-        rollout.segments_calling += 1
         path.cut(start + len(kept))  # what the engine generated past the tag is dropped
         self.append(path, rewritten, 0)
         text = self.decode(path.completion_ids[start:])

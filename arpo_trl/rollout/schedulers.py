@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from arpo_trl.rollout.paths import Rollout, Trajectory
+from arpo_trl.rollout.prefetch import FillUpPrefetch, Shadow
 from arpo_trl.rollout.tool_calls import CallFormat, ToolCall
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.runner import ToolRunner
@@ -97,16 +98,23 @@ def interrupt_tools(sampler: Sampler) -> None:
             tool.interrupt()
 
 
-def make_scheduler(name: str, engine) -> WaveScheduler | EventScheduler:
-    """'events' needs an engine with `agenerate`; 'waves' drives any engine; 'auto' picks events where it can."""
+def make_scheduler(name: str, engine, speculation: str = "auto") -> WaveScheduler | EventScheduler:
+    """'events' needs an engine with `agenerate`; 'waves' drives any engine; 'auto' picks events where it can.
+    `speculation` ('auto' or 'off'): whether the event scheduler runs likely fill-ups ahead of the rule
+    (`prefetch.py`)."""
     asynchronous = callable(getattr(engine, "agenerate", None))
+    if speculation not in ("auto", "off"):
+        raise ValueError(f"speculation must be one of ('auto', 'off'), got {speculation!r}.")
     if name == "waves" or (name == "auto" and not asynchronous):
         return WaveScheduler()
     if name in ("events", "auto"):
         if not asynchronous:
             raise ValueError(f"scheduler='events' needs an engine with an `agenerate` method (e.g. VLLMServerEngine); "
                              f"{type(engine).__name__} only generates in batches: use scheduler='waves' or 'auto'.")
-        return EventScheduler()
+        # fill-ups wait for a prompt's first decision where an early one costs most: an engine that drafts a late
+        # path from its siblings' text (the cached engine) or one whose every row costs compute (vLLM on a CPU)
+        late = getattr(engine, "drafts_late_paths", False) or getattr(engine, "compute_bound", False)
+        return EventScheduler(speculation, wait_for_first_decision=late)
     raise ValueError(f"scheduler must be one of ('auto', 'events', 'waves'), got {name!r}.")
 
 
@@ -140,14 +148,22 @@ class _Activity:
 
 
 class EventScheduler:
-    """One asyncio task per path; requests and tool calls are awaited as they come."""
+    """One asyncio task per path; requests and tool calls are awaited as they come, and likely fill-ups run ahead of
+    the rule (`prefetch.FillUpPrefetch`; `speculation='off'`: none)."""
 
     event_driven = True
 
+    def __init__(self, speculation: str = "auto", wait_for_first_decision: bool = False):
+        self.speculation = speculation
+        self.wait_for_first_decision = wait_for_first_decision
+        self.prefetch: FillUpPrefetch | None = None  # made for the first sampler it drives; its rates carry over
+
     def run(self, sampler: Sampler, rollout: Rollout) -> None:
+        if self.prefetch is None:
+            self.prefetch = FillUpPrefetch(sampler, self.speculation, self.wait_for_first_decision)
         runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
         try:
-            events = _EventRollout(sampler, rollout, runner).run()
+            events = _EventRollout(sampler, rollout, runner, self.prefetch).run()
             if any_runs_here(sampler.tools):  # the loop on a thread of its own; this one runs those tools' calls
                 return run_loop_in_thread(events, runner)
             return run_coroutine(events)  # also inside a running loop (Jupyter)
@@ -155,11 +171,23 @@ class EventScheduler:
             runner.close()
 
 
-class _EventRollout:
-    """One rollout under `EventScheduler`: a task per path, started as the sampler's decisions start paths and
-    cancelled as they drop them; the rollout ends when every task has, or at the first failure."""
+_LIVE = object()  # `_replayed`: the shadow has no more answers, the path goes on live
 
-    def __init__(self, sampler: Sampler, rollout: Rollout, runner: ToolRunner):
+
+def _signature(request: PathRequest) -> tuple:
+    """What a request asks, for checking that a fill-up's program asks what its shadow asked."""
+    if isinstance(request, GenerateRequest):
+        return ("generate", len(request.path.completion_ids), request.max_new_tokens, request.continues_to,
+                request.entropy_tokens)
+    return ("call", request.call.content, request.call.error)
+
+
+class _EventRollout:
+    """One rollout under `EventScheduler`: a task per path, started as the sampler's decisions start paths, and a
+    task per shadow (a fill-up run ahead, `prefetch.py`); the rollout ends when every path's task has, or at the
+    first failure."""
+
+    def __init__(self, sampler: Sampler, rollout: Rollout, runner: ToolRunner, prefetch: FillUpPrefetch):
         self.sampler = sampler
         self.rollout = rollout
         self.stats = rollout.stats
@@ -170,12 +198,19 @@ class _EventRollout:
         self.depth: dict[int, int] = {}  # path id -> requests on its chain so far
         self.tasks: dict[int, asyncio.Task] = {}
         self.rests: dict[int, tuple[asyncio.Task, int]] = {}  # path id -> its probe's request decoding on, its room
-        self.dropped: list[asyncio.Task] = []  # rests cancelled with their paths, awaited before the rollout ends
+        self.dropped: list[asyncio.Task] = []  # rests and shadows cancelled, awaited before the rollout ends
         self.done: asyncio.Future | None = None
+        self.prefetch = prefetch
+        self.shadows: dict[tuple, Shadow] = {}  # fill-up key -> its shadow, while the rule has not started it
+        self.replays: dict[int, Shadow] = {}  # path id -> the shadow its program replays first
+        self.shadow_tasks: list[asyncio.Task] = []
 
     async def run(self) -> None:
         self.done = asyncio.get_running_loop().create_future()
+        self.prefetch.begin()
         self.start_new()
+        for g in range(len(self.rollout.groups)):
+            self._plan(g, None)
         try:
             if self.tasks:
                 await self.done
@@ -185,21 +220,24 @@ class _EventRollout:
             raise
         finally:
             await self._close()
+        self.prefetch.learn()
         self._record_critical_path()
 
     def start_new(self) -> None:
-        """Start a task for each path the sampler started, cancel the dropped."""
+        """Start a task for each path the sampler started; a fill-up that ran ahead takes over its shadow."""
         rollout = self.rollout
         for path, creator in rollout.started:
             self.clock[path.id] = self.started_at[path.id] = self.clock.get(creator.id, 0) if creator is not None else 0
             self.depth[path.id] = self.depth.get(creator.id, 0) if creator is not None else 0
+            if path.kind == "fill" and (shadow := self.shadows.pop(path.key, None)) is not None:
+                shadow.adopted = True
+                path.environment = shadow.path.environment  # as the shadow's tool calls left it
+                self.started_at[path.id] = self.clock[path.id] = shadow.started_at  # its chain began with the shadow
+                self.replays[path.id] = shadow
+                self.stats.adopted_fill_ups += 1
             self.tasks[path.id] = task = asyncio.create_task(self._drive(path))
             task.add_done_callback(lambda task, key=path.id: self._finished(key, task))
         rollout.started.clear()
-        for path in rollout.cancelled:  # speculative paths the decisions made unnecessary
-            if path.id in self.tasks:
-                self.tasks[path.id].cancel()
-        rollout.cancelled.clear()
 
     def _finished(self, key: int, task: asyncio.Task) -> None:
         self.tasks.pop(key, None)
@@ -223,27 +261,107 @@ class _EventRollout:
                 self.dropped.append(rest[0])
 
     async def _advance(self, path: Trajectory) -> None:
-        """Run `path`'s program: send each answer back and await its next request."""
+        """Run `path`'s program: send each answer back and await its next request (a fill-up's shadow's answers
+        first, `_replayed`)."""
         sampler, stats = self.sampler, self.stats
         program, answer = sampler.grow(self.rollout, path), None
+        replay, replayed = self.replays.pop(path.id, None), 0
         while True:
-            start = time.perf_counter()
+            start, started, decisions = time.perf_counter(), bool(self.rollout.started), path.fork_decisions
+            ended = False
             try:
                 request = program.send(answer)
             except StopIteration:
+                ended = True
                 return
             finally:
+                started = started or bool(self.rollout.started)
                 self.start_new()
+                if ended or started or path.fork_decisions != decisions:  # what the fill-ups' estimate reads
+                    self._plan(path.group, path)
                 stats.overhead_seconds += time.perf_counter() - start
-            if isinstance(request, GenerateRequest):
-                with self.activity.busy("generating"):
-                    answer = await self._generate(path, request)
-                self.clock[path.id] += len(answer.token_ids)
-            elif request.call.error is not None:
-                answer = None
-            else:
-                with self.activity.busy("calling"):
-                    answer = await asyncio.wrap_future(self.runner.submit(*bind(request.call)))
+            self.prefetch.observe(path, isinstance(request, GenerateRequest) and request.entropy_tokens != 0,
+                                  isinstance(request, CallRequest))
+            if replay is not None:
+                answer = await self._replayed(replay, replayed, path, request)
+                if answer is not _LIVE:
+                    replayed += 1
+                    continue
+                replay = None
+            answer = await self._answer(path, request)
+
+    async def _answer(self, path: Trajectory, request: PathRequest):
+        """Run a path's request: a segment from the engine, or a tool call's outcome (None for a malformed call)."""
+        if isinstance(request, GenerateRequest):
+            with self.activity.busy("generating"):
+                segment = await self._generate(path, request)
+            self.clock[path.id] += len(segment.token_ids)
+            return segment
+        if request.call.error is not None:
+            return None
+        with self.activity.busy("calling"):
+            return await asyncio.wrap_future(self.runner.submit(*bind(request.call)))
+
+    # ---- fill-ups run ahead (prefetch.py) ----------------------------------------------------------------------
+    def _plan(self, g: int, creator: Trajectory | None) -> None:
+        """Keep running ahead the fill-ups of prompt `g` the estimate wants now, and only those."""
+        wanted = self.prefetch.wanted(self.rollout, g)
+        for shadow in [s for s in self.shadows.values() if s.group == g and s.index not in wanted]:
+            self._drop(shadow)
+        for j in wanted:
+            if ("fill", g, j) in self.shadows:
+                continue
+            shadow = self.prefetch.shadow(self.rollout, g, j)
+            shadow.started_at = self.clock.get(creator.id, 0) if creator is not None else 0
+            self.clock[shadow.path.id] = shadow.started_at
+            self.depth[shadow.path.id] = self.depth.get(creator.id, 0) if creator is not None else 0
+            self.shadows[shadow.path.key] = shadow
+            shadow.task = asyncio.create_task(self._run_shadow(shadow))
+            self.shadow_tasks.append(shadow.task)
+            self.stats.speculative_fill_ups += 1
+
+    async def _run_shadow(self, shadow: Shadow) -> None:
+        """The rule's program for the shadow's path on its scratch rollout, each answer recorded, until the path ends
+        or the rule starts the fill-up (the answer in flight then is still recorded)."""
+        path = shadow.path
+        program, answer = self.sampler.grow(shadow.scratch, path), None
+        try:
+            while not shadow.adopted:
+                try:
+                    request = program.send(answer)
+                except StopIteration:
+                    return
+                answer = await self._answer(path, request)
+                inside = self.clock[path.id] - shadow.started_at  # tokens on its chain since it started
+                shadow.answers.append((_signature(request), answer, self.depth[path.id], inside))
+                shadow.changed.set()
+        except Exception as error:  # the real path asks again, live, where its shadow failed
+            shadow.error = error
+        finally:
+            shadow.done = True
+            shadow.changed.set()
+
+    async def _replayed(self, shadow: Shadow, i: int, path: Trajectory, request: PathRequest):
+        """The shadow's i-th answer for the fill-up's i-th request (waited for while the shadow is on it), or `_LIVE`
+        once the shadow has no more."""
+        while len(shadow.answers) <= i and not shadow.done:
+            shadow.changed.clear()
+            await shadow.changed.wait()
+        if len(shadow.answers) <= i:
+            return _LIVE
+        signature, answer, depth, inside = shadow.answers[i]
+        if signature != _signature(request):
+            raise RuntimeError(f"fill-up {path.key} asked {_signature(request)} where its shadow asked {signature}: "
+                               "a fill-up's program must not depend on anything but its own path.")
+        self.clock[path.id], self.depth[path.id] = shadow.started_at + inside, depth
+        return answer
+
+    def _drop(self, shadow: Shadow) -> None:
+        """A shadow the rule will not start now (forks took its slot, or the rollout ended): its work is discarded."""
+        del self.shadows[shadow.path.key]
+        shadow.task.cancel()
+        self.stats.discarded_tokens += sum(shadow.path.mask)
+        self.stats.discarded_tool_calls += shadow.scratch.stats.tool_calls
 
     async def _generate(self, path: Trajectory, request: GenerateRequest):
         """The segment `request` asks for: a new engine request, or the rest of the one the path's probe left
@@ -269,10 +387,13 @@ class _EventRollout:
         return await engine.agenerate(prefix, request.max_new_tokens, stops, **options)
 
     async def _close(self) -> None:
+        for shadow in list(self.shadows.values()):
+            self._drop(shadow)
         self.runner.close()
-        for task in list(self.tasks.values()):
+        for task in [*self.tasks.values(), *self.shadow_tasks]:
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await asyncio.gather(*self.shadow_tasks, return_exceptions=True)
         await asyncio.gather(*self.dropped, return_exceptions=True)  # rests cancelled as their paths ended
         if self.done.done() and not self.done.cancelled():
             self.done.exception()  # retrieved: the rollout was cancelled after a path had failed
@@ -282,7 +403,7 @@ class _EventRollout:
 
     def _record_critical_path(self) -> None:
         """The longest of the kept paths' chains is the rollout's critical path."""
-        kept = [path for group in self.rollout.groups for path in group if path.committed]
+        kept = [path for group in self.rollout.groups for path in group]
         if kept:
             longest = max(kept, key=lambda path: self.clock[path.id])
             self.stats.critical_path_tokens, self.stats.critical_path_kind = self.clock[longest.id], longest.kind
@@ -324,8 +445,6 @@ class WaveScheduler:
         self._admit(work)
         requests = []
         for path, answer in work:  # `work` grows while it is walked: forks made by earlier steps
-            if path.id not in self.programs:  # dropped meanwhile
-                continue
             try:
                 request = self.programs[path.id].send(answer)
             except StopIteration:
@@ -337,19 +456,15 @@ class WaveScheduler:
                 requests.append((path, request))
             self._admit(work)
         self.rollout.stats.overhead_seconds += time.perf_counter() - start
-        return [(path, request) for path, request in requests if path.id in self.programs]
+        return requests
 
     def _admit(self, work: list[tuple[Trajectory, object]]) -> None:
-        """Programs for the paths just started, closed for those dropped."""
+        """Programs for the paths just started."""
         rollout = self.rollout
         for path, _ in rollout.started:
             self.programs[path.id] = self.sampler.grow(rollout, path)
             work.append((path, None))
-        for path in rollout.cancelled:
-            program = self.programs.pop(path.id, None)
-            if program is not None:
-                program.close()
-        rollout.started.clear(), rollout.cancelled.clear()
+        rollout.started.clear()
 
     def _align(self, generate: list[tuple[Trajectory, GenerateRequest]]) -> None:
         """A wave lasts as long as its longest request. When it holds short requests (probes: k tokens), every
