@@ -81,7 +81,7 @@ def forks(model_dir: str, out: dict) -> None:
     out.update(steps=_steps(trainer), rollouts=trainer.rollouts, block_size=trainer.engine.llm.vllm_config
                .cache_config.block_size, weight_syncs=trainer._trl.weight_sync.syncs,
                compute_bound=trainer.engine.compute_bound,
-               fill_ups_wait=trainer.sampler.speculation.after_first_decision,
+               fill_ups_wait=trainer.sampler.scheduler.wait_for_first_decision,
                policy_dtype=str(next(trainer.model.parameters()).dtype),
                engine_dtype=trainer.engine.llm.vllm_config.model_config.dtype.__str__(),
                entropies=[(record["segments"], record["entropies"]) for record in trees])

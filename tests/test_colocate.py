@@ -54,7 +54,7 @@ def test_colocated_vllm_grows_trees_with_forks_served_from_the_prefix_cache(colo
     assert result["policy_dtype"] == result["engine_dtype"] == "torch.bfloat16"
     block = result["block_size"]
     assert len(result["rollouts"]) == 2 and result["weight_syncs"] == 2  # one sync before each rollout
-    # vLLM on a CPU: every row costs compute, so speculative fill-ups wait for their prompt's first fork decision
+    # vLLM on a CPU: every row costs compute, so fill-ups run ahead only from their prompt's first fork decision
     assert result["compute_bound"] and result["fill_ups_wait"]
     forks = long_forks = 0
     for rollout in result["rollouts"]:
