@@ -96,3 +96,35 @@ def test_line_shares_split_the_branch_slots_evenly(m, n):
     branch = r.start(0, list(PROMPT), "branch", line)
     assert branch.line == line.id and fills.shares.remaining(r, 0, line.id) == before - 1
     assert r.start(0, list(PROMPT), "fill", line).line is None and fills.shares.remaining(r, 0, None) == 0
+
+
+def test_the_odd_slots_go_to_lines_drawn_by_the_rollouts_seed_and_the_prompt():
+    """`ForkShares.split`: the (M − N) mod N odd slots go to the lines `random.Random(derive_seed(rollout seed,
+    'shares', g)).sample` picks, the same for a seed and prompt whatever happened before."""
+    import random
+
+    from arpo_trl.rollout.seeds import derive_seed
+
+    fills = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5)
+    picked = set()
+    for seed in range(6):
+        r = Rollout([[], []], 8, "entropy", seed=seed)
+        for g in (0, 1):
+            for _ in range(3):
+                r.start(g, list(PROMPT), "global", None)
+        for g in (0, 1):
+            lines = [path.id for path in r.groups[g]]
+            lucky = set(random.Random(derive_seed(seed, "shares", g)).sample(lines, 2))
+            assert fills.shares.shares(r, g) == {line: 1 + (line in lucky) for line in lines}
+            picked.add(frozenset(line - lines[0] for line in lucky))
+    assert len(picked) > 1  # the draw depends on the seed and prompt
+
+
+def test_a_line_without_a_share_and_a_full_prompt_leave_no_slot():
+    fills, r = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5), rollout(m=4, n=2)
+    first, second = r.groups[0]
+    fills.shares.split(r, 0, [second.id])  # as after AEPO's monitoring path: the first line owns no slot
+    assert fills.shares.remaining(r, 0, first.id) == 0 and fills.shares.remaining(r, 0, second.id) == 2
+    r.start(0, list(PROMPT), "fill", None)
+    r.start(0, list(PROMPT), "fill", None)  # the prompt's M = 4 paths are decided
+    assert fills.shares.free(r, second) == 0

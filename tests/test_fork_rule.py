@@ -246,3 +246,100 @@ def test_a_probe_that_reads_below_zero_entropy_forks_at_the_clipped_p(tokenizer)
 def test_beta_is_checked_like_tau(tokenizer, weight):
     with pytest.raises(ValueError, match=r"entropy_weight \(β\) must be a finite number"):
         _sampler(tokenizer, call_then_answer(), entropy_weight=weight)
+
+
+def _entropy_script(first: float, later: float, calls: int):
+    """Every path calls the tool `calls` times, then answers; a path's first segment has per-token entropy `first`,
+    every segment after a tool result `later`."""
+    def script(text, rng):
+        entropy = first if "</result>" not in text else later
+        return (CALL, entropy, "stop") if text.count("</result>") < calls else (ANSWER, entropy, "eos")
+    return script
+
+
+def test_aepo_counts_a_lines_forks_in_a_row_into_each_decisions_p(tokenizer):
+    """AEPO's P = clip(1 − τ/(1 − λ·l) + β·ΔH, 0, 1), l the forks in a row on the path's line before the decision:
+    a copy starts with its parent's l + 1, a decision that keeps copies adds one, one that does not resets it. Every
+    recorded decision: its position is the path's length at the tool result (a branch's fork position), its ΔH the
+    probe's entropy against the line's initial entropy (inherited by a branch), its draw `fork_draw`'s, and it forked
+    iff draw < P."""
+    import math
+
+    from arpo_trl.rollout.arpo import aepo_fork_probability, fork_draw
+
+    tau, beta, lam = 0.1, 0.2, 0.3
+    sampler = _sampler(tokenizer, _entropy_script(3.0, 1.0, calls=3),
+                       num_generations=16, initial_rollouts=1, branch_policy="aepo", pre_monitoring_beta=None,
+                       branch_threshold=tau, entropy_weight=beta, branch_penalty=lam, entropy_window=2,
+                       max_tool_calls=3, seed=4)
+    result = sampler.sample(_prompts(tokenizer, 2))
+    by_id = {t.id: t for t in result.trajectories}
+    delta = 2 * (1.0 - 3.0) / math.log(1000)  # k × the mean, normalised by ln|V|, against the first segment's
+    decisions = 0
+    for path in result.trajectories:
+        if path.kind == "branch":
+            parent = by_id[path.parent]
+            at = next(d for d in parent.decisions if d.position == path.fork_position)
+            assert at.forked and path.fork_delta == pytest.approx(at.delta)
+        l_run = _forks_in_a_row_before(path, by_id)
+        for d in path.decisions:
+            decisions += 1
+            assert d.delta == pytest.approx(delta)
+            assert d.probability == pytest.approx(aepo_fork_probability(d.delta, l_run, tau, beta, lam))
+            assert d.forked == (d.draw < d.probability)
+            l_run = l_run + 1 if d.forked else 0
+    assert decisions >= 6 and any(d.forked for t in result.trajectories for d in t.decisions)
+    assert any(not d.forked for t in result.trajectories for d in t.decisions)
+    seeded = sampler.sample(_prompts(tokenizer, 1)).groups[0][0]  # the draws are the path's keyed ones
+    assert [d.draw for d in seeded.decisions][:1] == [fork_draw(_with_decisions(seeded, 0))]
+    assert sampler.fork_probability(0.0, "aepo") == pytest.approx(aepo_fork_probability(0.0, 0, tau, beta, lam))
+
+
+def _forks_in_a_row_before(path, by_id) -> int:
+    """l at the path's first own decision: 0 for a global path; a branch's parent's l at the fork, plus one."""
+    if path.kind != "branch":
+        return 0
+    parent = by_id[path.parent]
+    l_run = _forks_in_a_row_before(parent, by_id)
+    for d in parent.decisions:
+        if d.position == path.fork_position:
+            return l_run + 1
+        l_run = l_run + 1 if d.forked else 0
+    raise AssertionError(f"no decision of path {parent.id} at {path.fork_position}")
+
+
+def _with_decisions(path, n: int):
+    """`path` as it stood before its (n+1)-th fork decision, for `fork_draw`."""
+    from dataclasses import replace
+
+    return replace(path, fork_decisions=n)
+
+
+def test_a_forks_copies_are_keyed_by_their_index(tokenizer):
+    """Z = 3, τ = 1: a fork starts two copies, keyed (parent's key, decision, 0) and (…, 1), in tree order."""
+    sampler = _sampler(tokenizer, call_then_answer(), num_generations=3,
+                       initial_rollouts=1, branch_factor=3, branch_threshold=1.0, entropy_weight=0.0,
+                       entropy_window=2, max_tool_calls=1)
+    parent, first, second = sampler.sample(_prompts(tokenizer, 1)).groups[0]
+    assert (first.key, second.key) == ((parent.key, 0, 0), (parent.key, 0, 1))
+
+
+def test_z_of_one_never_decides_a_fork(tokenizer):
+    sampler = _sampler(tokenizer, call_then_answer(), num_generations=4,
+                       initial_rollouts=2, branch_factor=1, branch_threshold=1.0, entropy_window=2, max_tool_calls=1)
+    result = sampler.sample(_prompts(tokenizer, 1))
+    assert kinds(result) == [["global", "global", "fill", "fill"]]
+    assert all(not path.decisions for path in result.trajectories)
+
+
+def test_a_decision_at_a_line_whose_share_was_taken_meanwhile_is_not_recorded(tokenizer):
+    """M = 3, N = 1, Z = 2, τ = 1, two calls: the global forks at its first call (one slot of its line's two left);
+    at the second call, the global and its copy reach their tool results in one wave, the global decides first
+    (path order) and takes the last slot; the copy's probe then finds none left: no decision is recorded for it."""
+    sampler = _sampler(tokenizer, call_then_answer(calls=2),
+                       num_generations=3, initial_rollouts=1, branch_threshold=1.0, entropy_weight=0.0,
+                       entropy_window=2, max_tool_calls=2)
+    glob, copy, last = sampler.sample(_prompts(tokenizer, 1)).groups[0]
+    assert [path.kind for path in (glob, copy, last)] == ["global", "branch", "branch"]
+    assert [d.forked for d in glob.decisions] == [True, True] and copy.decisions == []
+    assert last.parent == glob.id and copy.parent == glob.id
