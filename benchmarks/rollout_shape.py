@@ -136,7 +136,7 @@ class SyntheticAgent:
         segment, start = self._segment(prefix, max_new_tokens), time.perf_counter()
         try:
             await asyncio.sleep(self.token_seconds * (self.request_steps + len(segment.token_ids)))
-        except asyncio.CancelledError:  # a failed rollout cancelled it: the server generated this much of it
+        except asyncio.CancelledError:  # a fill-up run ahead and dropped: the server generated this much of it
             done = (time.perf_counter() - start) / self.token_seconds - self.request_steps if self.token_seconds \
                 else len(segment.token_ids)
             self.generated += min(len(segment.token_ids), max(0.0, done))
@@ -223,6 +223,7 @@ def rollouts(tokenizer, regime: Regime, method: str, scheduler: str, args, count
             "unique_tokens_per_group": sum(t.own_tokens() for t in result.trajectories) / groups,
             "generated_tokens_per_group": (engine.generated - generated) / groups,
             "tool_calls_per_group": stats.tool_calls / groups,
+            "discarded_tool_calls_per_group": stats.discarded_tool_calls / groups,
             "forks_per_group": stats.forks / groups, "fill_ups_per_group": stats.fill_ups / groups,
             "latest_fill_up_start_tokens": stats.latest_fill_up_start_tokens,
             "wall_s": stats.seconds, "overhead_fraction": stats.overhead_seconds / stats.seconds,
@@ -304,12 +305,12 @@ def print_tables(report: dict) -> None:
     for key, section in report["regimes"].items():
         print(f"\n### {key}: {section['regime']}\n")
         print("| scheduler/method | critical-path tokens | waves | wall s | unique tokens/group | generated/group | "
-              "tool calls/group | forks/group | fill-ups/group | sampler overhead |")
+              "tool calls/group (+discarded) | forks/group | fill-ups/group | sampler overhead |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for name, r in section["runs"].items():
             print(f"| {name} | {r['critical_path_tokens']:.0f} | {r['waves']:.1f} | {r['wall_s']:.2f} | "
                   f"{r['unique_tokens_per_group']:.0f} | {r['generated_tokens_per_group']:.0f} | "
-                  f"{r['tool_calls_per_group']:.2f} | "
+                  f"{r['tool_calls_per_group']:.2f} (+{r['discarded_tool_calls_per_group']:.2f}) | "
                   f"{r['forks_per_group']:.2f} | {r['fill_ups_per_group']:.2f} | "
                   f"{100 * r['overhead_fraction']:.1f} % |")
         print()

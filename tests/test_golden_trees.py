@@ -15,7 +15,6 @@ the last bits); every draw and seed is exact."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -103,7 +102,7 @@ def main() -> None:
     model = exact_tool_model(tokenizer)
     trees = {key(s, p): grow(model, tokenizer, s, p, "events") for s in SEEDS for p in POLICIES}
     GOLDEN.parent.mkdir(exist_ok=True)
-    GOLDEN.write_text(json.dumps({"about": sys.modules[__name__].__doc__.split("\n\n")[0], "trees": trees},
+    GOLDEN.write_text(json.dumps({"about": __doc__.split("\n\n")[0], "trees": trees},
                                  sort_keys=True, separators=(",", ":")) + "\n")
     print(f"wrote {GOLDEN} ({GOLDEN.stat().st_size} bytes)")
 

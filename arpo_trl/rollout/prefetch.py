@@ -47,7 +47,6 @@ class Shadow:
     # answer, the requests and tokens on its chain once answered)
     adopted: bool = False  # the rule started this fill-up: its program replays these answers
     done: bool = False  # no more answers will come
-    error: BaseException | None = None
     task: asyncio.Task | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 

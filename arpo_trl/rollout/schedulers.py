@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from arpo_trl.rollout.paths import Rollout, Trajectory
+from arpo_trl.rollout.prefetch import MODES as SPECULATION_MODES
 from arpo_trl.rollout.prefetch import FillUpPrefetch, Shadow
 from arpo_trl.rollout.tool_calls import CallFormat, ToolCall
 from arpo_trl.tools.base import Tool
@@ -103,8 +104,8 @@ def make_scheduler(name: str, engine, speculation: str = "auto") -> WaveSchedule
     `speculation` ('auto' or 'off'): whether the event scheduler runs likely fill-ups ahead of the rule
     (`prefetch.py`)."""
     asynchronous = callable(getattr(engine, "agenerate", None))
-    if speculation not in ("auto", "off"):
-        raise ValueError(f"speculation must be one of ('auto', 'off'), got {speculation!r}.")
+    if speculation not in SPECULATION_MODES:
+        raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {speculation!r}.")
     if name == "waves" or (name == "auto" and not asynchronous):
         return WaveScheduler()
     if name in ("events", "auto"):
@@ -198,7 +199,7 @@ class _EventRollout:
         self.depth: dict[int, int] = {}  # path id -> requests on its chain so far
         self.tasks: dict[int, asyncio.Task] = {}
         self.rests: dict[int, tuple[asyncio.Task, int]] = {}  # path id -> its probe's request decoding on, its room
-        self.dropped: list[asyncio.Task] = []  # rests and shadows cancelled, awaited before the rollout ends
+        self.dropped: list[asyncio.Task] = []  # rests cancelled with their paths, awaited before the rollout ends
         self.done: asyncio.Future | None = None
         self.prefetch = prefetch
         self.shadows: dict[tuple, Shadow] = {}  # fill-up key -> its shadow, while the rule has not started it
@@ -267,15 +268,14 @@ class _EventRollout:
         program, answer = sampler.grow(self.rollout, path), None
         replay, replayed = self.replays.pop(path.id, None), 0
         while True:
-            start, started, decisions = time.perf_counter(), bool(self.rollout.started), path.fork_decisions
-            ended = False
+            start, decisions, ended = time.perf_counter(), path.fork_decisions, False
             try:
                 request = program.send(answer)
             except StopIteration:
                 ended = True
                 return
             finally:
-                started = started or bool(self.rollout.started)
+                started = bool(self.rollout.started)  # every step ends with `start_new`, which empties it
                 self.start_new()
                 if ended or started or path.fork_decisions != decisions:  # what the fill-ups' estimate reads
                     self._plan(path.group, path)
@@ -335,8 +335,8 @@ class _EventRollout:
                 inside = self.clock[path.id] - shadow.started_at  # tokens on its chain since it started
                 shadow.answers.append((_signature(request), answer, self.depth[path.id], inside))
                 shadow.changed.set()
-        except Exception as error:  # the real path asks again, live, where its shadow failed
-            shadow.error = error
+        except Exception:  # the real path asks again, live, where its shadow failed
+            pass
         finally:
             shadow.done = True
             shadow.changed.set()
