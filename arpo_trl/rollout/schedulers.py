@@ -335,8 +335,10 @@ class _EventRollout:
                 inside = self.clock[path.id] - shadow.started_at  # tokens on its chain since it started
                 shadow.answers.append((_signature(request), answer, self.depth[path.id], inside))
                 shadow.changed.set()
-        except Exception:  # the real path asks again, live, where its shadow failed
-            pass
+        except Exception as error:  # a failed request fails the rollout, as a path's would (never swallowed)
+            error.add_note(f"in a fill-up run ahead of the rule, {path.key}")
+            if not self.done.done():
+                self.done.set_exception(error)
         finally:
             shadow.done = True
             shadow.changed.set()
