@@ -12,10 +12,11 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "arpo_trl.config": ["ARPOConfig"],
-    "arpo_trl.generation.engine": ["GenerationEngine", "Segment"],
+    "arpo_trl.generation.engine": ["EngineTraits", "GenerationEngine", "Segment"],
     "arpo_trl.generation.transformers_engine": ["TransformersEngine"],
     "arpo_trl.rewards": ["arpo_f1_reward", "arpo_math_reward"],
-    "arpo_trl.rollout": ["BranchingSampler", "RolloutResult", "Trajectory"],
+    "arpo_trl.rollout": ["BranchingRule", "ForkPoint", "RolloutResult", "Trajectory"],
+    "arpo_trl.runtime": ["BranchingSampler"],
     "arpo_trl.server.client": ["VLLMClient", "VLLMServerError"],
     "arpo_trl.server.engine": ["VLLMServerEngine"],
     "arpo_trl.tools": ["BM25Backend", "PythonTool", "SearchBackend", "SearchTool", "Tool"],

@@ -15,8 +15,8 @@ from trl import GRPOConfig
 from arpo_trl.config_checks import check_arpo_config, resolve_engine_default
 from arpo_trl.generation.support import IN_PROCESS_ENGINES
 from arpo_trl.preflight import adopt_checkpointing_default
-from arpo_trl.rollout import BRANCH_POLICIES, SCHEDULERS, SPECULATION_MODES
 from arpo_trl.rollout.tool_calls import TOOL_CALL_FORMATS
+from arpo_trl.runtime import SCHEDULERS, SPECULATION_MODES
 from arpo_trl.server.weight_sync import SYNC_MODES
 from arpo_trl.training.advantages import ATTRIBUTIONS
 
@@ -82,9 +82,8 @@ class ARPOConfig(GRPOConfig):
     branch_policy: str = field(
         default="entropy",
         metadata={
-            "help": "'entropy' (ARPO), 'random' (fork with p = τ, the ablation), 'aepo' (AEPO's entropy-balanced "
-            "rollout, docs/aepo.md) or 'none' (N = M global samples: GRPO with tools).",
-            "choices": list(BRANCH_POLICIES),
+            "help": "'entropy' (ARPO), 'random' (p = τ, the ablation), 'aepo' (docs/aepo.md), 'none' (GRPO with "
+            "tools), or your own fork policy as 'module:function' (docs/fork_policies.md).",
         },
     )
     branch_penalty: float = field(

@@ -14,9 +14,10 @@ from arpo_trl.generation.engine import check_generation_kwargs
 from arpo_trl.generation.speculation import check_draft_tokens
 from arpo_trl.generation.support import IN_PROCESS_ENGINES
 from arpo_trl.preflight import vllm_importable
-from arpo_trl.rollout import SCHEDULERS, SPECULATION_MODES, check_branching_args, default_initial_rollouts
+from arpo_trl.rollout import check_branching_args, default_initial_rollouts
 from arpo_trl.rollout.arpo import check_aepo_args
 from arpo_trl.rollout.tool_calls import check_call_format
+from arpo_trl.runtime import SCHEDULERS, SPECULATION_MODES
 from arpo_trl.server.weight_sync import check_sync_mode
 from arpo_trl.training.advantages import check_attribution
 from arpo_trl.training.entropy_balanced_update import check_entropy_balanced_update

@@ -38,12 +38,13 @@ from arpo_trl.dropin.environments import (
     trl_tool_list,
 )
 from arpo_trl.dropin.rows import TreeRows
-from arpo_trl.generation.backend import GenerationBackend, InProcessBackend
+from arpo_trl.generation.backend import GenerationBackend, InProcessBackend, TrainerView
 from arpo_trl.generation.distributed import run_on_main_process
 from arpo_trl.generation.engine import GenerationEngine, SamplingSettings
 from arpo_trl.rewards.math_scoring import configure_math_scoring
-from arpo_trl.rollout import BranchingSampler, RolloutResult
+from arpo_trl.rollout import RolloutResult
 from arpo_trl.rollout.tool_calls import ChatTemplateFormat, make_call_format
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.server.trainer_mode import ServerBackend, wants_trl_nccl_sync
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.failures import ToolFailureWatch
@@ -157,8 +158,9 @@ class ARPOTrainer(TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpd
         self.add_callback(TimeBudget(args.max_minutes, say=self.accelerator.print,
                                      agree=lambda decide: run_on_main_process(self.accelerator, decide, "max_minutes")))
         # the generation backend, chosen once: it starts the engine, installs the weight sync, wraps each rollout
-        self.backend: GenerationBackend = ColocateBackend(self) if colocate else \
-            ServerBackend(self, trl_sync) if use_vllm else InProcessBackend(self)
+        view = self._backend_view()
+        self.backend: GenerationBackend = ColocateBackend(view) if colocate else \
+            ServerBackend(view, trl_sync) if use_vllm else InProcessBackend(view)
         self.vllm_weight_sync_mode = self.backend.weight_sync_mode
         if engine is not None and not use_vllm and self._trl.is_sharded() and self.accelerator.num_processes > 1:
             raise NotImplementedError("engine= with sharded parameters (ZeRO-3/FSDP) and several processes: leave "
@@ -186,6 +188,17 @@ class ARPOTrainer(TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpd
     def _sampling(self) -> SamplingSettings:
         return SamplingSettings.from_config(self.args, eos_token_ids=self._trl.eos_token_ids)
 
+    def _backend_view(self) -> TrainerView:
+        """All a generation backend sees of this trainer."""
+        trl = self._trl
+        return TrainerView(
+            args=self.args, accelerator=self.accelerator, tokenizer=trl.tokenizer, eos_token_ids=trl.eos_token_ids,
+            sampling=self._sampling(), train_dataset=self.train_dataset, sharded=trl.is_sharded(),
+            model=lambda: self.model, model_wrapped=lambda: self.model_wrapped, engine=lambda: self.engine,
+            sample=lambda *args, **kwargs: self.sampler.sample(*args, **kwargs),
+            install_weight_sync=trl.install_weight_sync, weight_sync=lambda: trl.weight_sync,
+            check_vespo_sampling_mode=trl.check_vespo_sampling_mode)
+
     def _arpo_rollout(self, prompts: list, trainer=None) -> dict:
         """TRL's `rollout_func`: `prompts` holds each prompt M times in a row; return M trajectories each."""
         training = self.model.training
@@ -205,7 +218,7 @@ class ARPOTrainer(TreeRows, TRLToolList, EnvironmentRollouts, EntropyBalancedUpd
         # TreeRows: the tree metadata stays in a side table, never in the user's examples; only rewards read it
         # `model_text`: what the rewards score, the completion without its tool calls and results (docs/rewards.md)
         self._tree_rows = [{**self._tree_fields(t), "model_text": own_text_from_ids(
-            t.completion_ids, t.calls, self.sampler.writer.decode).text} for t in trajectories]
+            t.completion_ids, t.calls, self.sampler.rule.writer.decode).text} for t in trajectories]
         self._log_rollout(result, "train" if training else "eval")
         return {  # env_mask: the true one, for TRL's length metrics; hard attribution's is applied in `_generate`
             "prompt_ids": [t.prompt_ids for t in trajectories],

@@ -96,7 +96,7 @@ TARGETS = (
         "BranchingSampler._fill_up", "BranchingSampler.capacity", "BranchingSampler.forking",
         "BranchingSampler.live_lines", "ForkShares.split", "ForkShares.shares", "ForkShares.remaining",
         "ForkShares.free")),
-    Target("prefetch", "arpo_trl/rollout/prefetch.py", ("tests/test_prefetch.py", *_ROLLOUT_FAST)),
+    Target("prefetch", "arpo_trl/runtime/prefetch.py", ("tests/test_prefetch.py", *_ROLLOUT_FAST)),
     # The fork rule only: the rest of the sampler is the path program, covered by the slower rollout tests.
     Target("fork_rule", "arpo_trl/rollout/arpo.py", ("tests/test_fork_rule.py", *_ROLLOUT_FAST), (
         "default_initial_rollouts", "BranchingSampler.fork_probability", "BranchingSampler._at_tool_result",

@@ -31,7 +31,7 @@ branches it has of global paths (|gap| <= 0.05 is the target).
 
 Each rollout samples `--prompts` prompts; every method sees the same agent and fork seeds per rollout index
 (paired), and ratios are of means over rollouts. `--speculation off`: no fill-ups run ahead of the rule
-(`rollout/prefetch.py`; the hedge is its constant `HEDGE`, and `--fill-up-hedge`, which varied it, ran at 758a85e and
+(`runtime/prefetch.py`; the hedge is its constant `HEDGE`, and `--fill-up-hedge`, which varied it, ran at 758a85e and
 earlier; `--no-speculation` was `--speculation off` before 77a01e5, when the same estimate ran inside the rule).
 """
 
@@ -51,8 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from tiny import build_tokenizer  # noqa: E402
 
-from arpo_trl.generation.engine import Segment  # noqa: E402
-from arpo_trl.rollout import BranchingSampler  # noqa: E402
+from arpo_trl.generation.engine import EngineTraits, GenerationEngine, Segment  # noqa: E402
+from arpo_trl.runtime import BranchingSampler  # noqa: E402
 from arpo_trl.tools import Tool  # noqa: E402
 
 QWEN_VOCAB = 151_665  # entropy is normalised by ln|V| of a Qwen-sized vocabulary, as in the paper's runs
@@ -89,8 +89,10 @@ FAST_FILLER, SLOW_FILLER = "z", "x"  # the tokens a path of each class writes it
 METHODS = {"arpo": "entropy", "grpo": "none", "random": "random"}
 
 
-class SyntheticAgent:
+class SyntheticAgent(GenerationEngine):
     """A scripted policy with a token-time cost. `token_seconds=0`: no waiting (decode-step model)."""
+
+    traits = EngineTraits(event_driven=True)
 
     def __init__(self, tokenizer, regime: Regime, seed: int, token_seconds: float = 0.0, request_steps: int = 0):
         self.tokenizer, self.regime, self.token_seconds = tokenizer, regime, token_seconds

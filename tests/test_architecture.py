@@ -27,6 +27,7 @@ LAYERS: dict[str, list[str]] = {
                       "colocate.memory_plan"],
     "rollout": ["rollout", "rollout.*", "rewards", "rewards.*", "trees", "trees.*",
                 "data", "data.prompts", "data.offline_sets", "data.hub_sets", "data.named"],
+    "runtime": ["runtime", "runtime.*"],
     "trainer": ["config", "config_checks", "trainer", "trl_state", "training", "training.*", "dropin", "dropin.*",
                 "server.trainer_mode", "server.weight_sync", "server.launcher",
                 "colocate.trainer_mode", "colocate.weight_sync"],
@@ -127,6 +128,44 @@ def test_no_import_circles():
         if node not in index:
             visit(node)
     assert not circles, f"import circles: {circles}"
+
+
+def test_the_rule_knows_nothing_of_its_runtime():
+    """`rollout/` is ARPO's rule: of `generation/` it imports the engine contract only, nothing of the runtime that
+    runs it (`runtime/`), and `rollout/arpo.py` never names speculation, prefetching or scheduling."""
+    rule = [m for m in MODULES if _is_within(m, "rollout")]
+    reach = [f"arpo_trl.{a} imports arpo_trl.{b}" for a in rule for b in sorted(GRAPH[a])
+             if (_is_within(b, "generation") and b != "generation.engine") or _is_within(b, "runtime")]
+    assert not reach, reach
+    words = re.findall(r"speculat\w*|prefetch\w*|schedul\w*|shadow\w*", MODULES["rollout.arpo"].read_text().lower())
+    assert not words, f"rollout/arpo.py names its runtime: {sorted(set(words))}"
+
+
+def test_no_engine_is_probed():
+    """What an engine can do is declared (`EngineTraits`, `GenerationEngine`'s attributes), never probed: no
+    `getattr`/`hasattr` on an engine anywhere in the package."""
+    probes = [f"arpo_trl.{m}:{node.lineno}" for m, p in MODULES.items()
+              for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+              if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
+              and node.args and "engine" in ast.unparse(node.args[0]).lower()]
+    assert not probes, f"engines probed with getattr/hasattr: {probes}"
+
+
+def test_backends_see_the_trainer_through_their_view():
+    """A generation backend gets `TrainerView` (`generation/backend.py`), built by the trainer: no module of the
+    engines' layer reaches into the trainer's private state (`_trl`, `_sampling`) or its sampler, and no module
+    imports another package's private name."""
+    layer = [m for m in MODULES if _layer(m) == list(LAYERS).index("engines/tools") or m.endswith("trainer_mode")]
+    reach = [f"arpo_trl.{m}:{node.lineno} .{node.attr}" for m in layer
+             for node in ast.walk(ast.parse(MODULES[m].read_text(encoding="utf-8")))
+             if isinstance(node, ast.Attribute) and node.attr in ("_trl", "_sampling", "sampler")]
+    assert not reach, reach
+    private = [f"arpo_trl.{m} imports {node.module}.{alias.name}" for m, p in MODULES.items()
+               for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+               if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("arpo_trl.")
+               and node.module.rpartition(".")[0] != f"arpo_trl.{m}".rpartition(".")[0]
+               for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not private, private
 
 
 # The subcommands `arpo_trl.cli` dispatches to; any other `commands.*` module is what they share.

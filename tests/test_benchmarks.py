@@ -497,8 +497,8 @@ def test_rollout_throughput_policies_make_their_samplers_and_refuse_the_removed_
     make = load("rollout_throughput").make_sampler
     args = SimpleNamespace(num_generations=8, initial_rollouts=4, max_tokens=32, seed=0)
     engine = AsyncScriptedEngine(tokenizer, lambda text, rng: ("", 0.0, "stop"))
-    assert make(engine, tokenizer, args, "entropy").initial_rollouts == 4
-    assert make(engine, tokenizer, args, "none").initial_rollouts == 8
+    assert make(engine, tokenizer, args, "entropy").rule.initial_rollouts == 4
+    assert make(engine, tokenizer, args, "none").rule.initial_rollouts == 8
     assert make(engine, tokenizer, args, "entropy").scheduler.speculation == "auto"
     assert make(engine, tokenizer, args, "entropy:off").scheduler.speculation == "off"
     for policy in ("entropy:certain-fills", "entropy:late-fills", "entropy:fast"):

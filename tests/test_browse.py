@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from arpo_trl.generation.engine import Segment
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.generation.engine import GenerationEngine, Segment
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools import (
     BrowseTool,
     ExtractiveCondenser,
@@ -288,7 +288,7 @@ def test_model_condenser_bad_path(tmp_path):
 
 
 # ---- in the sampler ------------------------------------------------------------------------------------------
-class _BrowseEngine:
+class _BrowseEngine(GenerationEngine):
     """A scripted engine: first a browse call, then an answer (the model only; tools and tags are real)."""
 
     def __init__(self, tokenizer):

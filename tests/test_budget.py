@@ -1,31 +1,29 @@
-"""The fill-up rule (paper §3.1 step 4: `BranchingSampler._fill_up` and `capacity` in `arpo_trl.rollout.arpo`) on
+"""The fill-up rule (paper §3.1 step 4: `BranchingRule._fill_up` and `capacity` in `arpo_trl.rollout.arpo`) on
 hand-built rollouts: how many paths forking could still add, and which fill-ups start."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.rollout import BranchingRule
 from arpo_trl.rollout.paths import Rollout
 
 PROMPT = [5, 6, 7]
 
 
 class FillUps:
-    """The real rule, driven one prompt at a time as the sampler drives it (`update` is the rule's `_fill_up`); no
-    engine runs, so none is needed but its EOS."""
+    """The real rule, driven one prompt at a time as its runtime drives it (`update` is the rule's `_fill_up`); no
+    engine runs: the rule needs none."""
 
     def __init__(self, max_tool_calls: int, branch_factor: int, branch_threshold: float):
-        self.rule = BranchingSampler(SimpleNamespace(eos_token_ids=[0]), None, max_tool_calls=max_tool_calls,
-                                     branch_factor=branch_factor, branch_threshold=branch_threshold, seed=0)
+        self.rule = BranchingRule(None, vocab_size=1000, eos_token_id=0, max_tool_calls=max_tool_calls,
+                                  branch_factor=branch_factor, branch_threshold=branch_threshold, seed=0)
         self.shares = self.rule.shares
         self.update, self.capacity = self.rule._fill_up, self.rule.capacity
 
 
 def rollout(m: int, n: int, policy: str = "entropy") -> Rollout:
-    """One prompt with budget M and its N global paths, as `BranchingSampler.sample` starts it."""
+    """One prompt with budget M and its N global paths, as `BranchingRule.begin` starts it."""
     r = Rollout([[]], m, policy)
     for _ in range(n):
         r.start(0, list(PROMPT), "global", None)

@@ -16,7 +16,7 @@ from arpo_trl.generation.prefix_cache import CachedPrefix, common_prefix_length
 from arpo_trl.generation.sampling import keyed_uniforms, sample_tokens
 from arpo_trl.generation.support import cache_budget
 from arpo_trl.generation.transformers_engine import TransformersEngine
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools import Tool
 
 GREEDY = SamplingSettings(temperature=0, entropy_top_k=None)

@@ -19,10 +19,10 @@ from datasets import Dataset
 from arpo_trl import ARPOTrainer, arpo_math_reward
 from arpo_trl.commands.eval_setup import EvalArguments, EvalSetup
 from arpo_trl.commands.evaluate import evaluate
-from arpo_trl.generation.engine import Segment
+from arpo_trl.generation.engine import GenerationEngine, Segment
 from arpo_trl.rewards import format_credit_reward
-from arpo_trl.rollout import BranchingSampler
 from arpo_trl.rollout.tool_calls import make_call_format
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools import BM25Backend, PythonTool, SearchTool
 from arpo_trl.tools.tags import own_text_from_ids
 from arpo_trl.trees.records import tree_records
@@ -52,7 +52,7 @@ def write_call(fmt: str, tool: str, content: str) -> str:
     return "<tool_call>" + json.dumps({"name": tool, "arguments": {ARGUMENT[tool]: content}}) + "</tool_call>"
 
 
-class FormatEngine:
+class FormatEngine(GenerationEngine):
     """Replays CASES in format `fmt`. The case is named in the question, the step is the number of tool responses
     so far. A segment's entropy sits on its first token ([h, 0, …]: the sampler sums the first k), so both formats
     see the same entropies and grow the same trees. A segment cut by its token budget (a probe) is continued by

@@ -16,14 +16,16 @@ from test_rollout import AsyncScriptedEngine, _prompts, calls_then_answers
 
 from arpo_trl.colocate.engine import ColocatedVLLMEngine, EngineSteps, _LoopDriver
 from arpo_trl.colocate.outputs import first_tokens, generated_tokens
-from arpo_trl.generation.engine import Segment
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.generation.engine import EngineTraits, Segment
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools import Tool
 
 
 class ContinuingEngine(AsyncScriptedEngine):
     """The scripted policy, whose probes go on: the whole segment is drawn at the probe's request, the probe answers
     with its first k tokens, and a task gives the rest after a delay. `rests` records (path room, rest length)."""
+
+    traits = EngineTraits(event_driven=True, continues_probes=True)
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

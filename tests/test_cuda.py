@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from arpo_trl import ARPOConfig, ARPOTrainer, arpo_math_reward
 from arpo_trl.generation import CachedTransformersEngine
 from arpo_trl.generation.transformers_engine import TransformersEngine
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools import Tool
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -16,7 +16,7 @@ from arpo_trl.generation.engine import SamplingSettings
 from arpo_trl.generation.prefill import PrefillJob, prefill
 from arpo_trl.generation.support import check_full_attention
 from arpo_trl.generation.transformers_engine import TransformersEngine
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools import Tool
 
 GREEDY = SamplingSettings(temperature=0, entropy_top_k=None)

@@ -17,7 +17,7 @@ from datasets import Dataset
 from arpo_trl.cli import main
 from arpo_trl.commands.eval_setup import RESULTS_FILE, EvalArguments, EvalSetup, check_args
 from arpo_trl.commands.evaluate import evaluate, make_eval_parser
-from arpo_trl.generation.engine import Segment
+from arpo_trl.generation.engine import GenerationEngine, Segment
 from arpo_trl.rewards.eval_metrics import pass_at_k, score_answer, score_completion, tool_call_counts
 from arpo_trl.rollout.paths import ToolCallRecord
 from arpo_trl.tools.base import Tool
@@ -112,7 +112,7 @@ SCRIPT = {
 }
 
 
-class ScriptedEngine:
+class ScriptedEngine(GenerationEngine):
     """A test double for the model only: replays SCRIPT; the sampler, tools and scoring are the real ones."""
 
     def __init__(self, tokenizer, prompts: list[list[int]]):

@@ -4,10 +4,13 @@ decision keeps, which policy decides, what a decision counts, and when it lets t
 
 from __future__ import annotations
 
-import pytest
-from test_rollout import CALL, AsyncScriptedEngine, _prompts, _sampler, _waves_with_bare_prompts
+import re
+from pathlib import Path
 
-from arpo_trl.rollout import default_initial_rollouts
+import pytest
+from test_rollout import CALL, AsyncScriptedEngine, _prompts, _sampler, _waves_with_bare_prompts, calls_then_answers
+
+from arpo_trl.rollout import ForkPoint, default_initial_rollouts
 
 ANSWER = "<answer>\\boxed{2}</answer>"
 
@@ -188,7 +191,7 @@ def test_fork_slots_do_not_go_to_whoever_reaches_a_tool_result_first(tokenizer, 
         lines = [path.id for path in group if path.kind == "global"]
         branches = [_line(path, by_id) for path in group if path.kind == "branch"]
         assert len(group) == 4 and sorted(branches) == sorted(lines), [(p.kind, p.parent) for p in group]
-        mixed += len({"quick" in sampler.tokenizer.decode(by_id[line].completion_ids) for line in lines}) == 2
+        mixed += len({"quick" in sampler.rule.tokenizer.decode(by_id[line].completion_ids) for line in lines}) == 2
     assert mixed >= 3  # groups where the two lines differ in speed
 
 
@@ -292,7 +295,7 @@ def test_aepo_counts_a_lines_forks_in_a_row_into_each_decisions_p(tokenizer):
     assert any(not d.forked for t in result.trajectories for d in t.decisions)
     seeded = sampler.sample(_prompts(tokenizer, 1)).groups[0][0]  # the draws are the path's keyed ones
     assert [d.draw for d in seeded.decisions][:1] == [fork_draw(_with_decisions(seeded, 0))]
-    assert sampler.fork_probability(0.0, "aepo") == pytest.approx(aepo_fork_probability(0.0, 0, tau, beta, lam))
+    assert sampler.rule.fork_probability(0.0, "aepo") == pytest.approx(aepo_fork_probability(0.0, 0, tau, beta, lam))
 
 
 def _forks_in_a_row_before(path, by_id) -> int:
@@ -343,3 +346,69 @@ def test_a_decision_at_a_line_whose_share_was_taken_meanwhile_is_not_recorded(to
     assert [path.kind for path in (glob, copy, last)] == ["global", "branch", "branch"]
     assert [d.forked for d in glob.decisions] == [True, True] and copy.decisions == []
     assert last.parent == glob.id and copy.parent == glob.id
+
+
+# ---- a fork policy of one's own (docs/fork_policies.md) -------------------------------------------------------------
+def third(point) -> float:
+    """A constant policy, importable as `test_fork_rule:third`."""
+    return 0.3
+
+
+def _trees(result) -> list:
+    return [(p.kind, p.parent, p.fork_position, p.completion_ids, [(d.probability, d.draw, d.forked)
+                                                                    for d in p.decisions])
+            for group in result.groups for p in group]
+
+
+@pytest.mark.parametrize("policy", [third, "test_fork_rule:third"])
+def test_a_constant_policy_of_ones_own_grows_the_random_ablations_trees(tokenizer, policy):
+    """Only P is the policy: a callable (or its import path) that always answers 0.3 gives, draw for draw, the trees of
+    the built-in 'random' policy at τ = 0.3."""
+    kw = dict(num_generations=6, initial_rollouts=2, branch_threshold=0.3, max_tool_calls=3)
+    own = _sampler(tokenizer, calls_then_answers(3), branch_policy=policy, **kw).sample(_prompts(tokenizer, 3))
+    ablation = _sampler(tokenizer, calls_then_answers(3), branch_policy="random", **kw).sample(_prompts(tokenizer, 3))
+    assert _trees(own) == _trees(ablation)
+    assert own.stats.forks > 0 and any(not d.forked for p in own.trajectories for d in p.decisions)
+
+
+def test_the_documented_policy_sees_each_fork_point_and_decides_its_p(tokenizer):
+    """The example of docs/fork_policies.md, run as written: every decision's P is what it answered for that path's
+    `ForkPoint`, which carries the path's state at its tool result."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "fork_policies.md").read_text(encoding="utf-8")
+    namespace: dict = {}
+    exec(re.search(r"```python\n(.*?)```", text, re.S).group(1), namespace)  # noqa: S102  (our own docs)
+    documented, seen = namespace["unsure_after_search"], []
+
+    def recording(point: ForkPoint) -> float:
+        seen.append(point)
+        return documented(point)
+
+    sampler = _sampler(tokenizer, calls_then_answers(3), branch_policy=recording, num_generations=8,
+                       initial_rollouts=2, max_tool_calls=3)
+    result = sampler.sample(_prompts(tokenizer, 4))
+    decisions = sorted((d.delta, d.probability) for p in result.trajectories for d in p.decisions)
+    assert decisions and decisions == sorted((point.delta_entropy, documented(point)) for point in seen)
+    assert {point.tool for point in seen} == {"python"} and {point.kind for point in seen} <= {"global", "branch"}
+    assert all(point.tool_calls >= 1 and point.tool_calls == point.fork_decisions + 1 for point in seen)
+    assert any(point.consecutive_forks for point in seen) or result.stats.forks <= 1
+
+
+@pytest.mark.parametrize("answer", [1.2, float("nan"), -0.1, "0.5", True])
+def test_a_policy_answer_that_is_no_probability_stops_the_rollout_naming_it(tokenizer, answer):
+    sampler = _sampler(tokenizer, call_then_answer(), branch_policy=lambda point: answer, num_generations=4,
+                       initial_rollouts=2)
+    with pytest.raises(ValueError, match=r"branch_policy .*<lambda>.* returned .*ForkPoint\(delta_entropy="):
+        sampler.sample(_prompts(tokenizer, 1))
+
+
+@pytest.mark.parametrize("value,message", [
+    ("no_such_module_xyz:policy", "cannot import 'policy' from 'no_such_module_xyz'"),
+    ("test_fork_rule:ANSWER", "is a str, not a callable fork policy"),
+    ("entropic", "branch_policy must be one of"),
+    (3, "branch_policy must be one of"),
+])
+def test_a_policy_that_cannot_be_one_is_refused_in_the_config(tmp_path, value, message):
+    from arpo_trl import ARPOConfig
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ARPOConfig(output_dir=str(tmp_path), branch_policy=value, use_cpu=True, bf16=False, report_to="none")

@@ -12,8 +12,8 @@ from tiny import tiny_model
 from transformers.utils import get_json_schema
 
 from arpo_trl import ARPOConfig
-from arpo_trl.rollout import BranchingSampler
 from arpo_trl.rollout.tool_calls import ChatTemplateFormat, TagFormat, make_call_format
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools import PythonTool, Tool
 from arpo_trl.tools.functions import FunctionTool, as_tools
 

@@ -26,10 +26,11 @@ from tiny import SPECIALS, tool_transcript
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from arpo_trl.generation.engine import Segment
-from arpo_trl.rollout import BRANCH_POLICIES, BranchingSampler
+from arpo_trl.generation.engine import EngineTraits, Segment
+from arpo_trl.rollout import BRANCH_POLICIES
 from arpo_trl.rollout.paths import tree_order
 from arpo_trl.rollout.tool_calls import ChatTemplateFormat, TagFormat, ToolCall
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools.base import Tool, format_result
 from arpo_trl.tools.tags import cut_at_stop, extract_call, first_stop
 
@@ -374,6 +375,8 @@ class SoupEngine(ScriptedEngine):
 class AsyncSoupEngine(SoupEngine):
     """The same segments served one request at a time after a random delay: requests complete in random order."""
 
+    traits = EngineTraits(event_driven=True)
+
     async def agenerate(self, prefix, max_new_tokens, stop):
         segment = self._segment(list(prefix), max_new_tokens, stop)
         await asyncio.sleep(self.rng.random() * 0.003)
@@ -518,10 +521,10 @@ def check_rollout(result, sampler, prompts, m, n, policy, outputs) -> None:
     assert result.stats.fill_ups == sum(t.kind == "fill" for t in trajectories)
     if policy == "none":
         assert result.stats.forks == 0
-    limits = (sampler.max_completion_length, sampler.max_tool_calls)
+    limits = (sampler.rule.max_completion_length, sampler.rule.max_tool_calls)
     _, after = result_block(sampler.call_format)
     for t in trajectories:
-        check_trajectory(t, sampler.engine, sampler.tokenizer, sampler.call_format, limits, outputs)
+        check_trajectory(t, sampler.engine, sampler.rule.tokenizer, sampler.call_format, limits, outputs)
         if t.kind != "branch":
             continue
         parent, fp = by_id[t.parent], t.fork_position
@@ -532,7 +535,7 @@ def check_rollout(result, sampler, prompts, m, n, policy, outputs) -> None:
                                                                     for h in parent.entropies[:fp]]
         # forked right after a tool result, and the branch samples its own continuation
         assert t.mask[fp - 1] == 0
-        assert sampler.tokenizer.decode(t.completion_ids[:fp], skip_special_tokens=False).endswith(after)
+        assert sampler.rule.tokenizer.decode(t.completion_ids[:fp], skip_special_tokens=False).endswith(after)
         if len(t.completion_ids) > fp and len(parent.completion_ids) > fp and t.mask[fp] == parent.mask[fp] == 1:
             assert t.logprobs[fp] != parent.logprobs[fp]
 

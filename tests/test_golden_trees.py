@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from arpo_trl.rollout import BranchingSampler
 from arpo_trl.rollout.paths import RolloutResult
+from arpo_trl.runtime import BranchingSampler
 from tests.test_seeds import QUESTIONS, SAMPLING, JitteryTool
 
 GOLDEN = Path(__file__).parent / "golden" / "rollout_trees.json"

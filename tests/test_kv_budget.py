@@ -18,7 +18,7 @@ from arpo_trl.generation.kv_budget import (
     wave_batches,
 )
 from arpo_trl.generation.transformers_engine import TransformersEngine
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools import Tool
 
 UNBOUNDED = KVBudgetSetting(unbounded=True)

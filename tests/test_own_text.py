@@ -19,7 +19,7 @@ from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool
 from arpo_trl.commands.eval_setup import EvalArguments, EvalSetup, prompt_ids, resolve_metric
 from arpo_trl.commands.evaluate import evaluate
 from arpo_trl.data import arpo_released
-from arpo_trl.generation.engine import Segment
+from arpo_trl.generation.engine import GenerationEngine, Segment
 from arpo_trl.rewards import (
     answer_accuracy,
     arpo_f1_reward,
@@ -201,7 +201,7 @@ MIXED = [
 ]
 
 
-class MixedEngine:
+class MixedEngine(GenerationEngine):
     """A test double for the model only: replays MIXED (attempt a of question q starts `<think>qQaA</think>`)."""
 
     def __init__(self, tokenizer, prompts: list[list[int]]):

@@ -1,4 +1,4 @@
-"""Which fill-ups run ahead of the rule (`arpo_trl.rollout.prefetch.FillUpPrefetch`), on hand-built rollouts: how many
+"""Which fill-ups run ahead of the rule (`arpo_trl.runtime.prefetch.FillUpPrefetch`), on hand-built rollouts: how many
 paths forking is expected to add, the hedge, waiting for a prompt's first decision, the rates and their priors, and
 the shadow a fill-up runs as. That a shadow handed over leaves the trees unchanged is
 `tests/test_rollout.py::test_fill_ups_run_ahead_of_the_rule_leave_the_trees_unchanged` and `tests/test_seeds.py`."""
@@ -6,27 +6,26 @@ the shadow a fill-up runs as. That a shadow handed over leaves the trees unchang
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.rollout import BranchingRule
 from arpo_trl.rollout.paths import ForkDecision, Rollout, ToolCallRecord
-from arpo_trl.rollout.prefetch import HEDGE, FillUpPrefetch
 from arpo_trl.rollout.seeds import derive_seed
+from arpo_trl.runtime.prefetch import HEDGE, FillUpPrefetch
 
 PROMPT = [5, 6, 7]
 
 
 def prefetch(max_tool_calls: int, branch_factor: int = 2, branch_threshold: float = 0.5, **kw) -> FillUpPrefetch:
-    """The real rule's prefetch; no engine runs, so none is needed but its EOS."""
-    rule = BranchingSampler(SimpleNamespace(eos_token_ids=[0]), None, max_tool_calls=max_tool_calls,
-                            branch_factor=branch_factor, branch_threshold=branch_threshold, seed=0)
+    """The real rule's prefetch; no engine runs: the rule needs none."""
+    rule = BranchingRule(None, vocab_size=1000, eos_token_id=0, max_tool_calls=max_tool_calls,
+                         branch_factor=branch_factor, branch_threshold=branch_threshold, seed=0)
     return FillUpPrefetch(rule, **kw)
 
 
 def rollout(m: int, n: int, policy: str = "entropy") -> Rollout:
-    """One prompt with budget M and its N global paths, as `BranchingSampler.sample` starts it."""
+    """One prompt with budget M and its N global paths, as `BranchingRule.begin` starts it."""
     r = Rollout([[]], m, policy, seed=11)
     for _ in range(n):
         r.start(0, list(PROMPT), "global", None)

@@ -12,15 +12,15 @@ import time
 
 import pytest
 
-from arpo_trl.generation.engine import Segment
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.generation.engine import EngineTraits, GenerationEngine, Segment
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools import PythonTool, Tool, ToolEnvironmentError
 from arpo_trl.tools.tags import cut_at_stop, extract_call
 
 CALL = "<python>print(1+1)</python>"
 
 
-class ScriptedEngine:
+class ScriptedEngine(GenerationEngine):
     """`script(completion_text, rng) -> (text, per-token entropy, finish)`; ids are the text's real tokens. A segment
     cut by its token budget is continued, from where it stopped, by the next request for that prefix (a probe and its
     continuation). `calls` holds each `generate` call's prefixes (one wave) and `budgets` their token budgets."""
@@ -58,6 +58,8 @@ class ScriptedEngine:
 class AsyncScriptedEngine(ScriptedEngine):
     """The same policy, served one request at a time (`agenerate`) with a random delay per token, so that requests
     complete in random order, as on a server. `cancelled` counts requests cancelled midway."""
+
+    traits = EngineTraits(event_driven=True)
 
     def __init__(self, tokenizer, script, seed=0, token_seconds=0.0005, **kw):
         super().__init__(tokenizer, script, seed=seed, **kw)
@@ -172,9 +174,10 @@ def test_mask_is_zero_exactly_on_result_spans(tokenizer):
 
 def test_fork_probability_is_clip_tau_plus_beta_delta(tokenizer):
     sampler = _sampler(tokenizer, calls_then_answers(1), branch_threshold=0.3, entropy_weight=0.25)
+    rule = sampler.rule
     for delta, expected in [(0.0, 0.3), (1.0, 0.55), (-1.0, 0.05), (-1.2, 0.0), (-5.0, 0.0), (2.8, 1.0), (9.0, 1.0)]:
-        assert sampler.fork_probability(delta) == pytest.approx(expected, abs=1e-12)
-    assert sampler.fork_probability(-5.0, policy="random") == sampler.fork_probability(9.0, policy="random") == 0.3
+        assert rule.fork_probability(delta) == pytest.approx(expected, abs=1e-12)
+    assert rule.fork_probability(-5.0, policy="random") == rule.fork_probability(9.0, policy="random") == 0.3
 
 
 def _fork_rate(tokenizer, h_initial, h_after, prompts=6000, policy="entropy", scheduler="waves"):
@@ -280,7 +283,7 @@ class KeyedAsyncPolicy(AsyncScriptedEngine):
     """As a server that takes a path's seed: each segment a function of the path's seed and whole prefix (prompt
     included), served one request at a time in random order."""
 
-    request_options = frozenset({"seed"})
+    traits = EngineTraits(event_driven=True, request_options=frozenset({"seed"}))
 
     def __init__(self, tokenizer, script=None, seed=0, **kw):
         super().__init__(tokenizer, self.script, seed=seed, **kw)

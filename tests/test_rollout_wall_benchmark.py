@@ -42,7 +42,7 @@ def test_the_methods_rollouts_alternate(tokenizer, monkeypatch):
     sample = rollout_shape.BranchingSampler.sample
 
     def traced(self, prompts, *args, **kwargs):
-        order.append(self.branch_policy)
+        order.append(self.rule.branch_policy)
         return sample(self, prompts, *args, **kwargs)
 
     monkeypatch.setattr(rollout_shape.BranchingSampler, "sample", traced)

@@ -15,8 +15,8 @@ import pytest
 
 from arpo_trl.generation import CachedTransformersEngine
 from arpo_trl.generation.engine import SamplingSettings
-from arpo_trl.rollout import BranchingSampler
 from arpo_trl.rollout.paths import tree_order
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools import Tool
 from tests.test_cached_engine import _prompt
 
@@ -105,7 +105,7 @@ def test_two_runs_of_one_seed_log_the_same_steps(tool_model_dir, tokenizer, addi
 
     from arpo_trl import ARPOConfig, ARPOTrainer, PythonTool, arpo_math_reward
     from arpo_trl.generation import CachedTransformersEngine
-    from arpo_trl.rollout.schedulers import EventScheduler
+    from arpo_trl.runtime.schedulers import EventScheduler
     from arpo_trl.training.tracking import read_metrics
     from arpo_trl.trees import read_jsonl
 

@@ -17,7 +17,7 @@ from fake_vllm import DROP, TRUNCATE, FakeVLLM, Mutate, Raw, Slow, Status
 from tiny import question
 
 from arpo_trl.generation.engine import SamplingSettings
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.server.client import VLLMClient, VLLMServerError
 from arpo_trl.server.engine import VLLMServerEngine
 from arpo_trl.tools.base import Tool

@@ -12,7 +12,7 @@ from arpo_trl.generation import CachedTransformersEngine
 from arpo_trl.generation.cpu.costs import CPU_COSTS, CPU_DECODE_COST
 from arpo_trl.generation.engine import SamplingSettings
 from arpo_trl.generation.speculation import Acceptance, DraftIndex
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools import Tool
 from tests.test_cached_engine import GREEDY, _chi2_and_bound, _prompt
 

@@ -9,9 +9,9 @@ import pytest
 from tiny import HERMES, build_tokenizer, tiny_model
 
 from arpo_trl import ARPOConfig, ARPOTrainer, arpo_math_reward
-from arpo_trl.generation.engine import Segment
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.generation.engine import GenerationEngine, Segment
 from arpo_trl.rollout.tool_calls import ChatTemplateFormat, TagFormat, ToolCall, make_call_format
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools import BrowseTool, PageStore, PythonTool, SearchTool, Tool
 from arpo_trl.tools.base import format_result
 
@@ -26,7 +26,7 @@ def response(text: str) -> str:
     return f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 
-class ScriptedEngine:
+class ScriptedEngine(GenerationEngine):
     """`script(prefix_text, rng) -> (text, per-token entropy, finish)`; ids are the text's real tokens."""
 
     def __init__(self, tokenizer, script, seed=0):

@@ -200,12 +200,15 @@ def test_paths_generate_while_a_sync_call_runs_on_this_thread_past_its_deadline(
     from test_function_tools import call
     from test_tool_calls import ScriptedEngine
 
-    from arpo_trl.rollout import BranchingSampler
+    from arpo_trl.generation.engine import EngineTraits
     from arpo_trl.rollout.tool_calls import make_call_format
+    from arpo_trl.runtime import BranchingSampler
 
     generated_at: list[float] = []
 
     class EventEngine(ScriptedEngine):
+        traits = EngineTraits(event_driven=True)
+
         async def agenerate(self, prefix, max_new_tokens, stop):
             generated_at.append(time.monotonic())
             return self.generate([prefix], [max_new_tokens], stop)[0]

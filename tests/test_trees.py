@@ -15,7 +15,7 @@ from test_rollout import ScriptedEngine, _prompts
 from arpo_trl import trees
 from arpo_trl.commands import trees as trees_command
 from arpo_trl.markdown import markdown_table
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.tools import PythonTool
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

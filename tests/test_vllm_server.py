@@ -27,7 +27,7 @@ from arpo_trl import ARPOTrainer, PythonTool, Tool
 from arpo_trl.entropy import token_entropy
 from arpo_trl.generation.engine import SamplingSettings
 from arpo_trl.preflight import free_port
-from arpo_trl.rollout import BranchingSampler
+from arpo_trl.runtime import BranchingSampler
 from arpo_trl.server.client import VLLMClient, VLLMServerError, check_server_tokenizer
 from arpo_trl.server.engine import VLLMServerEngine
 from arpo_trl.server.launcher import VLLMServer

@@ -1,7 +1,7 @@
 """`ColocatedVLLMEngine`: the `GenerationEngine` that generates with a vLLM `LLMEngine` inside the training process.
 
 TRL's colocate mode calls `LLM.generate` once per tool turn, every path in lockstep. Here each path segment is one
-request added to the running engine as soon as its path is ready (`arpo_trl.rollout.schedulers.EventScheduler` drives
+request added to the running engine as soon as its path is ready (`arpo_trl.runtime.schedulers.EventScheduler` drives
 the paths): a fork or a continuation is a new request whose prefix vLLM's prefix cache already holds, a probe is the
 first k tokens of its segment's request, which decodes on while the fork is decided (`agenerate_continuing`), tools
 run while other paths decode, and vLLM's scheduler batches whatever is running. The engine's steps run on one thread of
@@ -16,13 +16,20 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from arpo_trl.colocate.outputs import WHERE, cached_tokens, completion_body, first_tokens, generated_tokens
-from arpo_trl.generation.engine import SamplingSettings, Segment, check_budgets, stop_window
+from arpo_trl.generation.engine import (
+    EngineTraits,
+    GenerationEngine,
+    SamplingSettings,
+    Segment,
+    check_budgets,
+    stop_window,
+)
 from arpo_trl.server.responses import VLLMServerError
 from arpo_trl.server.segments import SegmentReader
 
@@ -177,7 +184,7 @@ class _LoopDriver:
             await self.loop.run_in_executor(self.owner.thread, self.owner.step, [], leftover, False)
 
 
-class ColocatedVLLMEngine:
+class ColocatedVLLMEngine(GenerationEngine):
     """Generates with `llm_engine` (a vLLM `LLMEngine` in this process), one request per path segment.
 
     Per-token entropy comes from vLLM's top-`entropy_top_k` processed logprobs (`arpo_trl.entropy`, as in server
@@ -186,7 +193,8 @@ class ColocatedVLLMEngine:
     `reset_prefix_cache`, `sleep` and `wake_up` serve the weight sync (`arpo_trl.colocate.weight_sync`).
     """
 
-    request_options = frozenset({"entropy_tokens"})  # `agenerate(..., entropy_tokens=)`, read with `split_logprobs`
+    # `agenerate(..., entropy_tokens=)`, read with `split_logprobs`
+    traits = EngineTraits(event_driven=True, continues_probes=True, request_options=frozenset({"entropy_tokens"}))
 
     def __init__(self, llm_engine, tokenizer, *, sampling: SamplingSettings = SamplingSettings(),
                  sleep_level: int | None = None, split_logprobs: bool = False, probe_tokens: int = 20):
@@ -216,10 +224,10 @@ class ColocatedVLLMEngine:
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-colocate")
         self.counters = PrefixCacheCounters()
         self.load = EngineSteps()
-        # on a CPU every running row costs a forward pass its share of compute, so a speculative fill-up that a fork
-        # later drops is time lost; on a GPU a decode step costs about the same for 64 rows or 128 (the sampler reads
-        # this to let such fill-ups wait for the prompt's first fork decision)
+        # on a CPU every running row costs a forward pass its share of compute, so a fill-up run ahead that a fork
+        # later drops is time lost; on a GPU a decode step costs about the same for 64 rows or 128
         self.compute_bound = llm_engine.vllm_config.device_config.device_type == "cpu"
+        self.traits = replace(self.traits, late_paths_are_cheap=self.compute_bound)
         self._sleeping: set[str] = set()  # what vLLM's sleep mode has freed
         self._ids = itertools.count()
         self._drivers: dict[asyncio.AbstractEventLoop, _LoopDriver] = {}

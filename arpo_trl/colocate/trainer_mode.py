@@ -16,10 +16,9 @@ from arpo_trl.colocate.weight_sync import (
     check_mergeable,
     checkpoint_tensor_names,
 )
-from arpo_trl.generation.backend import GenerationBackend
+from arpo_trl.generation.backend import GenerationBackend, TrainerView, prompt_budget
 from arpo_trl.preflight import vllm_importable
 from arpo_trl.server.client import tokenizer_probe
-from arpo_trl.server.trainer_mode import _prompt_budget
 
 logger = logging.getLogger("arpo_trl.trainer")
 INSTALL_HINT = ("install vLLM beside arpo-trl (`pip install -e \".[vllm]\"` on a GPU machine), or run in the "
@@ -32,7 +31,7 @@ class ColocateBackend(GenerationBackend):
 
     weight_sync_mode = "merged"
 
-    def __init__(self, trainer):
+    def __init__(self, trainer: TrainerView):
         super().__init__(trainer)
         self._cache_seen = (0, 0, 0)  # vLLM's (requests, prompt tokens, cached tokens) at the last metrics
         self._sleep_freed: float | None = None  # GiB the last sleep handed back (CUDA)
@@ -40,7 +39,7 @@ class ColocateBackend(GenerationBackend):
     def check_setup(self) -> None:
         """One line for each setup colocate mode does not serve, before vLLM starts."""
         trainer = self.trainer
-        if trainer.accelerator.num_processes > 1 or trainer._trl.is_sharded():
+        if trainer.accelerator.num_processes > 1 or trainer.sharded:
             raise NotImplementedError(
                 "vllm_mode='colocate' runs in one process on one device; with several processes (or DeepSpeed/FSDP) "
                 "use vllm_mode='server' with a server on its own GPUs (`arpo-trl vllm-serve --config RECIPE`).")
@@ -51,17 +50,17 @@ class ColocateBackend(GenerationBackend):
         if trainer.args.vllm_enable_sleep_mode and not current_platform.is_sleep_mode_available():
             raise ValueError(f"vllm_enable_sleep_mode=True: vLLM has no sleep mode on this device "
                              f"({current_platform.device_name}; CUDA, ROCm and XPU only). Set it to False.")
-        trainer._trl.check_vespo_sampling_mode()
-        check_mergeable(trainer.accelerator.unwrap_model(trainer.model))
+        trainer.check_vespo_sampling_mode()
+        check_mergeable(trainer.accelerator.unwrap_model(trainer.model()))
 
     def settings(self) -> ColocateSettings:
         trainer = self.trainer
-        args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model)
+        args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model())
         path = getattr(model.config, "_name_or_path", None)
         if not path:
             raise ValueError("vllm_mode='colocate': the model has no name or path (config._name_or_path) for vLLM "
                              "to load its architecture and tokenizer from; save it and load it from that folder.")
-        prompt_tokens, _ = _prompt_budget(args, trainer._trl.tokenizer, trainer.train_dataset)
+        prompt_tokens, _ = prompt_budget(args, trainer.tokenizer, trainer.train_dataset)
         dtype = str(model.get_input_embeddings().weight.dtype)
         max_num_seqs, max_num_batched_tokens = batch_limits(args)
         return ColocateSettings(
@@ -81,16 +80,16 @@ class ColocateBackend(GenerationBackend):
         # split_logprobs (top-k logprobs on a segment's first k tokens only) on a GPU, where the host time of
         # decoding 21 logprob tokens per generated token outweighs a second request per segment (docs/one_gpu.md,
         # "Top-k logprobs")
-        engine = ColocatedVLLMEngine(llm, trainer._trl.tokenizer, sampling=trainer._sampling(),
+        engine = ColocatedVLLMEngine(llm, trainer.tokenizer, sampling=trainer.sampling,
                                      sleep_level=2 if settings.enable_sleep_mode else None,
                                      split_logprobs=settings.device == "cuda",
                                      probe_tokens=trainer.args.entropy_window)
-        _check_tokenizer(llm, trainer._trl.tokenizer, settings.model)
-        policy = trainer.accelerator.unwrap_model(trainer.model)
+        _check_tokenizer(llm, trainer.tokenizer, settings.model)
+        policy = trainer.accelerator.unwrap_model(trainer.model())
         coverage = SyncCoverage(checkpoint_tensor_names(settings.model, bool(getattr(policy.config,
                                                                                        "tie_word_embeddings", False))))
-        trainer._trl.install_weight_sync(ColocatedWeightSync(
-            engine, lambda: trainer.accelerator.unwrap_model(trainer.model), coverage))
+        trainer.install_weight_sync(ColocatedWeightSync(
+            engine, lambda: trainer.accelerator.unwrap_model(trainer.model()), coverage))
         logger.warning("ARPO: generating with vLLM colocated in this process (%s; the policy and vLLM in %s, "
                        "max_model_len %d, gpu_memory_utilization %.2f, max_num_seqs %d, sleep mode %s, top-%d "
                        "logprobs on %s).", settings.model, settings.dtype, settings.max_model_len,
@@ -101,12 +100,12 @@ class ColocateBackend(GenerationBackend):
 
     def _engine(self) -> ColocatedVLLMEngine | None:
         """The trainer's engine if it is a colocated vLLM (an `engine=` of another kind gets no colocate hooks)."""
-        engine = self.trainer.engine
+        engine = self.trainer.engine()
         return engine if isinstance(engine, ColocatedVLLMEngine) else None
 
     def before_rollout(self) -> None:
         if self._engine() is not None:
-            self.trainer._trl.weight_sync.before_rollout()
+            self.trainer.weight_sync().before_rollout()
 
     def after_rollout(self) -> None:
         """The training phase gets vLLM's KV cache (and weights, at level 2) back; on CUDA, how much is logged."""
@@ -152,7 +151,7 @@ def check_colocate_memory(model, args, peft_config, tokenizer, dataset, memory: 
                        "bf16" if args.bf16 else "fp16")
     if tokenizer is None and args.max_prompt_length is None:
         tokenizer = AutoTokenizer.from_pretrained(model if isinstance(model, str) else name)
-    prompt_tokens, _ = _prompt_budget(args, tokenizer, dataset)
+    prompt_tokens, _ = prompt_budget(args, tokenizer, dataset)
     free, total = memory or torch.cuda.mem_get_info()
     if not isinstance(model, str):  # already loaded: its weights count as not yet loaded
         free += sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")

@@ -2,5 +2,6 @@
 `memory_plan`) and what they share (`builders`: argument groups, registries, model and dataset loading;
 `eval_setup`: what an evaluation is given and builds). A command never imports another.
 
-May import: config, trainer, training, rollout, rewards, data, trees, generation, tools, server, colocate, preflight.
+May import: config, trainer, training, rollout, runtime, rewards, data, trees, generation, tools, server, colocate,
+preflight.
 """

@@ -46,7 +46,7 @@ def run_seed(args: EvalArguments, setup: EvalSetup, sampler, seed: int) -> tuple
     import torch
 
     torch.manual_seed(seed)
-    sampler.reseed(seed)
+    sampler.rule.reseed(seed)
     tags = [tool.tag for tool in setup.tools]
     rows, records, start = list(setup.dataset), [], time.perf_counter()
     for begin in range(0, len(rows), args.batch_size):
@@ -80,8 +80,8 @@ def evaluate(args: EvalArguments, setup: EvalSetup | None = None) -> dict:
     """Run the evaluation for every seed; write `eval_results.json` and `eval_results.md` into `output_dir`; return
     the results (`config`, `model`, `metric`, `summary`, `per_seed`, `records`, `table`). `setup` replaces the
     engine, tools and data built from `args` (tests, notebooks)."""
-    from arpo_trl.rollout import BranchingSampler
     from arpo_trl.rollout.tool_calls import make_call_format
+    from arpo_trl.runtime import BranchingSampler
 
     setup = setup or prepare(args)
     configure_math_scoring(timeout=args.scoring_timeout, batch_timeout=max(8.0, args.scoring_timeout))

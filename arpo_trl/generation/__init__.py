@@ -5,7 +5,7 @@ persistent prefix KV cache (`cached_engine`, with `admission`, `prefill`, `kv_ba
 engine generates with (`model_context`); ranks in lockstep (`distributed`); what exists only for CPU speed (`cpu/`).
 The vLLM engines implement the same contract in `server/engine.py` and `colocate/engine.py`.
 
-May import: entropy, tools.
+May import: entropy, tools, preflight (what the vLLM backends measure of the prompts).
 """
 
 from arpo_trl.generation.cached_engine import CachedTransformersEngine

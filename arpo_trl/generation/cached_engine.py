@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -24,7 +25,15 @@ from arpo_trl.entropy import sampling_warpers
 from arpo_trl.generation.admission import Admission
 from arpo_trl.generation.calibration import device_costs, measured_costs
 from arpo_trl.generation.cost_model import ForwardCosts
-from arpo_trl.generation.engine import SamplingSettings, Segment, check_budgets, stop_window, tail_has_stop
+from arpo_trl.generation.engine import (
+    EngineTraits,
+    SamplingSettings,
+    Segment,
+    check_budgets,
+    stop_window,
+    tail_has_stop,
+)
+from arpo_trl.generation.event_loop import run_coroutine
 from arpo_trl.generation.kv_batch import LEFT_SLACK, KVBatch
 from arpo_trl.generation.kv_budget import KVAccounting, log_budget
 from arpo_trl.generation.model_context import eval_mode, model_for_generation
@@ -34,7 +43,6 @@ from arpo_trl.generation.sampling import accept_drafts, distributions, keyed_uni
 from arpo_trl.generation.speculation import MAX_DRAFT_TOKENS, Speculator
 from arpo_trl.generation.support import SUPPORTED_KEYS, check_full_attention
 from arpo_trl.generation.transformers_engine import TransformersEngine
-from arpo_trl.tools.training_thread import run_coroutine
 
 
 class CachedTransformersEngine(TransformersEngine):
@@ -53,7 +61,8 @@ class CachedTransformersEngine(TransformersEngine):
     prefixes are prefilled), `kv` (the KV budget's accounting) and `speculator` (n-gram drafts).
     """
 
-    request_options = frozenset({"seed"})  # a token's draw depends on its path's seed and its position alone
+    # a token's draw depends on its path's seed and its position alone
+    traits = EngineTraits(event_driven=True, request_options=frozenset({"seed"}))
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
                  max_cached_tokens: int | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
@@ -70,7 +79,8 @@ class CachedTransformersEngine(TransformersEngine):
         self.kv = KVAccounting(self.running, self.prefix_cache, self.counters)
         self.admission = Admission(self.prefix_cache, self.counters, self.kv)
         self.speculator = Speculator(max_draft_tokens, max_draft_tokens > 0 and self.repetition_penalty in (None, 1.0))
-        self.drafts_late_paths = self.speculator.enabled  # a late path decodes its siblings' text in a few steps
+        # a late path decodes its siblings' text in a few steps
+        self.traits = replace(self.traits, late_paths_are_cheap=self.speculator.enabled)
         self.costs: ForwardCosts | None = None
         self._measure = cost_model == "measure"
         if isinstance(cost_model, ForwardCosts):

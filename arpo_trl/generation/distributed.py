@@ -9,6 +9,8 @@ from typing import TypeVar
 import torch
 from accelerate.utils import broadcast_object_list
 
+from arpo_trl.generation.engine import GenerationEngine
+
 T = TypeVar("T")
 
 
@@ -40,7 +42,7 @@ def run_on_main_process(accelerator, fn: Callable[[], T], what: str) -> T | None
     return payload[0]
 
 
-class LockstepEngine:
+class LockstepEngine(GenerationEngine):
     """A batch engine (`TransformersEngine`) over parameters sharded across ranks (DeepSpeed ZeRO-3, FSDP): every
     forward pass is a collective, and so is each gather of the parameters for generation, so every rank must call
     the model as often as the others. Each rank's tree differs (its own prompts), hence its number of waves: before
@@ -48,16 +50,18 @@ class LockstepEngine:
     one-token call on `idle_prefix` (`finish_rollout`) until no rank works. Inside a call, `synced_gpus` (set on the
     engine) keeps the ranks' decoding steps equal, as in TRL's own generation."""
 
-    def __init__(self, engine, accelerator, idle_prefix: Sequence[int]):
+    def __init__(self, engine: GenerationEngine, accelerator, idle_prefix: Sequence[int]):
+        if engine.traits.event_driven:
+            raise ValueError(f"LockstepEngine steps a batch engine's model calls; {type(engine).__name__} is "
+                             "event-driven.")
         self.engine = engine
         self.accelerator = accelerator
         self.idle_prefix = list(idle_prefix)
         self.idle_calls = 0  # calls made only to keep step with the other ranks
+        self.vocab_size, self.eos_token_ids, self.counters = engine.vocab_size, engine.eos_token_ids, engine.counters
 
-    def __getattr__(self, name: str):  # tokenizer, vocab_size, eos_token_ids...: the wrapped engine's
-        if name == "engine":  # not set yet (e.g. while copying): no recursion
-            raise AttributeError(name)
-        return getattr(self.engine, name)
+    def rollout_scope(self):
+        return self.engine.rollout_scope()
 
     def generate(self, prefixes, max_new_tokens, stop):
         self._anyone_working(True)

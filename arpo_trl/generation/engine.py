@@ -2,10 +2,10 @@
 string, EOS or a per-prefix token budget, returning the new ids with their sampling logprobs and per-token entropies
 (`Segment`); the sampling settings and checks they share.
 
-The sampler only sees `GenerationEngine`; `transformers_engine.TransformersEngine` runs the model being trained (PEFT
-adapters active, exact logits) in waves; `cached_engine.CachedTransformersEngine` runs it event-driven with a prefix
-KV cache; `server.engine.VLLMServerEngine` generates through a vLLM server, `colocate.engine.ColocatedVLLMEngine`
-through a vLLM engine inside the training process.
+The rollout only sees `GenerationEngine` and its `EngineTraits`; `transformers_engine.TransformersEngine` runs the
+model being trained (PEFT adapters active, exact logits) in waves; `cached_engine.CachedTransformersEngine` runs it
+event-driven with a prefix KV cache; `server.engine.VLLMServerEngine` generates through a vLLM server,
+`colocate.engine.ColocatedVLLMEngine` through a vLLM engine inside the training process.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Literal, Protocol
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "eos", "length"]
 
@@ -60,23 +60,57 @@ class Segment:
     finish_reason: FinishReason
 
 
-class GenerationEngine(Protocol):
-    """What the sampler needs. An engine may also offer `async agenerate(prefix, max_new_tokens, stop) -> Segment`
-    (and `async aclose()`): the sampler then drives every path on its own
-    (`arpo_trl.rollout.schedulers.EventScheduler`); a batch-only engine is driven in waves. An engine's class may name
-    per-request options it takes in `request_options`:
-    * "seed": its path's seed (`agenerate(..., seed=)`, `generate(..., seeds=)`); the engine then draws a path's
-      tokens from it and their positions alone, so that a seed reproduces the rollout whatever the schedule
-      (`generation/sampling.py`);
-    * "entropy_tokens": how many leading tokens of the request need their entropies (`agenerate(...,
-      entropy_tokens=)`; the sampler reads a segment's first k): the others may come without (NaN)."""
+@dataclass(frozen=True)
+class EngineTraits:
+    """What an engine can do beyond `generate`, stated by its class (or set per instance where it depends on how the
+    engine was built): the runtime reads these, never probes the engine for methods."""
 
+    event_driven: bool = False  # `agenerate` answers one path's request on its own: the event scheduler drives it
+    continues_probes: bool = False  # `agenerate_continuing`: a probe's request decodes on past its k tokens
+    # per-request options `agenerate` / `generate` take:
+    # * "seed": its path's seed (`agenerate(..., seed=)`, `generate(..., seeds=)`); the engine then draws a path's
+    #   tokens from it and their positions alone, so that a seed reproduces the rollout whatever the schedule
+    #   (`generation/sampling.py`);
+    # * "entropy_tokens": how many leading tokens of the request need their entropies (`agenerate(...,
+    #   entropy_tokens=)`; the rule reads a segment's first k): the others may come without (NaN).
+    request_options: frozenset[str] = frozenset()
+    # a path started late costs it little (the cached engine drafts it from its siblings' text) or every running row
+    # costs compute (vLLM on a CPU): fill-ups run ahead only once their prompt is heard from (`runtime/prefetch.py`)
+    late_paths_are_cheap: bool = False
+
+
+class GenerationEngine:
+    """What the rollout needs of an engine: `generate` (a batch of prefixes, one `Segment` each) and `vocab_size`
+    (ΔH is normalised by ln|V|). An engine whose `traits` say `event_driven` also answers one request at a time with
+    `agenerate` (then `EventScheduler` drives every path on its own; a batch-only engine is driven in waves), and one
+    that `continues_probes`, `agenerate_continuing`. The defaults here are a batch engine's."""
+
+    traits: EngineTraits = EngineTraits()
     vocab_size: int
+    eos_token_ids: list[int] | None = None  # None: the tokenizer's EOS
+    counters: object | None = None  # in-process engines: the positions their model computed (`GenerationCounters`)
 
     def generate(
         self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int], stop: Sequence[str]
     ) -> list[Segment]:
         """One segment per prefix; `max_new_tokens[i] >= 1` bounds segment `i`."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement generate().")
+
+    async def agenerate(self, prefix: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> Segment:
+        """One segment for one prefix (an event-driven engine's)."""
+        raise NotImplementedError(f"{type(self).__name__} is not event-driven (its traits say so).")
+
+    async def agenerate_continuing(self, prefix: Sequence[int], probe_tokens: int, max_new_tokens: int,
+                                   stop: Sequence[str]) -> tuple[Segment, Any]:
+        """The probe's first `probe_tokens`, and the task decoding on to `max_new_tokens` (None if it ended)."""
+        raise NotImplementedError(f"{type(self).__name__} does not continue probes (its traits say so).")
+
+    async def aclose(self) -> None:
+        """After an event-driven rollout: release what its requests held."""
+
+    def rollout_scope(self) -> contextlib.AbstractContextManager:
+        """Held for a whole waves rollout (an engine may keep a cache that long)."""
+        return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)

@@ -144,9 +144,9 @@ class KVBudgetSetting:
 
 def log_budget(engine, budget: KVBudget) -> KVBudget:
     """One log line per engine, at its first rollout: the budget and where it came from."""
-    if not getattr(engine, "_budget_logged", False):
+    if not engine.budget_logged:
         logger.info("ARPO: %s's KV budget: %s.", type(engine).__name__, budget.describe())
-        engine._budget_logged = True
+        engine.budget_logged = True
     return budget
 
 

@@ -19,6 +19,7 @@ from arpo_trl.entropy import (
 from arpo_trl.entropy.recorder import NEUTRAL_WARPERS
 from arpo_trl.generation.engine import (
     GenerationCounters,
+    GenerationEngine,
     SamplingSettings,
     Segment,
     check_budgets,
@@ -50,7 +51,7 @@ class _StopPerRow(StoppingCriteria):
         return done
 
 
-class TransformersEngine:
+class TransformersEngine(GenerationEngine):
     """Samples with `model.generate`; entropy and logprobs come from the model's own logits.
 
     `model_context`, if given, is entered around each call and yields the model to use (the trainer passes
@@ -96,6 +97,7 @@ class TransformersEngine:
         self.max_batch_size = max_batch_size
         self.kv_setting = kv_budget or KVBudgetSetting()  # KV bytes, from free memory by default (waves: per call)
         self.counters = GenerationCounters()  # accumulated over the engine's life
+        self.budget_logged = False  # `log_budget`: one line per engine
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,16 +1,15 @@
-"""The tree rollout (paper §3.1; docs/architecture.md). The rule, read top to bottom: `arpo` (`BranchingSampler`:
-N global samples, the k-token probe after a tool result, P = clip(τ + β·ΔH, 0, 1), exactly M with fill-ups; AEPO's
-variants beside it). Around it: a `PathWriter` writes into the paths (`path_writer`), the schedulers drive their
-programs against an engine and the tools (`schedulers`; likely fill-ups run ahead of the rule, `prefetch`), the
-tool-call formats (`tool_calls`), the rollout's records (`paths`) and seeds (`seeds`).
+"""ARPO's rollout rule (paper §3.1; docs/architecture.md), and only the rule, read top to bottom in `arpo`
+(`BranchingRule`: N global samples, the k-token probe after a tool result, P = clip(τ + β·ΔH, 0, 1), exactly M with
+fill-ups; AEPO's variants beside it; a fork policy of one's own, `fork_policy`). Beside it: what a path's program
+asks for (`requests`), how it writes into its path (`path_writer`), the tool-call formats (`tool_calls`), the
+rollout's records (`paths`) and seeds (`seeds`). Who runs the requests, and when, is `arpo_trl.runtime`'s business.
 
-May import: generation, tools, entropy.
+May import: generation (the engine contract, `generation.engine`, only), tools, entropy.
 """
 
-from arpo_trl.rollout.arpo import BRANCH_POLICIES, BranchingSampler, check_branching_args, default_initial_rollouts
+from arpo_trl.rollout.arpo import BRANCH_POLICIES, BranchingRule, check_branching_args, default_initial_rollouts
+from arpo_trl.rollout.fork_policy import ForkPoint, ForkPolicy
 from arpo_trl.rollout.paths import RolloutResult, Trajectory
-from arpo_trl.rollout.prefetch import MODES as SPECULATION_MODES
-from arpo_trl.rollout.schedulers import SCHEDULERS
 
-__all__ = ["BRANCH_POLICIES", "SCHEDULERS", "SPECULATION_MODES", "BranchingSampler", "RolloutResult", "Trajectory",
+__all__ = ["BRANCH_POLICIES", "BranchingRule", "ForkPoint", "ForkPolicy", "RolloutResult", "Trajectory",
            "check_branching_args", "default_initial_rollouts"]

@@ -2,23 +2,24 @@
 
 Per prompt, a budget of exactly M trajectories (`num_generations`):
 
-  1. N global samples start the tree (`BranchingSampler.sample`; §3.1 step 1, "N trajectory-level samples").
-  2. Every path runs one program (`BranchingSampler.grow`): generate until a tool's closing tag, EOS or its length
+  1. N global samples start the tree (`BranchingRule.begin`; §3.1 step 1, "N trajectory-level samples").
+  2. Every path runs one program (`BranchingRule.grow`): generate until a tool's closing tag, EOS or its length
      budget. The first k tokens (`entropy_window`) of its first segment give H_initial (§3.1 step 1).
   3. At a tool call, the tool runs and its result is appended as ` <result>\\n…\\n</result>`, loss mask 0.
   4. Right after the result the path probes: it generates k tokens only and reads their entropy H_t. With
      ΔH = H_t − H_initial, both per-token entropies summed over the k tokens and divided by ln|V| (the reference
      code's normalisation), it forks with probability P = clip(τ + β·ΔH, 0, 1) (§3.1 steps 2-3,
-     `BranchingSampler.fork_probability`): Z − 1 copies of the path as it stood at the tool result (tokens, mask,
+     `BranchingRule.fork_probability`): Z − 1 copies of the path as it stood at the tool result (tokens, mask,
      calls) start beside it, and the path goes on from its probe.
   5. Forks stop once the prompt holds M paths. When forking can no longer fill M, even if every live path forked at
      every tool result it may still reach, the missing paths start as fresh global samples, "fill-ups" (§3.1 step 4:
-     "add M − N − Ẑ trajectory-level samples"; `BranchingSampler._fill_up`).
+     "add M − N − Ẑ trajectory-level samples"; `BranchingRule._fill_up`).
 
 AEPO (Dong et al., arXiv 2510.14545, docs/aepo.md), `branch_policy="aepo"`: one monitoring path per prompt first
 decides how many of the M are global samples (`global_samples`), and a line that forked at its latest tool results
 forks less (`aepo_fork_probability`). `branch_policy="random"` forks with p = τ whatever the entropy; `"none"` is GRPO
-(M global samples).
+(M global samples). A policy of one's own maps what a path shows at a tool result (`ForkPoint`) to P
+(`fork_policy.py`); the rest of the rule is unchanged for it.
 
 Where we differ from the reference code, deliberately (docs/differences.md says why):
   * H_initial is reset every rollout and inherited by a branch (the reference's per-slot dict is never cleared).
@@ -27,27 +28,25 @@ Where we differ from the reference code, deliberately (docs/differences.md says 
     tokens (`segment_statistic='mean'`; `'sum'` is the reference's).
   * A fork takes its slots from its line's share of the budget (`ForkShares`), not from whoever arrives first.
   * Every random draw is keyed by the rollout's seed and the path's place in its tree (`Trajectory.key`): the fork
-    draws here, the tokens in an engine that takes a path's seed. A seed reproduces the trees under either
-    scheduler, whenever tool results arrive.
+    draws here, the tokens in an engine that takes a path's seed. A seed reproduces the trees in whatever
+    order the paths run, whenever tool results arrive.
 
 What is not the rule lives behind the calls this file makes: `self.writer` writes into a path (tokens in, the call
-cut at its tag, results appended: `path_writer.py`) and `self.scheduler` decides when each request runs (waves or
-events: `schedulers.py`, which may run likely fill-ups ahead and hand one over when the rule starts it: the rule does
-not see it, `prefetch.py`).
+cut at its tag, results appended: `path_writer.py`). Who runs the requests a program yields (`requests.py`), when,
+and how fast is the runtime's business (`arpo_trl.runtime`): the rule never learns it.
 """
 
 from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Generator, Sequence
 
 from arpo_trl.entropy import check_entropy_args, segment_entropy
-from arpo_trl.generation.engine import GenerationEngine
+from arpo_trl.rollout.fork_policy import ForkPoint, ForkPolicy, policy_probability, resolve_branch_policy
 from arpo_trl.rollout.path_writer import OPEN, PathWriter
 from arpo_trl.rollout.paths import ForkDecision, Rollout, RolloutResult, Trajectory
-from arpo_trl.rollout.schedulers import CallRequest, GenerateRequest, PathRequest, make_scheduler
+from arpo_trl.rollout.requests import CallRequest, GenerateRequest, PathRequest
 from arpo_trl.rollout.seeds import derive_seed
 from arpo_trl.rollout.tool_calls import CallFormat, TagFormat, ToolCall, bind_call
 from arpo_trl.tools.base import Tool
@@ -56,42 +55,36 @@ from arpo_trl.tools.environments import fork_environment
 BRANCH_POLICIES = ("entropy", "random", "aepo", "none")
 
 
-def default_initial_rollouts(num_generations: int, branch_policy: str) -> int:
+def default_initial_rollouts(num_generations: int, branch_policy: str | ForkPolicy) -> int:
     """N when unset: M // 2 as the released scripts (16/8, 12/6); all M for trajectory-level sampling."""
     return num_generations if branch_policy == "none" else max(1, num_generations // 2)
 
 
-class BranchingSampler:
-    """Builds ARPO rollout trees from token-id prompts with any `GenerationEngine` and tools, called as tags
-    (`TagFormat`, the default) or through the chat template (`call_format=ChatTemplateFormat(...)`).
-
-    `scheduler`: 'events' (every path advances on its own; needs an engine with `agenerate`), 'waves' (ready requests
-    batched into one `generate` call) or 'auto' (events where the engine can). `speculation`: 'auto' (the event
-    scheduler runs likely fill-ups ahead of the rule and hands one over only when the rule starts it: `prefetch.py`)
-    or 'off'; the trees are the same in both.
-    """
+class BranchingRule:
+    """ARPO's rollout rule for token-id prompts and tools, called as tags (`TagFormat`, the default) or through the
+    chat template (`call_format=ChatTemplateFormat(...)`): `begin` starts a rollout's global samples, `grow` is one
+    path's program, `finish` puts the trees in order. `vocab_size` normalises ΔH (ln|V|); `eos_token_id` ends a
+    path."""
 
     def __init__(
         self,
-        engine: GenerationEngine,
         tokenizer,
         tools: Sequence[Tool] = (),
         *,
+        vocab_size: int,
+        eos_token_id: int,
         num_generations: int = 16,
         initial_rollouts: int | None = None,
         branch_factor: int = 2,
         branch_threshold: float = 0.5,
         entropy_weight: float = 0.2,
         entropy_window: int = 20,
-        branch_policy: str = "entropy",
+        branch_policy: str | ForkPolicy = "entropy",
         max_tool_calls: int = 3,
         max_completion_length: int = 512,
         tool_timeout: float = 30.0,
-        max_tool_workers: int = 8,
         seed: int | None = None,
         call_format: CallFormat | None = None,
-        scheduler: str = "auto",
-        speculation: str = "auto",
         branch_penalty: float = 0.05,  # AEPO's λ
         pre_monitoring_beta: float | None = 0.5,  # AEPO's β of the pre-monitoring
         segment_statistic: str = "mean",
@@ -99,18 +92,18 @@ class BranchingSampler:
         tags = [tool.tag for tool in tools]
         if len(set(tags)) != len(tags):
             raise ValueError(f"Tool tags must be unique, got {tags}.")
+        branch_policy = resolve_branch_policy(branch_policy, BRANCH_POLICIES)
         if initial_rollouts is None:
             initial_rollouts = default_initial_rollouts(num_generations, branch_policy)
         check_branching_args(num_generations, initial_rollouts, branch_factor, branch_threshold, entropy_window,
                              branch_policy, max_tool_calls, entropy_weight=entropy_weight)
         check_aepo_args(branch_penalty, pre_monitoring_beta)
         check_entropy_args("auto", None, segment_statistic)
-        if tool_timeout <= 0 or max_tool_workers < 1:
-            raise ValueError(f"tool_timeout must be > 0 and max_tool_workers >= 1, got {tool_timeout}, "
-                             f"{max_tool_workers}.")
-        self.engine = engine
+        if tool_timeout <= 0:
+            raise ValueError(f"tool_timeout must be > 0, got {tool_timeout}.")
         self.tokenizer = tokenizer
         self.tools = list(tools)
+        self.vocab_size = vocab_size
         self.call_format = call_format if call_format is not None else TagFormat(tools)
         self.num_generations = num_generations
         self.initial_rollouts = initial_rollouts
@@ -125,32 +118,29 @@ class BranchingSampler:
         self.max_tool_calls = max_tool_calls
         self.max_completion_length = max_completion_length
         self.tool_timeout = tool_timeout
-        self.max_tool_workers = max_tool_workers
         self.reseed(random.randrange(2 ** 63) if seed is None else seed)
-        self.scheduler = make_scheduler(scheduler, engine, speculation)
         self.shares = ForkShares()
-        eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
-        self.eos_token_id = eos[0]
-        self.writer = PathWriter(tokenizer, self.call_format, self.eos_token_id, max_completion_length, max_tool_calls,
+        self.eos_token_id = eos_token_id
+        self.writer = PathWriter(tokenizer, self.call_format, eos_token_id, max_completion_length, max_tool_calls,
                                  tool_timeout)
 
     # ---- the rollout -------------------------------------------------------------------------------------------
-    def sample(
+    def begin(
         self,
         prompts: Sequence[Sequence[int]],
         num_generations: int | None = None,
         initial_rollouts: int | None = None,
-        branch_policy: str | None = None,
+        branch_policy: str | ForkPolicy | None = None,
         environments: Sequence | None = None,
-    ) -> RolloutResult:
-        """Exactly `num_generations` trajectories for each prompt (arguments override the defaults, e.g. for
-        evaluation without branching; `environments`: per prompt, the reset environment its paths start from)."""
-        policy = branch_policy or self.branch_policy
+    ) -> Rollout:
+        """A new rollout of exactly `num_generations` trajectories for each prompt, its first paths started (arguments
+        override the defaults, e.g. for evaluation without branching; `environments`: per prompt, the reset
+        environment its paths start from). Its started paths' programs (`grow`) then run until none is left."""
+        policy = resolve_branch_policy(branch_policy or self.branch_policy, BRANCH_POLICIES)
         m = num_generations or self.num_generations
         n = initial_rollouts or (m if policy == "none" else min(self.initial_rollouts, m))
         check_branching_args(m, n, self.branch_factor, self.branch_threshold, self.entropy_window, policy,
                              self.max_tool_calls, entropy_weight=self.entropy_weight)
-        start = time.perf_counter()
         rollout = Rollout([[] for _ in prompts], m, policy, environments=environments, fork=fork_environment,
                           seed=derive_seed(self.seed, self.rollouts))
         self.rollouts += 1
@@ -161,25 +151,27 @@ class BranchingSampler:
             if monitored:
                 rollout.monitoring.add(g)
             self._fill_up(rollout, g, None)
-        self.scheduler.run(self, rollout)
+        return rollout
+
+    def finish(self, rollout: Rollout) -> RolloutResult:
+        """The rollout's trees, once every path has ended: each group's M paths in tree order."""
         rollout.finish()
-        rollout.stats.seconds = time.perf_counter() - start
         return RolloutResult(rollout.groups, rollout.stats)
 
     def grow(self, rollout: Rollout, path: Trajectory) -> Generator[PathRequest, object, None]:
-        """One path's program (steps 2-4): it yields requests (generate, call a tool) to the scheduler and receives
+        """One path's program (steps 2-4): it yields requests (generate, call a tool) to the runtime and receives
         their results (a `Segment`, a `CallOutcome`)."""
         probe = False  # the next request's entropy decides the fork at the tool result just appended
         continued = False  # the request continues a segment that a short request stopped inside
         while path.active:
             room = self.max_completion_length - len(path.completion_ids)
             cap = min(room, self.entropy_window) if probe else room
-            # the rest of a segment needs no entropy (its first k gave it); an engine may decode a probe on
+            # the rest of a segment needs no entropy (its first k gave it); a runtime may decode a probe on
             request = GenerateRequest(path, cap, continues_to=room if probe else None,
                                       entropy_tokens=0 if continued else self.entropy_window)
             segment = yield request
             if not continued:
-                entropy = segment_entropy(segment.entropies, self.entropy_window, self.engine.vocab_size,
+                entropy = segment_entropy(segment.entropies, self.entropy_window, self.vocab_size,
                                           self.segment_statistic)
                 if probe:  # step 4: the k tokens after the tool result decide the fork at that result, right now
                     self._decide_fork(rollout, path, entropy - path.initial_entropy)
@@ -200,7 +192,8 @@ class BranchingSampler:
     # ---- forks (step 4) ----------------------------------------------------------------------------------------
     def fork_probability(self, delta_entropy: float, policy: str | None = None, consecutive_forks: int = 0) -> float:
         """P(fork) = clip(τ + β·ΔH, 0, 1) for 'entropy'; τ for the 'random' ablation; for 'aepo', the same rule with
-        AEPO's penalty on a path that forked at its last `consecutive_forks` tool results (`aepo_fork_probability`)."""
+        AEPO's penalty on a path that forked at its last `consecutive_forks` tool results (`aepo_fork_probability`).
+        A policy of one's own is asked with the whole `ForkPoint` instead (`_decide_fork`)."""
         if (policy := policy or self.branch_policy) == "random":
             return self.branch_threshold
         if policy == "aepo":
@@ -228,7 +221,8 @@ class BranchingSampler:
         kept = 0
         draw, path.pending_draw = path.pending_draw, None
         if delta is not None and self._may_fork(rollout, path):
-            probability = self.fork_probability(delta, rollout.policy, path.consecutive_forks)
+            probability = policy_probability(rollout.policy, ForkPoint.of(path, delta)) if callable(rollout.policy) \
+                else self.fork_probability(delta, rollout.policy, path.consecutive_forks)
             forked = draw < probability
             path.decisions.append(ForkDecision(len(path.completion_ids), delta, probability, draw, forked))
             if forked:
@@ -394,12 +388,11 @@ def aepo_fork_probability(delta_entropy: float, consecutive_forks: int, threshol
 # ---- argument checks (shared by ARPOConfig) ----------------------------------------------------------------------
 def check_branching_args(
     num_generations: int, initial_rollouts: int, branch_factor: int, branch_threshold: float,
-    entropy_window: int, branch_policy: str, max_tool_calls: int, *, entropy_weight: float = 0.2,
+    entropy_window: int, branch_policy: str | ForkPolicy, max_tool_calls: int, *, entropy_weight: float = 0.2,
 ) -> None:
     """Raise a ValueError naming the field for any invalid combination."""
     m, n = num_generations, initial_rollouts
-    if branch_policy not in BRANCH_POLICIES:
-        raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
+    branch_policy = resolve_branch_policy(branch_policy, BRANCH_POLICIES)
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"initial_rollouts (N) must be an integer >= 1, got {n!r}.")
     if n > m:
@@ -424,7 +417,7 @@ def check_branching_args(
 
 
 def check_aepo_args(branch_penalty: float, pre_monitoring_beta: float | None) -> None:
-    """Raise a ValueError naming the field (shared by ARPOConfig and the sampler)."""
+    """Raise a ValueError naming the field (shared by ARPOConfig and the rule)."""
     if not (math.isfinite(branch_penalty) and branch_penalty >= 0):
         raise ValueError(f"branch_penalty (λ) must be a finite number >= 0, got {branch_penalty}.")
     if pre_monitoring_beta is not None and not (math.isfinite(pre_monitoring_beta) and pre_monitoring_beta >= 0):

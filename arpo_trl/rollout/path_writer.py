@@ -1,7 +1,7 @@
-"""What a path's program writes into its path (`sampler.BranchingSampler.grow`): the tokens an engine generated,
+"""What a path's program writes into its path (`arpo.BranchingRule.grow`): the tokens an engine generated,
 cut at the tool call's closing tag (also when the tag ends inside a token, or straddles a probe and its
 continuation), the call recorded, its result appended (loss mask 0), and the completion budget enforced. The
-sampler decides; the writer writes."""
+rule decides; the writer writes."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ OPEN = object()  # `absorb`: the probe stopped at k tokens inside a segment, whi
 
 
 class PathWriter:
-    """Writes into the paths of one sampler's rollouts, under its limits (`max_completion_length`, `max_tool_calls`,
+    """Writes into the paths of one rule's rollouts, under its limits (`max_completion_length`, `max_tool_calls`,
     `tool_timeout`) and call format."""
 
     def __init__(self, tokenizer, call_format: CallFormat, eos_token_id: int, max_completion_length: int,

@@ -41,7 +41,7 @@ class ForkDecision:
     position: int  # completion tokens up to the end of the tool result: where the copies start
     delta: float  # ΔH, normalised by ln|V|
     probability: float  # P = clip(τ + β·ΔH, 0, 1) (τ for 'random'; with AEPO's penalty for 'aepo')
-    draw: float  # the uniform it was compared with (`sampler.fork_draw`)
+    draw: float  # the uniform it was compared with (`arpo.fork_draw`)
     forked: bool
 
 
@@ -155,11 +155,12 @@ class RolloutResult:
 
 @dataclass
 class Rollout:
-    """The state of one `sample` call, shared by the path programs and the scheduler."""
+    """The state of one rollout, shared by its path programs: the groups they grow and the budget, shares and seed the
+    rule keeps them to. `started` lists the paths the rule started that nobody runs yet (`take_started`)."""
 
     groups: list[list[Trajectory]]
     num_generations: int
-    policy: str
+    policy: Any  # a built-in branch policy's name, or a fork policy of one's own (`fork_policy.py`)
     stats: RolloutStats = field(default_factory=RolloutStats)
     started: list[tuple[Trajectory, Trajectory | None]] = field(default_factory=list)  # (new path, its creator)
     next_id: int = 0
@@ -186,6 +187,11 @@ class Rollout:
         self.groups[g].append(path)
         self.started.append((path, creator))
         return path
+
+    def take_started(self) -> list[tuple[Trajectory, Trajectory | None]]:
+        """The paths started since the last call, each with its creator, for whoever runs their programs."""
+        started, self.started = self.started, []
+        return started
 
     def finish(self) -> None:
         """Put every group (exactly M paths) in tree order (`tree_order`) and number its paths in that order across

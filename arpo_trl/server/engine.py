@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from arpo_trl.generation.engine import SamplingSettings, Segment, check_budgets
+from arpo_trl.generation.engine import EngineTraits, GenerationEngine, SamplingSettings, Segment, check_budgets
 from arpo_trl.server.responses import VLLMServerError, Where
 from arpo_trl.server.segments import SegmentReader
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(GenerationEngine):
     """Generates through a running vLLM server (``vllm serve`` / ``trl vllm-serve`` / `arpo_trl.server.launcher`).
 
     One `/v1/completions` request per prefix (token ids in, token ids out), all in flight at once, so that vLLM
@@ -24,6 +24,8 @@ class VLLMServerEngine:
 
     `model_name` is the served model or LoRA adapter to sample from; weight sync switches it.
     """
+
+    traits = EngineTraits(event_driven=True)
 
     def __init__(
         self,

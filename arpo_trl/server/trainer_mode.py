@@ -13,7 +13,7 @@ from accelerate.utils import gather_object
 from peft import PeftModel
 
 from arpo_trl.config import ARPOConfig
-from arpo_trl.generation.backend import GenerationBackend
+from arpo_trl.generation.backend import GenerationBackend, TrainerView, prompt_budget
 from arpo_trl.generation.distributed import run_on_main_process
 from arpo_trl.preflight import vllm_importable
 from arpo_trl.server.client import VLLMClient, check_server_tokenizer
@@ -53,7 +53,7 @@ class ServerBackend(GenerationBackend):
     engine on the main process only, the file-based weight sync, and with several processes every rank's prompts
     rolled out on the main process."""
 
-    def __init__(self, trainer, trl_sync: bool):
+    def __init__(self, trainer: TrainerView, trl_sync: bool):
         super().__init__(trainer)
         self.weight_sync_mode = "nccl" if trl_sync else self.check_setup()
         args = trainer.args
@@ -67,14 +67,14 @@ class ServerBackend(GenerationBackend):
     def check_setup(self) -> str:
         """Resolve the weight-sync mode and reject setups it cannot serve, before waiting for any server."""
         trainer = self.trainer
-        args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model)
-        if trainer._trl.is_sharded() and not is_peft_model(model) and args.vllm_weight_sync != "none":
+        args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model())
+        if trainer.sharded and not is_peft_model(model) and args.vllm_weight_sync != "none":
             raise NotImplementedError(
                 "vLLM server mode under DeepSpeed/FSDP syncs LoRA adapters only (gathered from the shards each step): "
                 "train with peft_config=LoraConfig(...), use DDP for full fine-tuning, or vllm_weight_sync='nccl' on "
                 "CUDA."
             )
-        trainer._trl.check_vespo_sampling_mode()
+        trainer.check_vespo_sampling_mode()
         mode = _resolve_sync_mode(args.vllm_weight_sync, is_peft=is_peft_model(model), tied=has_tied_embeddings(model))
         if args.vllm_weight_sync == "auto":
             logger.warning("ARPO: vllm_weight_sync='auto' chose %r.", mode)
@@ -88,9 +88,9 @@ class ServerBackend(GenerationBackend):
         client.wait_until_ready()
         info = client.server_info()
         check_server_serves(client, self.run_needs(), info)
-        engine = VLLMServerEngine(client, trainer._trl.tokenizer, sampling=trainer._sampling(),
+        engine = VLLMServerEngine(client, trainer.tokenizer, sampling=trainer.sampling,
                                   max_concurrency=trainer.args.vllm_max_concurrent_requests)
-        check_server_tokenizer(client, trainer._trl.tokenizer, engine.model_name)
+        check_server_tokenizer(client, trainer.tokenizer, engine.model_name)
         engine.check_server()
         mode = client.logprobs_mode(info)
         if mode not in (None, "processed_logprobs"):
@@ -105,9 +105,9 @@ class ServerBackend(GenerationBackend):
         """What this run asks of its server (`server_check`): the trained model, prompt + completion budget, and
         the LoRA rank when adapters are synced."""
         trainer = self.trainer
-        args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model)
+        args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model())
         rank = _lora_rank(model) if self.weight_sync_mode == "lora" else None
-        prompt_tokens, source = _prompt_budget(args, trainer._trl.tokenizer, trainer.train_dataset)
+        prompt_tokens, source = prompt_budget(args, trainer.tokenizer, trainer.train_dataset)
         name = getattr(getattr(model, "config", None), "_name_or_path", None)
         return RunNeeds(model=name or None, prompt_tokens=prompt_tokens, prompt_source=source,
                         max_completion_length=args.max_completion_length, lora_rank=rank)
@@ -118,13 +118,13 @@ class ServerBackend(GenerationBackend):
             return
         trainer, args = self.trainer, self.trainer.args
         if self.weight_sync_mode == "none":
-            trainer._trl.install_weight_sync(NoSync())
+            trainer.install_weight_sync(NoSync())
             return
         sync_class = {"lora": LoRAAdapterSync, "reload": ReloadWeightsSync}[self.weight_sync_mode]
         sync_dir = args.vllm_sync_dir or os.path.join(args.output_dir, "vllm_sync")
         run_name = f"arpo-{uuid.uuid4().hex[:8]}"  # adapter names must be new on a server shared across runs
-        trainer._trl.install_weight_sync(sync_class(self.client, trainer.engine, trainer.accelerator,
-                                                    lambda: trainer.model, sync_dir, run_name))
+        trainer.install_weight_sync(sync_class(self.client, trainer.engine(), trainer.accelerator, trainer.model,
+                                               sync_dir, run_name))
 
     def rollout(self, prompt_ids: list, m: int, policy: str | None, environments=None):
         """With several processes, as TRL does: the main process gathers every rank's prompts, runs the sampler
@@ -136,15 +136,12 @@ class ServerBackend(GenerationBackend):
         per_rank = gather_object([prompt_ids])
         all_prompts = [p for rank in per_rank for p in rank]
         result = run_on_main_process(
-            trainer.accelerator, lambda: trainer.sampler.sample(all_prompts, num_generations=m, branch_policy=policy),
+            trainer.accelerator, lambda: trainer.sample(all_prompts, num_generations=m, branch_policy=policy),
             "Rollout",
         )
         start = sum(len(rank) for rank in per_rank[: trainer.accelerator.process_index])
         groups = result.groups[start : start + len(prompt_ids)]
         return result, [t for group in groups for t in group]
-
-
-MEASURED_PROMPTS = 50_000  # a larger dataset's prompts are not tokenized at startup (set max_prompt_length)
 
 
 def _lora_rank(model) -> int | None:
@@ -153,20 +150,3 @@ def _lora_rank(model) -> int | None:
         return None
     config = model.peft_config[model.active_adapter]
     return max([config.r, *(getattr(config, "rank_pattern", None) or {}).values()])
-
-
-def _prompt_budget(args: ARPOConfig, tokenizer, dataset) -> tuple[int, str]:
-    """`max_prompt_length`, else the longest prompt of the training data as `arpo-trl train` measures it (chat
-    template applied), else 1 (a dataset too large or without a `prompt` column is not measured)."""
-    if args.max_prompt_length is not None:
-        return args.max_prompt_length, "max_prompt_length"
-    from arpo_trl.preflight import prompt_token_lengths
-
-    try:
-        size = len(dataset)
-        lengths = prompt_token_lengths(tokenizer, list(dataset["prompt"])) if 0 < size <= MEASURED_PROMPTS else []
-    except (TypeError, KeyError, ValueError):  # no `prompt` column, no chat template: TRL says so itself
-        lengths = []
-    if not lengths:
-        return 1, "a prompt (max_prompt_length unset, the data not measured)"
-    return max(lengths), "the longest prompt (max_prompt_length unset)"

@@ -1,7 +1,7 @@
 """Tools and the tag format: `Tool` (`base`; the tag format's other half, finding and cutting tags in generated
 tokens: `tags`), `PythonTool` in an OS sandbox (`python`, `sandbox`, `sandbox_process`; `_sandbox_child.py` is run by
 path), `SearchTool` and `BrowseTool` (`search`, `browse`, `pages`, `condense`), plain functions (`functions`),
-forkable environments (`environments`), concurrent calls (`runner`, `training_thread`), failing-tool reports
+forkable environments (`environments`), concurrent calls (`runner`), failing-tool reports
 (`failures`).
 
 May import: data (its offline assets: `assets`, `corpora`, `models`).

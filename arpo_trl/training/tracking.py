@@ -23,6 +23,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from arpo_trl.generation.engine import GenerationCounters
 from arpo_trl.markdown import markdown_table
 from arpo_trl.rollout import RolloutResult
 from arpo_trl.trees import node_table, plot_run, select, tree_html, write_jsonl
@@ -87,7 +88,7 @@ class RolloutLog:
             metrics["arpo/global_samples_per_group"] = statistics.fmean(stats.global_samples.values())
         if stats.fork_deltas:
             metrics["arpo/fork_delta_entropy_mean"] = statistics.fmean(stats.fork_deltas)
-        if hasattr(counters := getattr(engine, "counters", None), "prefill_tokens"):  # in-process engines
+        if isinstance(counters := engine.counters, GenerationCounters):  # in-process engines
             metrics["arpo/prefill_tokens_per_group"] = (counters.prefill_tokens - self._prefilled) / groups
             self._prefilled = counters.prefill_tokens
             for phase, seconds in counters.seconds.items():  # the cached engine: admit, sample, decode

@@ -84,7 +84,7 @@ def main():
         trainer.sampler.sample = failing_sample
     rank = trainer.accelerator.process_index
     if args.rank1_branch_policy is not None and rank == 1:
-        trainer.sampler.branch_policy = args.rank1_branch_policy
+        trainer.sampler.rule.branch_policy = args.rank1_branch_policy
     if args.rank0_extra_wave and rank == 0:
         sample_trees = trainer.sampler.sample
 

@@ -1,4 +1,4 @@
-"""Schedulers: drive the rule's per-path programs (`arpo.BranchingSampler.grow`) against an engine and the tools.
+"""Schedulers: drive the rule's per-path programs (`rollout.BranchingRule.grow`) against an engine and the tools.
 
 A program yields requests (generate, call a tool, wait for a fork decision) and receives their results; the rule
 lives there once, and a scheduler only decides when each request runs:
@@ -21,62 +21,27 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from arpo_trl.generation.engine import EngineTraits, GenerationEngine
+from arpo_trl.generation.event_loop import run_coroutine, run_loop_in_thread
+from arpo_trl.rollout.arpo import BranchingRule
 from arpo_trl.rollout.paths import Rollout, Trajectory
-from arpo_trl.rollout.prefetch import MODES as SPECULATION_MODES
-from arpo_trl.rollout.prefetch import FillUpPrefetch, Shadow
-from arpo_trl.rollout.tool_calls import CallFormat, ToolCall
+from arpo_trl.rollout.requests import CallRequest, GenerateRequest, PathRequest
+from arpo_trl.rollout.tool_calls import ToolCall
+from arpo_trl.runtime.prefetch import MODES as SPECULATION_MODES
+from arpo_trl.runtime.prefetch import FillUpPrefetch, Shadow
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.runner import ToolRunner
-from arpo_trl.tools.training_thread import any_runs_here, run_coroutine, run_loop_in_thread, runs_here
 
 SCHEDULERS = ("auto", "events", "waves")
-
-
-# ---- what a program asks for ---------------------------------------------------------------------------------
-@dataclass
-class GenerateRequest:
-    """Continue `path` (prompt + completion so far) by at most `max_new_tokens` tokens.
-
-    A probe (the k tokens after a tool result) sets `continues_to`, its path's whole room: an engine that can
-    (`agenerate_continuing`) answers after the k tokens and decodes the segment on in the same request, which then
-    answers the path's next request (the rest of the segment) without a new one."""
-
-    path: Trajectory
-    max_new_tokens: int
-    continues_to: int | None = None
-    entropy_tokens: int | None = None  # leading tokens whose entropies the sampler reads (None: all)
-
-
-@dataclass
-class CallRequest:
-    """Run a parsed tool call; a malformed call (`call.error`) is answered with None, never run."""
-
-    path: Trajectory
-    call: ToolCall
-
-
-PathRequest = GenerateRequest | CallRequest
-
 
 Program = Generator[Any, Any, None]
 
 
-class Sampler(Protocol):
-    """What a scheduler drives: `arpo_trl.rollout.BranchingSampler` (named here, not imported: the sampler imports
-    the schedulers)."""
-
-    engine: Any
-    tools: list[Tool]
-    call_format: CallFormat
-    max_completion_length: int
-    max_tool_workers: int
-    tool_timeout: float
-
-    def grow(self, rollout: Rollout, path: Trajectory) -> Program:
-        """One path's program: yields `PathRequest`s, receives their results."""
+def runs_here(tool: Tool | None) -> bool:
+    """Whether the tool's calls run on the thread that runs the rollout (the training thread, `Tool.thread_safe`)."""
+    return tool is not None and not tool.thread_safe
 
 
 def bind(call: ToolCall) -> tuple[Callable[[], object], bool]:
@@ -92,30 +57,28 @@ def path_context(paths: list[Trajectory]) -> str:
     return f"in ARPO path{'s' if len(paths) > 1 else ''} {described}{more}"
 
 
-def interrupt_tools(sampler: Sampler) -> None:
+def interrupt_tools(tools: list[Tool]) -> None:
     """A cancelled rollout stops the tool calls still running (e.g. kills PythonTool's processes)."""
-    for tool in sampler.tools:
+    for tool in tools:
         with contextlib.suppress(Exception):
             tool.interrupt()
 
 
-def make_scheduler(name: str, engine, speculation: str = "auto") -> WaveScheduler | EventScheduler:
-    """'events' needs an engine with `agenerate`; 'waves' drives any engine; 'auto' picks events where it can.
-    `speculation` ('auto' or 'off'): whether the event scheduler runs likely fill-ups ahead of the rule
-    (`prefetch.py`)."""
-    asynchronous = callable(getattr(engine, "agenerate", None))
+def make_scheduler(name: str, traits: EngineTraits, speculation: str = "auto",
+                   max_tool_workers: int = 8) -> WaveScheduler | EventScheduler:
+    """'events' needs an event-driven engine (`EngineTraits.event_driven`); 'waves' drives any engine; 'auto' picks
+    events where it can. `speculation` ('auto' or 'off'): whether the event scheduler runs likely fill-ups ahead of
+    the rule (`prefetch.py`)."""
     if speculation not in SPECULATION_MODES:
         raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {speculation!r}.")
-    if name == "waves" or (name == "auto" and not asynchronous):
-        return WaveScheduler()
+    if name == "waves" or (name == "auto" and not traits.event_driven):
+        return WaveScheduler(max_tool_workers)
     if name in ("events", "auto"):
-        if not asynchronous:
-            raise ValueError(f"scheduler='events' needs an engine with an `agenerate` method (e.g. VLLMServerEngine); "
-                             f"{type(engine).__name__} only generates in batches: use scheduler='waves' or 'auto'.")
-        # fill-ups wait for a prompt's first decision where an early one costs most: an engine that drafts a late
-        # path from its siblings' text (the cached engine) or one whose every row costs compute (vLLM on a CPU)
-        late = getattr(engine, "drafts_late_paths", False) or getattr(engine, "compute_bound", False)
-        return EventScheduler(speculation, wait_for_first_decision=late)
+        if not traits.event_driven:
+            raise ValueError("scheduler='events' needs an event-driven engine (one with `agenerate`, e.g. "
+                             "VLLMServerEngine); this one only generates in batches: use scheduler='waves' or 'auto'.")
+        return EventScheduler(speculation, wait_for_first_decision=traits.late_paths_are_cheap,
+                              max_tool_workers=max_tool_workers)
     raise ValueError(f"scheduler must be one of ('auto', 'events', 'waves'), got {name!r}.")
 
 
@@ -154,18 +117,19 @@ class EventScheduler:
 
     event_driven = True
 
-    def __init__(self, speculation: str = "auto", wait_for_first_decision: bool = False):
+    def __init__(self, speculation: str = "auto", wait_for_first_decision: bool = False, max_tool_workers: int = 8):
         self.speculation = speculation
         self.wait_for_first_decision = wait_for_first_decision
-        self.prefetch: FillUpPrefetch | None = None  # made for the first sampler it drives; its rates carry over
+        self.max_tool_workers = max_tool_workers
+        self.prefetch: FillUpPrefetch | None = None  # made for the first rule it drives; its rates carry over
 
-    def run(self, sampler: Sampler, rollout: Rollout) -> None:
+    def run(self, rule: BranchingRule, engine: GenerationEngine, rollout: Rollout) -> None:
         if self.prefetch is None:
-            self.prefetch = FillUpPrefetch(sampler, self.speculation, self.wait_for_first_decision)
-        runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
+            self.prefetch = FillUpPrefetch(rule, self.speculation, self.wait_for_first_decision)
+        runner = ToolRunner(self.max_tool_workers, rule.tool_timeout)
         try:
-            events = _EventRollout(sampler, rollout, runner, self.prefetch).run()
-            if any_runs_here(sampler.tools):  # the loop on a thread of its own; this one runs those tools' calls
+            events = _EventRollout(rule, engine, rollout, runner, self.prefetch).run()
+            if any(runs_here(tool) for tool in rule.tools):  # the loop on its own thread; this one runs their calls
                 return run_loop_in_thread(events, runner)
             return run_coroutine(events)  # also inside a running loop (Jupyter)
         finally:
@@ -184,12 +148,14 @@ def _signature(request: PathRequest) -> tuple:
 
 
 class _EventRollout:
-    """One rollout under `EventScheduler`: a task per path, started as the sampler's decisions start paths, and a
+    """One rollout under `EventScheduler`: a task per path, started as the rule's decisions start paths, and a
     task per shadow (a fill-up run ahead, `prefetch.py`); the rollout ends when every path's task has, or at the
     first failure."""
 
-    def __init__(self, sampler: Sampler, rollout: Rollout, runner: ToolRunner, prefetch: FillUpPrefetch):
-        self.sampler = sampler
+    def __init__(self, rule: BranchingRule, engine: GenerationEngine, rollout: Rollout, runner: ToolRunner,
+                 prefetch: FillUpPrefetch):
+        self.rule = rule
+        self.engine = engine
         self.rollout = rollout
         self.stats = rollout.stats
         self.runner = runner
@@ -217,7 +183,7 @@ class _EventRollout:
                 await self.done
         except BaseException:
             self.runner.cancel_pending()
-            interrupt_tools(self.sampler)
+            interrupt_tools(self.rule.tools)
             raise
         finally:
             await self._close()
@@ -225,9 +191,8 @@ class _EventRollout:
         self._record_critical_path()
 
     def start_new(self) -> None:
-        """Start a task for each path the sampler started; a fill-up that ran ahead takes over its shadow."""
-        rollout = self.rollout
-        for path, creator in rollout.started:
+        """Start a task for each path the rule started; a fill-up that ran ahead takes over its shadow."""
+        for path, creator in self.rollout.take_started():
             self.clock[path.id] = self.started_at[path.id] = self.clock.get(creator.id, 0) if creator is not None else 0
             self.depth[path.id] = self.depth.get(creator.id, 0) if creator is not None else 0
             if path.kind == "fill" and (shadow := self.shadows.pop(path.key, None)) is not None:
@@ -238,7 +203,6 @@ class _EventRollout:
                 self.stats.adopted_fill_ups += 1
             self.tasks[path.id] = task = asyncio.create_task(self._drive(path))
             task.add_done_callback(lambda task, key=path.id: self._finished(key, task))
-        rollout.started.clear()
 
     def _finished(self, key: int, task: asyncio.Task) -> None:
         self.tasks.pop(key, None)
@@ -264,8 +228,8 @@ class _EventRollout:
     async def _advance(self, path: Trajectory) -> None:
         """Run `path`'s program: send each answer back and await its next request (a fill-up's shadow's answers
         first, `_replayed`)."""
-        sampler, stats = self.sampler, self.stats
-        program, answer = sampler.grow(self.rollout, path), None
+        stats = self.stats
+        program, answer = self.rule.grow(self.rollout, path), None
         replay, replayed = self.replays.pop(path.id, None), 0
         while True:
             start, decisions, ended = time.perf_counter(), path.fork_decisions, False
@@ -324,7 +288,7 @@ class _EventRollout:
         """The rule's program for the shadow's path on its scratch rollout, each answer recorded, until the path ends
         or the rule starts the fill-up (the answer in flight then is still recorded)."""
         path = shadow.path
-        program, answer = self.sampler.grow(shadow.scratch, path), None
+        program, answer = self.rule.grow(shadow.scratch, path), None
         try:
             while not shadow.adopted:
                 try:
@@ -368,7 +332,7 @@ class _EventRollout:
     async def _generate(self, path: Trajectory, request: GenerateRequest):
         """The segment `request` asks for: a new engine request, or the rest of the one the path's probe left
         decoding (`GenerateRequest.continues_to`)."""
-        engine, stops = self.sampler.engine, self.sampler.call_format.stop_strings
+        engine, stops = self.engine, self.rule.call_format.stop_strings
         if (rest := self.rests.pop(path.id, None)) is not None:
             task, room = rest
             if request.max_new_tokens != room:
@@ -379,13 +343,13 @@ class _EventRollout:
         self.depth[path.id] += 1
         self.stats.requests += 1
         prefix = path.prompt_ids + path.completion_ids
-        if (room := request.continues_to) is not None and callable(getattr(engine, "agenerate_continuing", None)):
+        if (room := request.continues_to) is not None and engine.traits.continues_probes:
             probe, task = await engine.agenerate_continuing(prefix, request.max_new_tokens, room, stops)
             if task is not None:
                 self.rests[path.id] = task, room - len(probe.token_ids)
             return probe
         offered = {"seed": path.seed, "entropy_tokens": request.entropy_tokens}
-        options = {key: value for key, value in offered.items() if key in getattr(engine, "request_options", ())}
+        options = {key: value for key, value in offered.items() if key in engine.traits.request_options}
         return await engine.agenerate(prefix, request.max_new_tokens, stops, **options)
 
     async def _close(self) -> None:
@@ -399,9 +363,7 @@ class _EventRollout:
         await asyncio.gather(*self.dropped, return_exceptions=True)  # rests cancelled as their paths ended
         if self.done.done() and not self.done.cancelled():
             self.done.exception()  # retrieved: the rollout was cancelled after a path had failed
-        close = getattr(self.sampler.engine, "aclose", None)
-        if close is not None:
-            await close()
+        await self.engine.aclose()
 
     def _record_critical_path(self) -> None:
         """The longest of the kept paths' chains is the rollout's critical path."""
@@ -420,25 +382,26 @@ class WaveScheduler:
 
     event_driven = False  # paths join in path order, so a seed fixes the trees with either in-process engine
 
-    def run(self, sampler: Sampler, rollout: Rollout) -> None:
-        self.sampler = sampler
-        self.rollout = rollout
-        self.runner = ToolRunner(sampler.max_tool_workers, sampler.tool_timeout)
+    def __init__(self, max_tool_workers: int = 8):
+        self.max_tool_workers = max_tool_workers
+
+    def run(self, rule: BranchingRule, engine: GenerationEngine, rollout: Rollout) -> None:
+        self.rule, self.engine, self.rollout = rule, engine, rollout
+        self.runner = ToolRunner(self.max_tool_workers, rule.tool_timeout)
         self.programs: dict[int, Program] = {}
         answers: list[tuple[Trajectory, object]] = []
         held: list[tuple[Trajectory, Any]] = []  # generation requests waiting for the tool calls of their moment
-        scope = getattr(sampler.engine, "rollout_scope", contextlib.nullcontext)  # an engine's cache, kept per rollout
         try:
-            with scope():
+            with engine.rollout_scope():  # an engine's cache, kept per rollout
                 while requests := held + self._step(answers):
                     answers, held = self._act(requests)
         except BaseException:
             self.runner.cancel_pending()
-            interrupt_tools(sampler)
+            interrupt_tools(rule.tools)
             raise
         finally:
             self.runner.close()
-            del self.sampler, self.rollout, self.runner, self.programs
+            del self.rule, self.engine, self.rollout, self.runner, self.programs
 
     def _step(self, answers: list[tuple[Trajectory, object]]) -> list[tuple[Trajectory, Any]]:
         """Send every answer to its program in path order; new paths (forks, fill-ups) join at the end, in order."""
@@ -462,17 +425,15 @@ class WaveScheduler:
 
     def _admit(self, work: list[tuple[Trajectory, object]]) -> None:
         """Programs for the paths just started."""
-        rollout = self.rollout
-        for path, _ in rollout.started:
-            self.programs[path.id] = self.sampler.grow(rollout, path)
+        for path, _ in self.rollout.take_started():
+            self.programs[path.id] = self.rule.grow(self.rollout, path)
             work.append((path, None))
-        rollout.started.clear()
 
     def _align(self, generate: list[tuple[Trajectory, GenerateRequest]]) -> None:
         """A wave lasts as long as its longest request. When it holds short requests (probes: k tokens), every
         request in it stops there too and goes on in the next wave, so that the fork decisions and the branches they
         start do not wait for long segments (their programs continue them, as a probe's)."""
-        limit = self.sampler.max_completion_length
+        limit = self.rule.max_completion_length
         short = [r.max_new_tokens for path, r in generate if r.max_new_tokens < limit - len(path.completion_ids)]
         if short:
             for _, request in generate:
@@ -493,16 +454,16 @@ class WaveScheduler:
         return self._generate(generate), []
 
     def _generate(self, generate: list[tuple[Trajectory, GenerateRequest]]) -> list[tuple[Trajectory, object]]:
-        sampler, stats = self.sampler, self.rollout.stats
+        stats = self.rollout.stats
         generate = sorted(generate, key=lambda item: item[0].id)
         self._align(generate)
         start = time.perf_counter()
         prefixes = [path.prompt_ids + path.completion_ids for path, _ in generate]
-        budgets, stops = [r.max_new_tokens for _, r in generate], sampler.call_format.stop_strings
-        seeded = "seed" in getattr(sampler.engine, "request_options", ())
+        budgets, stops = [r.max_new_tokens for _, r in generate], self.rule.call_format.stop_strings
+        seeded = "seed" in self.engine.traits.request_options
         options = {"seeds": [path.seed for path, _ in generate]} if seeded else {}
         try:
-            segments = sampler.engine.generate(prefixes, budgets, stops, **options)
+            segments = self.engine.generate(prefixes, budgets, stops, **options)
         except Exception as error:
             error.add_note(path_context([path for path, _ in generate]))
             raise

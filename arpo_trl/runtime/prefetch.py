@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from arpo_trl.rollout.arpo import BranchingRule
 from arpo_trl.rollout.paths import Rollout, Trajectory
 from arpo_trl.rollout.seeds import derive_seed
 
@@ -60,10 +61,10 @@ class Shadow:
 
 
 class FillUpPrefetch:
-    """Which fill-ups run ahead for one rule (`BranchingSampler`), by its public queries of a rollout (`live_lines`,
+    """Which fill-ups run ahead for one rule (`BranchingRule`), by its public queries of a rollout (`live_lines`,
     `forking`, `shares`); the rates it estimates with carry from one rollout to the next."""
 
-    def __init__(self, rule, mode: str = "auto", wait_for_first_decision: bool = False):
+    def __init__(self, rule: BranchingRule, mode: str = "auto", wait_for_first_decision: bool = False):
         if mode not in MODES:
             raise ValueError(f"speculation must be one of {MODES}, got {mode!r}.")
         self.rule = rule
@@ -105,7 +106,7 @@ class FillUpPrefetch:
         path.key = ("fill", g, j)
         path.seed = derive_seed(rollout.seed, path.key)
         path.id = -next(self._ids)  # never a real path's
-        scratch.started.clear()
+        scratch.take_started()
         return Shadow(path, scratch, started_at=0)
 
     # ---- how many run ahead ------------------------------------------------------------------------------------

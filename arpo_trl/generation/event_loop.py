@@ -1,10 +1,13 @@
-"""Tool calls on the training thread, as `GRPOTrainer` makes them, without giving up the event-driven rollout.
+"""The event loop a rollout's coroutine runs on, wherever it is called from: `run_coroutine` also in a thread that runs
+a loop already (Jupyter); `run_loop_in_thread` on a thread of its own while the calling thread serves the tool calls
+that must run on it.
 
-`GRPOTrainer` calls a sync tool function on the thread that runs `train()` (the main thread, normally), so a function
-may use `signal.alarm`, thread-local state or a client that is bound to its thread. ARPO's event-driven rollout
-generates while tools run; when the tool set holds such functions (`Tool.thread_safe` False), the rollout's event loop
-(with the engine's generation) moves to a thread of its own and the training thread serves those calls from a queue
-until the rollout ends (`ToolRunner.serve`). Our own tools and async functions stay on the tool runner's workers.
+The second case: `GRPOTrainer` calls a sync tool function on the thread that runs `train()` (the main thread,
+normally), so a function may use `signal.alarm`, thread-local state or a client that is bound to its thread. ARPO's
+event-driven rollout generates while tools run; when the tool set holds such functions (`Tool.thread_safe` False),
+the rollout's event loop (with the engine's generation) moves to a thread of its own and the training thread serves
+those calls from a queue until the rollout ends (`ToolRunner.serve`). Our own tools and async functions stay on the
+tool runner's workers.
 """
 
 from __future__ import annotations
@@ -12,22 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from arpo_trl.tools.base import Tool
 from arpo_trl.tools.runner import ToolRunner
-
-
-def runs_here(tool: Tool | None) -> bool:
-    """Whether the tool's calls run on the thread that runs the rollout (the training thread)."""
-    return tool is not None and not getattr(tool, "thread_safe", True)
-
-
-def any_runs_here(tools: Sequence[Tool]) -> bool:
-    return any(runs_here(tool) for tool in tools)
-
 
 T = TypeVar("T")
 
