@@ -10,8 +10,8 @@
     arpo-trl vllm-serve --model PATH --lora-rank 16          # = python -m arpo_trl.server serve
     arpo-trl memory-plan --config RECIPE --gpu-gib 24        # will a colocated run fit the card? (an estimate)
 
-Each command is a module of `arpo_trl.commands` (train, sft, evaluate, trees) built on `arpo_trl.commands.builders`;
-this module only dispatches, and runs the quickstart, which chains the commands.
+Each command is a module of `arpo_trl.commands` (train, sft, evaluate, trees) built on `arpo_trl.commands.recipes`
+and `.builders`; this module only dispatches, and runs the quickstart, which chains the commands.
 User mistakes (unknown key, wrong type, unknown reward or tool, missing dataset column, a model without a chat
 template) end with one `arpo-trl: error: ...` line and exit code 2.
 """
@@ -90,7 +90,8 @@ def quickstart(argv: Sequence[str]) -> None:
     """`recipes/quickstart_sft.yaml` (skipped when its model exists), then `recipes/quickstart.yaml`; extra flags
     go to the ARPO run. `--max_minutes` bounds the whole pipeline: the ARPO run gets what the model fetch and the
     cold start left. Prints each stage's time, then where the run folder, trees, pictures and reward curve are."""
-    from arpo_trl.commands.builders import RECIPES_DIR, fail, resolve_model
+    from arpo_trl.commands.builders import resolve_model
+    from arpo_trl.commands.recipes import RECIPES_DIR, fail
     from arpo_trl.preflight import check_writable_dir
 
     sft_recipe, arpo_recipe = RECIPES_DIR / "quickstart_sft.yaml", RECIPES_DIR / "quickstart.yaml"

@@ -25,9 +25,25 @@ from arpo_trl.training.advantages import ATTRIBUTIONS
 class ARPOConfig(GRPOConfig):
     r"""
     Configuration for [`ARPOTrainer`]. Every [`~trl.GRPOConfig`] field applies; `num_generations` is the
-    global rollout budget M (trajectories per prompt, global samples plus branches).
+    global rollout budget M (trajectories per prompt, global samples plus branches). ARPO's own fields, by section
+    (in this order below, and in docs/configuration.md):
+
+    > The rollout rule (paper §3.1): `initial_rollouts`, `branch_factor`, `branch_threshold`, `entropy_weight`,
+      `entropy_window`, `entropy_estimator`, `entropy_top_k`, `segment_entropy`, `max_tool_calls`, `branch_policy`,
+      `seed_sampler`.
+    > AEPO (docs/aepo.md): `branch_penalty`, `pre_monitoring_beta`, `entropy_balanced_clipping`,
+      `entropy_advantage_weight`.
+    > Attribution, rewards and training: `advantage_attribution`, `tree_packing`, `tree_packing_max_length`,
+      `reward_timeout`, `reward_batch_timeout`, `max_prompt_length`.
+    > Engines and the runtime: `in_process_engine`, `max_draft_tokens`, `rollout_scheduler`, `rollout_speculation`.
+    > vLLM: `use_vllm`, `vllm_mode`, `vllm_weight_sync`, `vllm_sync_dir`, `vllm_request_timeout`,
+      `vllm_max_concurrent_requests`.
+    > Tools: `tool_call_format`, `tool_call_open`, `tool_call_close`, `tool_timeout`, `max_failed_tool_steps`,
+      `max_tool_workers`.
+    > Logging and the run: `log_trees`, `max_minutes`.
     """
 
+    # ---- The rollout rule (paper §3.1) -------------------------------------------------------------------------------
     initial_rollouts: int | None = field(
         default=None,
         metadata={
@@ -86,6 +102,13 @@ class ARPOConfig(GRPOConfig):
             "tools), or your own fork policy as 'module:function' (docs/fork_policies.md).",
         },
     )
+    seed_sampler: int | None = field(
+        default=None,
+        metadata={"help": "Seed of the rollouts' keyed draws (forks; the cached engine's tokens); defaults to `seed` "
+                          "plus the process index (docs/differences.md#seeds)."},
+    )
+
+    # ---- AEPO (docs/aepo.md) -----------------------------------------------------------------------------------------
     branch_penalty: float = field(
         default=0.05,
         metadata={
@@ -111,6 +134,8 @@ class ARPOConfig(GRPOConfig):
             "help": "a of AEPO's entropy-aware advantage (any policy): A·(1 + a·standardised token entropy) over the "
             "batch's trained tokens. 0: off; 0.2 in the authors' code. docs/aepo.md."},
     )
+
+    # ---- Attribution, rewards and training ---------------------------------------------------------------------------
     advantage_attribution: str = field(
         default="soft",
         metadata={
@@ -133,44 +158,40 @@ class ARPOConfig(GRPOConfig):
             "repeat the ancestors they need. None: one pack per micro-batch. docs/tree_packing.md.",
         },
     )
-    log_trees: bool = field(
-        default=True,
+    reward_timeout: float = field(
+        default=2.0,
         metadata={
-            "help": "Write every rollout tree to <output_dir>/trees.jsonl, log them to wandb when active, and draw "
-            "tree pictures and the entropy-around-tools plot at the end (`arpo-trl view`).",
+            "help": "Seconds math-verify may spend on one answer in `arpo_math` / `accuracy` (its worker process is "
+            "then killed and the answer scores 0; counted in `rewards/<reward>/timeouts`). See docs/rewards.md."
         },
     )
-    tool_call_format: str = field(
+    reward_batch_timeout: float = field(
+        default=8.0,
+        metadata={"help": "Seconds one math reward call may take over all its answers; those left score 0."},
+    )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Longest prompt in tokens (chat template applied); a longer one is an error before training, never "
+            "truncated. Default: the model's context length minus max_completion_length."
+        },
+    )
+
+    # ---- Engines and the runtime -------------------------------------------------------------------------------------
+    in_process_engine: str = field(
         default="auto",
         metadata={
-            "help": "'tags' (the paper's `<python>…</python>`), 'chat_template' (the tokenizer's native function "
-            "calling; needs conversational prompts) or 'auto' (chat_template for plain-function tools, else tags).",
-            "choices": list(TOOL_CALL_FORMATS),
+            "help": "The engine without vLLM: 'cached' (event-driven, prefix KV cache), 'waves' (left-padded "
+            "model.generate per wave) or 'auto' (cached wherever it can run, else waves; docs/in_process_engine.md).",
+            "choices": list(IN_PROCESS_ENGINES),
         },
     )
-    tool_call_open: str = field(
-        default="<tool_call>",
-        metadata={"help": "tool_call_format='chat_template': the marker that opens a call in the model's output."},
-    )
-    tool_call_close: str = field(
-        default="</tool_call>",
-        metadata={"help": "tool_call_format='chat_template': the marker that closes a call (generation stops there)."},
-    )
-    tool_timeout: float = field(
-        default=30.0,
-        metadata={
-            "help": "Seconds the sampler waits for one tool call before inserting a timeout message "
-            "(PythonTool also enforces its own, killing the process)."
-        },
-    )
-    max_failed_tool_steps: int = field(
-        default=10,
-        metadata={"help": "Stop (raising a tool's first error) when it failed every call in this many training "
-                  "steps in a row; each such tool is reported at its first such step. 0: never stop."},
-    )
-    max_tool_workers: int = field(
+    max_draft_tokens: int = field(
         default=8,
-        metadata={"help": "Tool calls run concurrently across paths in a thread pool of this size."},
+        metadata={
+            "help": "Cached in-process engine: n-gram drafts per row and step from the rollout's own text, verified "
+            "exactly (tokens sampled as without them). 0: off. docs/in_process_engine.md.",
+        },
     )
     rollout_scheduler: str = field(
         default="auto",
@@ -178,14 +199,6 @@ class ARPOConfig(GRPOConfig):
             "help": "'events' (each path sends its next request when its own tool result is ready), 'waves' (ready "
             "requests batched together) or 'auto' (events where the engine can).",
             "choices": list(SCHEDULERS),
-        },
-    )
-    in_process_engine: str = field(
-        default="auto",
-        metadata={
-            "help": "The engine without vLLM: 'cached' (event-driven, prefix KV cache), 'waves' (left-padded "
-            "model.generate per wave) or 'auto' (cached wherever it can run, else waves; docs/in_process_engine.md).",
-            "choices": list(IN_PROCESS_ENGINES),
         },
     )
     rollout_speculation: str = field(
@@ -196,25 +209,8 @@ class ARPOConfig(GRPOConfig):
             "choices": list(SPECULATION_MODES),
         },
     )
-    max_draft_tokens: int = field(
-        default=8,
-        metadata={
-            "help": "Cached in-process engine: n-gram drafts per row and step from the rollout's own text, verified "
-            "exactly (tokens sampled as without them). 0: off. docs/in_process_engine.md.",
-        },
-    )
-    max_minutes: float | None = field(
-        default=None,
-        metadata={
-            "help": "Wall-clock budget in minutes: after step 1 the run says how many steps fit and stops after the "
-            "last that fits (saved as at max_steps). None: all max_steps."},
-    )
-    seed_sampler: int | None = field(
-        default=None,
-        metadata={"help": "Seed of the rollouts' keyed draws (forks; the cached engine's tokens); defaults to `seed` "
-                          "plus the process index (docs/differences.md#seeds)."},
-    )
 
+    # ---- vLLM --------------------------------------------------------------------------------------------------------
     use_vllm: bool | None = field(
         default=None,
         metadata={
@@ -254,23 +250,54 @@ class ARPOConfig(GRPOConfig):
         default=64,
         metadata={"help": "Completion requests in flight at once (one per active path) in server mode."},
     )
-    max_prompt_length: int | None = field(
+
+    # ---- Tools -------------------------------------------------------------------------------------------------------
+    tool_call_format: str = field(
+        default="auto",
+        metadata={
+            "help": "'tags' (the paper's `<python>…</python>`), 'chat_template' (the tokenizer's native function "
+            "calling; needs conversational prompts) or 'auto' (chat_template for plain-function tools, else tags).",
+            "choices": list(TOOL_CALL_FORMATS),
+        },
+    )
+    tool_call_open: str = field(
+        default="<tool_call>",
+        metadata={"help": "tool_call_format='chat_template': the marker that opens a call in the model's output."},
+    )
+    tool_call_close: str = field(
+        default="</tool_call>",
+        metadata={"help": "tool_call_format='chat_template': the marker that closes a call (generation stops there)."},
+    )
+    tool_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds the sampler waits for one tool call before inserting a timeout message "
+            "(PythonTool also enforces its own, killing the process)."
+        },
+    )
+    max_failed_tool_steps: int = field(
+        default=10,
+        metadata={"help": "Stop (raising a tool's first error) when it failed every call in this many training "
+                  "steps in a row; each such tool is reported at its first such step. 0: never stop."},
+    )
+    max_tool_workers: int = field(
+        default=8,
+        metadata={"help": "Tool calls run concurrently across paths in a thread pool of this size."},
+    )
+
+    # ---- Logging and the run -----------------------------------------------------------------------------------------
+    log_trees: bool = field(
+        default=True,
+        metadata={
+            "help": "Write every rollout tree to <output_dir>/trees.jsonl, log them to wandb when active, and draw "
+            "tree pictures and the entropy-around-tools plot at the end (`arpo-trl view`).",
+        },
+    )
+    max_minutes: float | None = field(
         default=None,
         metadata={
-            "help": "Longest prompt in tokens (chat template applied); a longer one is an error before training, never "
-            "truncated. Default: the model's context length minus max_completion_length."
-        },
-    )
-    reward_timeout: float = field(
-        default=2.0,
-        metadata={
-            "help": "Seconds math-verify may spend on one answer in `arpo_math` / `accuracy` (its worker process is "
-            "then killed and the answer scores 0; counted in `rewards/<reward>/timeouts`). See docs/rewards.md."
-        },
-    )
-    reward_batch_timeout: float = field(
-        default=8.0,
-        metadata={"help": "Seconds one math reward call may take over all its answers; those left score 0."},
+            "help": "Wall-clock budget in minutes: after step 1 the run says how many steps fit and stops after the "
+            "last that fits (saved as at max_steps). None: all max_steps."},
     )
 
     def __post_init__(self):

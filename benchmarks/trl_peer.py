@@ -97,16 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
 
-    from arpo_trl.commands.builders import (
-        ARPOScriptArguments,
-        build_tools,
-        load_dataset,
-        load_reward,
-        model_init_kwargs,
-        one_line_parser,
-        parse_recipe,
-        resolve_model,
-    )
+    from arpo_trl.commands.builders import build_tools, load_dataset, load_reward, model_init_kwargs, resolve_model
+    from arpo_trl.commands.recipes import ARPOScriptArguments, one_line_parser, parse_recipe
     from arpo_trl.training.tracking import MetricsFile
 
     argv = grpo_recipe(list(sys.argv[1:] if argv is None else argv))

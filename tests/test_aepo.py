@@ -132,7 +132,7 @@ def test_branch_penalty_stops_consecutive_forks_on_a_hand_built_tree(tokenizer):
     assert len(first) == 1
     assert forks_at(group) == sorted([(root.id, 1), (root.id, 3), (first[0].id, 3)])
     assert sum(t.kind == "fill" for t in group) == 16 - 4
-    assert {t.consecutive_forks for t in group if t.kind != "fill"} == {1}  # each ended right after a fork
+    assert {t.growth.consecutive_forks for t in group if t.kind != "fill"} == {1}  # each ended right after a fork
 
 
 # ---- update terms -------------------------------------------------------------------------------------------------

@@ -39,10 +39,10 @@ def test_capacity_is_what_forking_could_still_add_below_a_path():
     fills, r = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5), rollout(m=16, n=1)
     path = r.groups[0][0]
     assert fills.capacity(r, path) == 7  # 2^3 - 1: a binary tree over the three tool results it may reach
-    path.fork_decisions = 1
+    path.growth.fork_decisions = 1
     assert fills.capacity(r, path) == 3
     assert FillUps(3, 3, 0.5).capacity(r, path) == 8  # Z = 3: 3^2 - 1
-    path.fork_decisions = 3
+    path.growth.fork_decisions = 3
     assert fills.capacity(r, path) == 0
     assert fills.capacity(rollout(m=4, n=1), rollout(m=4, n=1).groups[0][0]) == 4  # never more than M
 
@@ -92,7 +92,7 @@ def test_line_shares_split_the_branch_slots_evenly(m, n):
     line = r.groups[0][0]
     before = fills.shares.remaining(r, 0, line.id)
     branch = r.start(0, list(PROMPT), "branch", line)
-    assert branch.line == line.id and fills.shares.remaining(r, 0, line.id) == before - 1
+    assert branch.growth.line == line.id and fills.shares.remaining(r, 0, line.id) == before - 1
     assert r.start(0, list(PROMPT), "fill", line).line is None and fills.shares.remaining(r, 0, None) == 0
 
 

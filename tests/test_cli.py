@@ -64,7 +64,8 @@ def test_train_from_yaml_recipe_saves_the_adapter(tool_model_dir, tmp_path, caps
 
 
 def test_search_and_browse_tools_over_the_offline_wiki():
-    from arpo_trl.commands.builders import ARPOScriptArguments, build_tools
+    from arpo_trl.commands.builders import build_tools
+    from arpo_trl.commands.recipes import ARPOScriptArguments
 
     search, browse = build_tools(ARPOScriptArguments(tools=["search", "browse"], search_corpus="wiki"))
     assert "Paris" in search("capital of France")

@@ -87,3 +87,37 @@ def test_every_field_arpo_adds_has_a_two_line_help_and_a_row_in_the_docs():
     docs = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
     assert [f.name for f in own if len(f.metadata["help"]) > 230] == []
     assert [f.name for f in own if f"`{f.name}`" not in docs] == []
+
+
+def test_arpo_fields_sit_in_one_section_in_code_docstring_and_docs_alike():
+    """`ARPOConfig`'s own fields are grouped in sections: a `# ---- <title>` comment in the class body, a `> <title>:`
+    line of the docstring, a `### <title>` table in docs/configuration.md. Each field is in exactly one section, the
+    same one in all three, and the class lists them in the docstring's order."""
+    import dataclasses
+    import inspect
+    import re
+    from pathlib import Path
+
+    from trl import GRPOConfig
+
+    inherited = {f.name for f in dataclasses.fields(GRPOConfig)}
+    own = [f.name for f in dataclasses.fields(ARPOConfig) if f.name not in inherited]
+    doc = re.sub(r"\s+", " ", ARPOConfig.__doc__)
+    docstring = {title: re.findall(r"`([a-z_]+)`", names)
+                 for title, names in re.findall(r"> ([^:>]+): ((?:`[a-z_]+`(?:, )?)+)\.", doc)}
+    source, code, title = inspect.getsource(ARPOConfig), {}, None
+    for line in source.splitlines():
+        if heading := re.match(r"    # ---- (.+?) -+$", line):
+            title = heading.group(1)
+            code[title] = []
+        elif field_line := re.match(r"    ([a-z_]+): .*= field\(", line):
+            code[title].append(field_line.group(1))
+    docs = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    tables = {heading: {name for row in body.splitlines() if row.startswith("| `")
+                        for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+              for heading, body in re.findall(r"^### (.+?)\n(.*?)(?=^#|\Z)", docs, re.M | re.S)}
+    assert list(docstring) == list(code) and docstring == code, (docstring, code)
+    assert sorted(name for names in code.values() for name in names) == sorted(own)
+    assert [name for names in code.values() for name in names] == own  # the class in the docstring's order
+    for title, names in code.items():
+        assert set(names) <= tables.get(title, set()), (title, set(names) - tables.get(title, set()))

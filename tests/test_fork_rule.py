@@ -46,7 +46,8 @@ def test_forks_never_exceed_the_budget(tokenizer, m, copies_started, shares):
     assert len(sampler.engine.calls[1]) == 2  # the two probes; the copies start once they have decided
     assert len(sampler.engine.calls[2]) == 2 + copies_started  # the globals going on, and the copies
     lines = [path for path in result.groups[0] if path.kind == "global"]
-    per_line = [sum(path.line == line.id for path in result.groups[0] if path.kind == "branch") for line in lines]
+    per_line = [sum(path.growth.line == line.id for path in result.groups[0] if path.kind == "branch")
+                for line in lines]
     assert sorted(per_line, reverse=True) == shares
     assert kinds(result) == [[kind for count in per_line for kind in ["global"] + ["branch"] * count]]
     branches = [path for path in result.groups[0] if path.kind == "branch"]

@@ -13,7 +13,7 @@ import pytest
 
 import arpo_trl.data.models
 from arpo_trl.cli import main
-from arpo_trl.commands.builders import RECIPES_DIR, ToolArguments
+from arpo_trl.commands.recipes import RECIPES_DIR, ToolArguments
 from arpo_trl.commands.train import parse_train_args
 from arpo_trl.config import ARPOConfig
 

@@ -33,8 +33,8 @@ from arpo_trl.colocate.engine_args import (
 )
 from arpo_trl.colocate.memory_plan import GIB, KNOWN_ARCHITECTURES, plan
 from arpo_trl.colocate.weight_sync import ColocatedWeightSync, SyncCoverage, checkpoint_tensor_names, policy_weights
-from arpo_trl.commands.builders import older_names, renamed_recipe
 from arpo_trl.commands.memory_plan import plan_recipe
+from arpo_trl.commands.recipes import older_names, renamed_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "qwen2.5-3b_lora_colocate.yaml"
@@ -367,7 +367,7 @@ def test_every_shipped_recipe_parses_in_the_colocate_environment(tmp_path):
         "import sys, yaml\n"
         "from arpo_trl.commands.train import parse_train_args\n"
         "from arpo_trl.commands.sft import make_parser\n"
-        "from arpo_trl.commands.builders import parse_recipe\n"
+        "from arpo_trl.commands.recipes import parse_recipe\n"
         "for path in sys.argv[1:]:\n"
         "    recipe = yaml.safe_load(open(path))\n"
         "    if 'task' in recipe:\n"

@@ -43,7 +43,7 @@ def rollout(m: int, n: int, policy: str = "entropy") -> Rollout:
 def test_expected_paths_from_the_priors(tool_calls, decisions, expected):
     ahead, r = prefetch(max_tool_calls=2), rollout(m=16, n=1)
     path = r.groups[0][0]
-    path.calls, path.fork_decisions = [ToolCallRecord("python")] * tool_calls, decisions
+    path.calls, path.growth.fork_decisions = [ToolCallRecord("python")] * tool_calls, decisions
     assert ahead.expected(r, path) == pytest.approx(expected, abs=1e-12)
 
 
@@ -110,7 +110,7 @@ def test_fill_ups_can_wait_for_the_prompts_first_fork_decision():
     from the prompt's first fork decision or the end of its first path; before that only the near-certain ones."""
     ahead, r = prefetch(max_tool_calls=3, wait_for_first_decision=True), rollout(m=8, n=2)
     assert ahead.wanted(r, 0) == range(0, 0)
-    r.groups[0][0].fork_decisions = 1  # its first tool result, decided without a fork
+    r.groups[0][0].growth.fork_decisions = 1  # its first tool result, decided without a fork
     assert len(ahead.wanted(r, 0)) == 6
     r = rollout(m=8, n=2)
     r.groups[0][0].finish_reason = "eos"  # a line that ended without a tool call: no decision will come from it

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from arpo_trl.commands.builders import REWARDS, TOOLS
 from arpo_trl.commands.evaluate import make_eval_parser
+from arpo_trl.commands.recipes import REWARDS, TOOLS
 from arpo_trl.commands.sft import make_parser as make_sft_parser
 from arpo_trl.commands.train import make_parser
 

@@ -150,7 +150,7 @@ def test_branches_start_from_the_tool_result(tokenizer, seed, scheduler):
             parent = by_id[t.parent]
             assert t.completion_ids[: t.fork_position] == parent.completion_ids[: t.fork_position]
             assert tokenizer.decode(t.completion_ids[: t.fork_position]).endswith("</result>")
-            assert t.fork_decisions <= t.tool_calls
+            assert t.growth.fork_decisions <= t.tool_calls
 
 
 def test_mask_is_zero_exactly_on_result_spans(tokenizer):

@@ -10,16 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arpo_trl.commands.builders import (
-    DatasetArguments,
-    ToolArguments,
-    UserInputError,
-    build_tools,
-    check_chat_template,
-    load_dataset,
-    recipe_hint,
-    resolve_model,
-)
+from arpo_trl.commands.builders import UserInputError, build_tools, check_chat_template, load_dataset, resolve_model
+from arpo_trl.commands.recipes import DatasetArguments, ToolArguments, recipe_hint
 from arpo_trl.generation.engine import SamplingSettings, eos_token_ids
 from arpo_trl.preflight import check_writable_dir
 from arpo_trl.rewards.eval_metrics import METRICS

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from arpo_trl.commands.builders import fail, one_line_parser
 from arpo_trl.commands.eval_setup import RESULTS_FILE, EvalArguments, EvalSetup, prepare, prompt_ids
+from arpo_trl.commands.recipes import fail, one_line_parser
 from arpo_trl.rewards.eval_metrics import (
     ground_truth,
     pass_at_k,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from arpo_trl.commands.builders import fail, model_init_kwargs, renamed_recipe, train_recipe_parser
+from arpo_trl.commands.builders import model_init_kwargs
+from arpo_trl.commands.recipes import fail, renamed_recipe, train_recipe_parser
 from arpo_trl.preflight import UserInputError
 
 

@@ -31,14 +31,8 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from arpo_trl.commands.builders import (
-    RECIPES_DIR,
-    fail,
-    model_init_kwargs,
-    one_line_parser,
-    parse_recipe,
-    resolve_model,
-)
+from arpo_trl.commands.builders import model_init_kwargs, resolve_model
+from arpo_trl.commands.recipes import RECIPES_DIR, fail, one_line_parser, parse_recipe
 from arpo_trl.data.arithmetic import ArithmeticOptions, arithmetic_problems
 from arpo_trl.data.arithmetic_chains import THOUGHT, arithmetic_chains
 from arpo_trl.data.offline_sets import create_reasoning_gym_task

@@ -10,19 +10,16 @@ import os
 from collections.abc import Sequence
 
 from arpo_trl.commands.builders import (
-    ARPOScriptArguments,
     build_tools,
     check_chat_template,
     check_quantization,
     check_tool_args,
-    fail,
     load_dataset,
     load_reward,
     model_init_kwargs,
-    parse_recipe,
     resolve_model,
-    train_recipe_parser,
 )
+from arpo_trl.commands.recipes import ARPOScriptArguments, fail, parse_recipe, train_recipe_parser
 from arpo_trl.config import ARPOConfig
 from arpo_trl.preflight import check_prompt_lengths, check_writable_dir
 

@@ -208,7 +208,7 @@ class BranchingRule:
         if not self._may_fork(rollout, path):
             self._decide_fork(rollout, path, None)
             return False
-        path.pending_draw = fork_draw(path)
+        path.growth.pending_draw = fork_draw(path)
         return True
 
     def _may_fork(self, rollout: Rollout, path: Trajectory) -> bool:
@@ -219,10 +219,10 @@ class BranchingRule:
         """Settle the fork at the path's latest tool result: Z − 1 copies with probability P (None: no fork was
         possible there)."""
         kept = 0
-        draw, path.pending_draw = path.pending_draw, None
+        draw, path.growth.pending_draw = path.growth.pending_draw, None
         if delta is not None and self._may_fork(rollout, path):
             probability = policy_probability(rollout.policy, ForkPoint.of(path, delta)) if callable(rollout.policy) \
-                else self.fork_probability(delta, rollout.policy, path.consecutive_forks)
+                else self.fork_probability(delta, rollout.policy, path.growth.consecutive_forks)
             forked = draw < probability
             path.decisions.append(ForkDecision(len(path.completion_ids), delta, probability, draw, forked))
             if forked:
@@ -233,8 +233,9 @@ class BranchingRule:
                     child.fork_delta = delta
                     rollout.stats.forks += 1
                     rollout.stats.fork_deltas.append(delta)
-        path.fork_decisions += 1
-        path.consecutive_forks = path.consecutive_forks + 1 if kept else 0  # AEPO's l: forks in a row on this line
+        growth = path.growth
+        growth.fork_decisions += 1
+        growth.consecutive_forks = growth.consecutive_forks + 1 if kept else 0  # AEPO's l: forks in a row on this line
         self._fill_up(rollout, path.group, path)
 
     def branch(self, rollout: Rollout, source: Trajectory, copy: int) -> Trajectory:
@@ -242,10 +243,10 @@ class BranchingRule:
         child = rollout.start(source.group, source.prompt_ids, "branch", source, copy)
         child.completion_ids, child.mask, child.logprobs, child.entropies = source.snapshot(len(source.completion_ids))
         child.parent = source.id
-        child.fork_position = source.segment_start
-        child.segment_start = source.segment_start
-        child.fork_decisions = source.fork_decisions + 1
-        child.consecutive_forks = source.consecutive_forks + 1
+        child.fork_position = source.growth.segment_start
+        child.growth.segment_start = source.growth.segment_start
+        child.growth.fork_decisions = source.growth.fork_decisions + 1
+        child.growth.consecutive_forks = source.growth.consecutive_forks + 1
         child.calls = list(source.calls)
         child.initial_entropy = source.initial_entropy
         child.segment_entropies = list(source.segment_entropies)
@@ -272,7 +273,7 @@ class BranchingRule:
         reach, and likewise below every copy, so Z^r − 1 for r unsettled fork decisions."""
         if not self.forking(rollout, path):
             return 0
-        remaining = max(0, self.max_tool_calls - path.fork_decisions)
+        remaining = max(0, self.max_tool_calls - path.growth.fork_decisions)
         return min(self.branch_factor ** remaining - 1, rollout.num_generations)
 
     def forking(self, rollout: Rollout, path: Trajectory) -> bool:
@@ -284,7 +285,7 @@ class BranchingRule:
         lines: dict[int | None, list[Trajectory]] = {}
         for path in rollout.groups[g]:
             if self.forking(rollout, path):
-                lines.setdefault(path.line, []).append(path)
+                lines.setdefault(path.growth.line, []).append(path)
         return lines
 
     def _end_monitoring(self, rollout: Rollout, monitor: Trajectory) -> None:
@@ -321,7 +322,7 @@ class BranchingRule:
 def fork_draw(path: Trajectory) -> float:
     """The uniform a path's next fork decision compares with its P: keyed by the path's seed and the decision's index,
     so it does not depend on which path reached its tool result first."""
-    return derive_seed(path.seed, "fork", path.fork_decisions) / 2 ** 63
+    return derive_seed(path.seed, "fork", path.growth.fork_decisions) / 2 ** 63
 
 
 class ForkShares:
@@ -350,13 +351,13 @@ class ForkShares:
         """Branch slots `line` may still take."""
         if line is None:
             return 0
-        used = sum(path.kind == "branch" and path.line == line for path in rollout.groups[g])
+        used = sum(path.kind == "branch" and path.growth.line == line for path in rollout.groups[g])
         return self.shares(rollout, g).get(line, 0) - used
 
     def free(self, rollout: Rollout, path: Trajectory) -> int:
         """Branch slots a fork of `path` may take now: its line's remaining share, within the prompt's M."""
         open_slots = rollout.num_generations - len(rollout.groups[path.group])
-        return min(open_slots, self.remaining(rollout, path.group, path.line))
+        return min(open_slots, self.remaining(rollout, path.group, path.growth.line))
 
 
 # ---- AEPO's rules (arXiv 2510.14545, "Dynamic Entropy-Balanced Rollout"; constants and rounding of the authors'

@@ -30,7 +30,7 @@ class ForkPoint:
     @classmethod
     def of(cls, path: Trajectory, delta: float) -> ForkPoint:
         return cls(delta, path.initial_entropy or 0.0, path.calls[-1].tool if path.calls else "", path.tool_calls,
-                   path.fork_decisions, path.consecutive_forks, len(path.completion_ids), path.kind)
+                   path.growth.fork_decisions, path.growth.consecutive_forks, len(path.completion_ids), path.kind)
 
 
 ForkPolicy = Callable[[ForkPoint], float]

@@ -45,7 +45,7 @@ class PathWriter:
         """Append generated tokens to the open segment; return the tool call it ends with, `OPEN` if our token cap
         (a probe's k) stopped it, or None once the path is finished. A continued segment is searched as a whole: a tag
         may straddle the probe and its continuation, which the engine (seeing only new text) cannot stop at."""
-        start = path.segment_start
+        start = path.growth.segment_start
         self.append(path, seg.token_ids, 1, seg.logprobs, seg.entropies)
         stops = self.call_format.stop_strings
         found = seg.finish_reason == "stop" or continued
@@ -100,7 +100,7 @@ class PathWriter:
         self.append(path, self.encode(self.call_format.render_result(text, call)), 0)
         path.calls[-1] = replace(path.calls[-1], result_start=start, result_end=len(path.completion_ids),
                                  failed=failed, seconds=outcome.seconds if outcome else 0.0)
-        path.segment_start = len(path.completion_ids)
+        path.growth.segment_start = len(path.completion_ids)
         self.truncate(path)
 
     def longest_token(self) -> int:

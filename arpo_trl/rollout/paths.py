@@ -46,8 +46,22 @@ class ForkDecision:
 
 
 @dataclass
+class Growth:
+    """What the rule tracks of a path while it grows it; none of it is the trajectory's record."""
+
+    segment_start: int = 0  # where the segment being generated began (after the last environment tokens)
+    fork_decisions: int = 0  # tool results whose fork decision is settled (inherited by branches)
+    consecutive_forks: int = 0  # AEPO's l: the latest fork decisions on this path's line that forked, in a row
+    pending_draw: float | None = None  # the uniform its pending fork decision compares with P (drawn at the result)
+    line: int | None = None  # the id of the global path this one descends from (itself if global; None: fill-up),
+    # whose share of the branch slots its forks take (`ForkShares`)
+
+
+@dataclass
 class Trajectory:
-    """One path of a rollout tree. Its first `fork_position` completion tokens are its parent's."""
+    """One path of a rollout tree: what it is (its tokens, mask, logprobs, calls, parent and fork point, its place in
+    the tree), and, apart, what the rule tracks while growing it (`growth`). Its first `fork_position` completion tokens
+    are its parent's."""
 
     id: int
     group: int
@@ -64,18 +78,14 @@ class Trajectory:
     initial_entropy: float | None = None
     segment_entropies: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # None while active
-    segment_start: int = 0  # where the segment being generated began (after the last environment tokens)
-    fork_decisions: int = 0  # tool results whose fork decision is settled (inherited by branches)
-    consecutive_forks: int = 0  # AEPO's l: the latest fork decisions on this path's line that forked, in a row
-    pending_draw: float | None = None  # the uniform its pending fork decision compares with P (drawn at the result)
     environment: Any = None  # environment_factory: this path's own environment (docs/environments.md)
-    line: int | None = None  # the id of the global path this one descends from (itself if global; None: fill-up)
     # Where the path sits in its tree, whatever the order paths were started in: ('global', g, i), the i-th global
     # path of group g; ('fill', g, j), its j-th fill-up; (parent's key, d, c), copy c of a fork at the parent's d-th
     # fork decision. With the rollout's seed it gives the path's `seed`, which keys its token draws and fork draws.
     key: tuple = ()
     seed: int = 0
     decisions: list[ForkDecision] = field(default_factory=list)  # the fork decisions it made itself (not inherited)
+    growth: Growth = field(default_factory=Growth)
 
     @property
     def active(self) -> bool:
@@ -171,18 +181,19 @@ class Rollout:
     seed: int = 0  # this rollout's: every path's seed derives from it and the path's key
 
     def start(self, g: int, prompt_ids: list[int], kind: str, creator: Trajectory | None,
-              copy: int = 0) -> Trajectory:
+              copy: int = 0, index: int | None = None) -> Trajectory:
         """A new path of group `g`; `creator` is the path whose step started it (None at the start), a branch's
-        parent; `copy`: which of its fork's copies a branch is."""
+        parent; `copy`: which of its fork's copies a branch is; `index`: which of the group's global paths or
+        fill-ups this is (default: the next)."""
         path = Trajectory(id=self.next_id, group=g, prompt_ids=prompt_ids, kind=kind)
         if kind == "branch":
-            path.key = (creator.key, creator.fork_decisions, copy)
+            path.key = (creator.key, creator.growth.fork_decisions, copy)
         else:
-            path.key = (kind, g, sum(p.kind == kind for p in self.groups[g]))
+            path.key = (kind, g, sum(p.kind == kind for p in self.groups[g]) if index is None else index)
         path.seed = derive_seed(self.seed, path.key)
         if self.environments is not None:  # a branch continues from its parent's environment as it is at the fork
             path.environment = self.fork(creator.environment if kind == "branch" else self.environments[g])
-        path.line = path.id if kind == "global" else creator.line if kind == "branch" else None
+        path.growth.line = path.id if kind == "global" else creator.growth.line if kind == "branch" else None
         self.next_id += 1
         self.groups[g].append(path)
         self.started.append((path, creator))
@@ -203,7 +214,7 @@ class Rollout:
         for group in self.groups:
             for path in group:
                 path.id, path.parent = renumbered[path.id], renumbered.get(path.parent)
-                path.line = renumbered.get(path.line)
+                path.growth.line = renumbered.get(path.growth.line)
 
 
 def tree_order(key: tuple) -> tuple[int, ...]:

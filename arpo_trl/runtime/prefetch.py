@@ -29,7 +29,6 @@ from typing import Any
 
 from arpo_trl.rollout.arpo import BranchingRule
 from arpo_trl.rollout.paths import Rollout, Trajectory
-from arpo_trl.rollout.seeds import derive_seed
 
 MODES = ("auto", "off")
 PRIOR_WEIGHT = 8  # segments (fork decisions) the previous rollouts' rates weigh in this rollout's estimates
@@ -102,9 +101,7 @@ class FillUpPrefetch:
         of its own whose budget it fills alone, so that the rule's program starts nothing from it."""
         scratch = Rollout([[] for _ in rollout.groups], 1, rollout.policy, environments=rollout.environments,
                           fork=rollout.fork, seed=rollout.seed)
-        path = scratch.start(g, list(rollout.groups[g][0].prompt_ids), "fill", None)
-        path.key = ("fill", g, j)
-        path.seed = derive_seed(rollout.seed, path.key)
+        path = scratch.start(g, list(rollout.groups[g][0].prompt_ids), "fill", None, index=j)
         path.id = -next(self._ids)  # never a real path's
         scratch.take_started()
         return Shadow(path, scratch, started_at=0)
@@ -131,8 +128,8 @@ class FillUpPrefetch:
             return 0.0
         c, p = self.rates()
         growth, expected = 1 + (self.rule.branch_factor - 1) * p, 1.0
-        pending = path.tool_calls > path.fork_decisions
-        for _ in range(max(0, self.rule.max_tool_calls - path.fork_decisions - pending)):
+        pending = path.tool_calls > path.growth.fork_decisions
+        for _ in range(max(0, self.rule.max_tool_calls - path.growth.fork_decisions - pending)):
             expected = (1 - c) + c * growth * expected
         return (growth if pending else 1.0) * expected - 1
 
@@ -142,8 +139,8 @@ class FillUpPrefetch:
         if not self.rule.forking(rollout, path):
             return 1.0
         c, p = self.rates()
-        pending = path.tool_calls > path.fork_decisions
-        r = max(0, self.rule.max_tool_calls - path.fork_decisions - pending)
+        pending = path.tool_calls > path.growth.fork_decisions
+        r = max(0, self.rule.max_tool_calls - path.growth.fork_decisions - pending)
         q = sum((c * (1 - p)) ** j * (1 - c) for j in range(r)) + (c * (1 - p)) ** r
         return (1 - p) * q if pending else q
 
@@ -200,4 +197,4 @@ class FillUpPrefetch:
     def _heard_from(group: list[Trajectory]) -> bool:
         """Whether a path of the prompt made a fork decision or ended: a line that ends without a tool call decides
         nothing, and a prompt whose paths never call a tool must not wait for its last line to end."""
-        return any(path.fork_decisions or not path.active for path in group)
+        return any(path.growth.fork_decisions or not path.active for path in group)

@@ -232,7 +232,7 @@ class _EventRollout:
         program, answer = self.rule.grow(self.rollout, path), None
         replay, replayed = self.replays.pop(path.id, None), 0
         while True:
-            start, decisions, ended = time.perf_counter(), path.fork_decisions, False
+            start, decisions, ended = time.perf_counter(), path.growth.fork_decisions, False
             try:
                 request = program.send(answer)
             except StopIteration:
@@ -241,7 +241,7 @@ class _EventRollout:
             finally:
                 started = bool(self.rollout.started)  # every step ends with `start_new`, which empties it
                 self.start_new()
-                if ended or started or path.fork_decisions != decisions:  # what the fill-ups' estimate reads
+                if ended or started or path.growth.fork_decisions != decisions:  # what the fill-ups' estimate reads
                     self._plan(path.group, path)
                 stats.overhead_seconds += time.perf_counter() - start
             self.prefetch.observe(path, isinstance(request, GenerateRequest) and request.entropy_tokens != 0,
