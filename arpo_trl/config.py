@@ -35,7 +35,7 @@ class ARPOConfig(GRPOConfig):
       `entropy_advantage_weight`.
     > Attribution, rewards and training: `advantage_attribution`, `tree_packing`, `tree_packing_max_length`,
       `reward_timeout`, `reward_batch_timeout`, `max_prompt_length`.
-    > Engines and the runtime: `in_process_engine`, `max_draft_tokens`, `rollout_scheduler`, `rollout_speculation`.
+    > Engines and the runtime: `in_process_engine`, `rollout_scheduler`, `rollout_speculation`.
     > vLLM: `use_vllm`, `vllm_mode`, `vllm_weight_sync`, `vllm_sync_dir`, `vllm_request_timeout`,
       `vllm_max_concurrent_requests`.
     > Tools: `tool_call_format`, `tool_call_open`, `tool_call_close`, `tool_timeout`, `max_failed_tool_steps`,
@@ -184,13 +184,6 @@ class ARPOConfig(GRPOConfig):
             "help": "The engine without vLLM: 'cached' (event-driven, prefix KV cache), 'waves' (left-padded "
             "model.generate per wave) or 'auto' (cached wherever it can run, else waves; docs/in_process_engine.md).",
             "choices": list(IN_PROCESS_ENGINES),
-        },
-    )
-    max_draft_tokens: int = field(
-        default=8,
-        metadata={
-            "help": "Cached in-process engine: n-gram drafts per row and step from the rollout's own text, verified "
-            "exactly (tokens sampled as without them). 0: off. docs/in_process_engine.md.",
         },
     )
     rollout_scheduler: str = field(

@@ -11,7 +11,6 @@ import torch
 from arpo_trl.dropin.grpo_fields import check_grpo_fields
 from arpo_trl.entropy import check_entropy_args, resolve_estimator
 from arpo_trl.generation.engine import check_generation_kwargs
-from arpo_trl.generation.speculation import check_draft_tokens
 from arpo_trl.generation.support import IN_PROCESS_ENGINES
 from arpo_trl.preflight import vllm_importable
 from arpo_trl.rollout import check_branching_args, default_initial_rollouts
@@ -72,7 +71,6 @@ def check_arpo_config(config) -> None:
     if config.max_failed_tool_steps < 0:
         raise ValueError(f"max_failed_tool_steps must be >= 0 steps (0: never stop), got "
                          f"{config.max_failed_tool_steps}.")
-    check_draft_tokens(config.max_draft_tokens)
     _check_vllm_fields(config)
     _check_limits(config)
     per_process = config.per_device_train_batch_size * config.steps_per_generation

@@ -5,7 +5,7 @@ of the trainer overrides which TRL hook, in MRO order: docs/architecture.md):
   * generation goes through TRL's `rollout_func` (bound to `_arpo_rollout`), so TRL keeps padding, old and
     reference logps, importance sampling, rewards and metrics; tool-result tokens come back as `env_mask`,
     which TRL turns into `tool_mask` and removes from the loss;
-  * `_generate` and `_generate_and_score_completions` apply hard attribution (arpo_trl/training/hard_attribution.py):
+  * `_generate` and `_generate_and_score_completions` apply hard attribution (arpo_trl/training/advantages.py):
     each shared token trained once, through TRL's tool mask (after TRL logged the completion lengths from the true
     one) and (B,T) advantages, which TRL's `_compute_loss` accepts;
   * with AEPO's update options, `EntropyBalancedUpdate` (arpo_trl/training/entropy_balanced_update.py) adjusts the
@@ -50,8 +50,8 @@ from arpo_trl.tools.base import Tool
 from arpo_trl.tools.failures import ToolFailureWatch
 from arpo_trl.tools.functions import as_tools
 from arpo_trl.tools.tags import own_text_from_ids
+from arpo_trl.training.advantages import owned_tool_mask, token_advantages
 from arpo_trl.training.entropy_balanced_update import EntropyBalancedUpdate
-from arpo_trl.training.hard_attribution import owned_tool_mask, token_advantages
 from arpo_trl.training.packed_logps import TreePackedTraining
 from arpo_trl.training.time_budget import TimeBudget
 from arpo_trl.training.tracking import MetricsFile, RolloutLog, TreePictures, write_trees

@@ -79,7 +79,8 @@ _FUZZ_TAGS = tuple(f"tests/test_fuzz.py::test_{name}" for name in (
 _HOSTILE = "tests/test_hostile_outputs.py::test_"
 
 TARGETS = (
-    Target("advantages", "arpo_trl/training/advantages.py", ("tests/test_advantages.py",)),
+    Target("advantages", "arpo_trl/training/advantages.py",
+           ("tests/test_advantages.py", "tests/test_hard_attribution.py")),
     Target("rewards", "arpo_trl/rewards/reward_functions.py", ("tests/test_rewards.py",)),
     # The math-equivalence verdicts (caps, text comparison, cache); the worker-process plumbing is left out: its
     # mutants hang or race rather than change a score, and its tests are timing tests.

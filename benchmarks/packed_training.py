@@ -18,7 +18,7 @@ whole groups, as `ARPOTrainer` regroups them where that changes no gradient (the
 trains one of `--steps-per-generation` micro-batches of TRL's row-shuffled generation batch, which is what packing
 gets where regrouping would change the gradient (bnpo, an entropy bonus, `top_entropy_quantile`, ...).
 `predicted_cost_ratio` is the packed layout's FLOP estimate over the unpacked one's
-(`arpo_trl/training/forward_cost.py`; below 1 the trainer packs); `--force-packing` packs every chunk whatever that
+(`packing.ForwardCost`; below 1 the trainer packs); `--force-packing` packs every chunk whatever that
 estimate says, to measure what the fallback avoids.
 
 Per step: tokens forwarded per group (padding included), training-phase seconds (wall clock, the GPU synchronised
@@ -160,9 +160,8 @@ def predicted_cost_ratio(trainer, batch: dict) -> float:
     import torch
 
     from arpo_trl.training.compatibility import base_model
-    from arpo_trl.training.forward_cost import ForwardCost
     from arpo_trl.training.packed_logps import real_rows
-    from arpo_trl.training.packing import pack_rows
+    from arpo_trl.training.packing import ForwardCost, pack_rows
 
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1).cpu()
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1).cpu()
@@ -180,7 +179,7 @@ def worker(spec: dict) -> dict:
 
     trainer, cuda = make_trainer(spec), spec["device"] == "cuda"
     if spec["force_packing"]:
-        from arpo_trl.training.forward_cost import ForwardCost
+        from arpo_trl.training.packing import ForwardCost
 
         ForwardCost.packed = lambda self, packed: 0.0
     baseline, steps = None, []

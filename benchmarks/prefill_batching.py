@@ -27,8 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from arpo_trl.generation import CachedTransformersEngine
 from arpo_trl.generation import admission as admission_module
-from arpo_trl.generation.cpu.costs import FORWARD_COST_TOKENS
-from arpo_trl.generation.prefill import PrefillJob, prefill
+from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, prefill
 from arpo_trl.generation.prefix_cache import crop, stack_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -59,9 +58,9 @@ def record_joins(engine, sampler, prompts, seed: int) -> tuple[list[list[tuple[i
 
 
 @torch.no_grad()
-def replay(model, calls: list[list[tuple[int, int]]], seed: int, measured_cost: float) -> dict:
-    """Every call's jobs prefilled one by one, grouped as the engine did (the forward cost it measured on this
-    device, `measured_cost` positions) and with the development CPU's constant, rotating which goes first."""
+def replay(model, calls: list[list[tuple[int, int]]], seed: int) -> dict:
+    """Every call's jobs prefilled one by one and grouped as the engine did (`FORWARD_COST_TOKENS`), alternating which
+    goes first."""
     generator = torch.Generator().manual_seed(seed)
     longest = max(start + new for call in calls for start, new in call)
     tokens = torch.randint(0, model.config.vocab_size, (longest,), generator=generator).tolist()
@@ -72,20 +71,18 @@ def replay(model, calls: list[list[tuple[int, int]]], seed: int, measured_cost: 
     def jobs(call):
         return [PrefillJob(tokens[: start + new], crop(full, start) if start else None, start) for start, new in call]
 
-    seconds = {"one_by_one": 0.0, "batched": 0.0, "batched_cpu_cost": 0.0}
-    forwards = {"one_by_one": 0, "batched": 0, "batched_cpu_cost": 0}
+    seconds = {"one_by_one": 0.0, "batched": 0.0}
+    forwards = {"one_by_one": 0, "batched": 0}
     for index, call in enumerate(calls):
         ways = [("one_by_one", lambda c=call: [prefill(model, [job], FORWARD_COST_TOKENS) for job in jobs(c)]),
-                ("batched", lambda c=call: [prefill(model, jobs(c), measured_cost)]),
-                ("batched_cpu_cost", lambda c=call: [prefill(model, jobs(c), FORWARD_COST_TOKENS)])]
-        for name, run in ways[index % 3:] + ways[: index % 3]:
+                ("batched", lambda c=call: [prefill(model, jobs(c), FORWARD_COST_TOKENS)])]
+        for name, run in ways[index % 2:] + ways[: index % 2]:
             start = time.perf_counter()
             done = run()
             seconds[name] += time.perf_counter() - start
             forwards[name] += sum(len(positions) for _, positions in done)
     return {"seconds": {k: round(v, 4) for k, v in seconds.items()}, "forwards": forwards,
-            "ratio": round(seconds["batched"] / seconds["one_by_one"], 3),
-            "measured_cost_vs_cpu_cost": round(seconds["batched"] / seconds["batched_cpu_cost"], 3)}
+            "ratio": round(seconds["batched"] / seconds["one_by_one"], 3)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -102,32 +99,30 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     prompts = prompt_ids(tokenizer, args)
-    engine = CachedTransformersEngine(model, tokenizer, cost_model="measure")  # measured on any device
+    engine = CachedTransformersEngine(model, tokenizer)
     report = {"model": args.model, "prompts": len(prompts),
               "M": args.num_generations, "N": args.initial_rollouts,
               "torch_threads": torch.get_num_threads(), "load_avg_start": os.getloadavg(), "policies": {}}
     for policy in ("entropy", "none"):
         sampler = make_sampler(engine, tokenizer, args, policy)
-        sampler.sample(prompts[:1])  # warm-up (the engine measures its cost model at its first step)
-        report["forward_cost_tokens"] = {"cpu_constant": FORWARD_COST_TOKENS, "source": engine.costs.source,
-                                         "measured": round(engine.costs.forward_cost_tokens, 1)}
+        sampler.sample(prompts[:1])  # warm-up
+        report["forward_cost_tokens"] = FORWARD_COST_TOKENS
         forwards = engine.counters.prefill_forwards
         calls, wall, prefill_seconds = record_joins(engine, sampler, prompts, args.seed)
         report["policies"][policy] = {
             "rollout_wall_s": round(wall, 1), "rollout_prefill_s": round(prefill_seconds, 1),
             "rollout_prefill_forwards": engine.counters.prefill_forwards - forwards,
             "requests_prefilled": sum(map(len, calls)), "joins": calls,
-            **replay(model, calls, args.seed, engine.costs.forward_cost_tokens)}
+            **replay(model, calls, args.seed)}
     report["load_avg_end"] = os.getloadavg()
     print(json.dumps(report, indent=1))
-    print("\n| policy | rollout s | its prefill s | requests prefilled | forwards one by one / batched / CPU cost | "
-          "replayed s one by one | batched | CPU cost | ratio | batched / CPU cost |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| policy | rollout s | its prefill s | requests prefilled | forwards one by one / batched | "
+          "replayed s one by one | batched | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     for policy, r in report["policies"].items():
         f, s = r["forwards"], r["seconds"]
         print(f"| {policy} | {r['rollout_wall_s']} | {r['rollout_prefill_s']} | {r['requests_prefilled']} | "
-              f"{f['one_by_one']} / {f['batched']} / {f['batched_cpu_cost']} | {s['one_by_one']} | "
-              f"{s['batched']} | {s['batched_cpu_cost']} | {r['ratio']} | {r['measured_cost_vs_cpu_cost']} |")
+              f"{f['one_by_one']} / {f['batched']} | {s['one_by_one']} | {s['batched']} | {r['ratio']} |")
     return report
 
 

@@ -25,7 +25,6 @@ import os
 import statistics
 import time
 from collections import Counter
-from dataclasses import asdict
 
 import torch
 from accelerate import Accelerator
@@ -36,7 +35,6 @@ from arpo_trl import BranchingSampler, PythonTool, TransformersEngine, VLLMClien
 from arpo_trl.data import SYSTEM_PROMPTS, named_dataset
 from arpo_trl.data.models import smollm2_path
 from arpo_trl.generation import CachedTransformersEngine
-from arpo_trl.generation.cpu.costs import CPU_COSTS
 from arpo_trl.server.launcher import VLLMServer
 from arpo_trl.server.weight_sync import LoRAAdapterSync
 
@@ -50,10 +48,6 @@ QUESTIONS = [f"What is {a} * {b} + {c}?" for a, b, c in [(17, 23, 5), (48, 12, 9
 IN_PROCESS_ENGINES = {
     "waves": ("transformers", TransformersEngine, {}),
     "cached": ("transformers-cached", CachedTransformersEngine, {}),
-    "cached-nodraft": ("transformers-cached-nodraft", CachedTransformersEngine, {"max_draft_tokens": 0}),  # no drafts
-    # the cost model pinned to the 2-core development CPU's constants (a CPU's default), or measured on the device
-    "cached-cpu-costs": ("transformers-cached-cpu-costs", CachedTransformersEngine, {"cost_model": CPU_COSTS}),
-    "cached-measured": ("transformers-cached-measured", CachedTransformersEngine, {"cost_model": "measure"}),
 }
 
 
@@ -84,7 +78,7 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
     load = getattr(engine, "load", None)  # the colocated engine's steps and the requests it held at each
     load_before = (load.steps, load.rows) if load else None
     counters = counters if hasattr(counters, "prefill_tokens") else None  # an in-process engine's positions
-    names = ("prefill_tokens", "decode_tokens", "prefill_forwards", "drafted_tokens", "accepted_tokens", "decode_steps")
+    names = ("prefill_tokens", "decode_tokens", "prefill_forwards", "decode_steps")
     before_counts = {name: getattr(counters, name) for name in names} if counters else {}
     before_seconds = dict(counters.seconds) if counters else {}
     if load or client:  # as in training, where a weight sync precedes each rollout: no KV of an earlier one serves
@@ -113,9 +107,7 @@ def rollout(sampler: BranchingSampler, prompts, seed: int) -> dict:
         per_group = {name: (getattr(counters, name) - before_counts[name]) / groups for name in names}
         run["prefill_tokens_per_group"] = per_group["prefill_tokens"]  # padding included
         run["prefill_forwards_per_group"] = per_group["prefill_forwards"]
-        run["decoded_positions_per_group"] = per_group["decode_tokens"]  # shadows and drafts included
-        run["drafted_tokens_per_group"] = per_group["drafted_tokens"]  # n-gram drafts fed (cached engine)
-        run["accepted_tokens_per_group"] = per_group["accepted_tokens"]
+        run["decoded_positions_per_group"] = per_group["decode_tokens"]  # shadows included
         run["decode_steps"] = counters.decode_steps - before_counts["decode_steps"]  # the cached engine's forwards
         for phase, seconds in counters.seconds.items():  # the cached engine's steps: admit, sample, decode
             run[f"{phase}_s"] = round(seconds - before_seconds.get(phase, 0.0), 2)
@@ -287,10 +279,8 @@ def main() -> None:
     parser.add_argument("--colocate", action="store_true", help="also vLLM colocated in this process (run with the "
                         "python of `python -m arpo_trl.server setup --colocate`)")
     parser.add_argument("--engines", default="waves,cached",
-                        help="in-process engines: 'waves' (TransformersEngine), 'cached' (CachedTransformersEngine), "
-                             "'cached-nodraft' (the cached engine with max_draft_tokens=0), 'cached-cpu-costs' (its "
-                             "cost model pinned to the development CPU's constants), 'cached-measured' (measured "
-                             "on the device); run in the order given")
+                        help="in-process engines: 'waves' (TransformersEngine), 'cached' (CachedTransformersEngine); "
+                             "run in the order given")
     parser.add_argument("--interleave-engines", action="store_true",
                         help="each repeat runs every in-process engine in turn (else all of one engine's first)")
     parser.add_argument("--out", default="outputs/bench_rollout")
@@ -318,8 +308,6 @@ def main() -> None:
                 paired(runs, name, engines[name], tokenizer, prompts, args, policies)
         if args.interleave_engines:
             interleaved(runs, engines, tokenizer, prompts, args, policies)
-        report["cost_models"] = {name: asdict(engine.costs) for name, engine in engines.items()
-                                 if getattr(engine, "costs", None) is not None}  # what the cached engines decided with
         del model
     if args.colocate:
         colocate_runs(runs, model_dir, tokenizer, prompts, args, policies)
@@ -341,16 +329,6 @@ def main() -> None:
         if policy != "none" and f"{backend}/{policy}" in runs and f"{backend}/none" in runs}
     if "vllm-colocate/none" in runs and "engine_steps_all" in runs["vllm-colocate/none"]:
         report["colocate_cost_fit"] = colocate_cost_fit(runs, policies)
-    report["drafts_vs_nodraft"] = {  # rollout seconds, cached engine with / without speculative decoding
-        policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] /
-                      runs[f"transformers-cached-nodraft/{policy}"]["wall_s"], 3)
-        for policy in policies if f"transformers-cached/{policy}" in runs and
-        f"transformers-cached-nodraft/{policy}" in runs}
-    report["measured_vs_cpu_costs"] = {  # rollout seconds, cached engine with its measured / the CPU's cost model
-        policy: round(runs[f"transformers-cached-measured/{policy}"]["wall_s"] /
-                      runs[f"transformers-cached-cpu-costs/{policy}"]["wall_s"], 3)
-        for policy in policies if f"transformers-cached-measured/{policy}" in runs and
-        f"transformers-cached-cpu-costs/{policy}" in runs}
     report["cached_vs_waves"] = {  # the in-process engines side by side: rollout seconds, cached / waves
         policy: round(runs[f"transformers-cached/{policy}"]["wall_s"] / runs[f"transformers/{policy}"]["wall_s"], 3)
         for policy in policies if f"transformers-cached/{policy}" in runs and f"transformers/{policy}" in runs}
@@ -391,11 +369,6 @@ def print_table(report: dict) -> None:
         print(f"- {backend}, ARPO / GRPO: {ratios}")
     if report.get("colocate_cost_fit"):
         print(f"- colocated rollouts fitted as seconds per step + per computed token: {report['colocate_cost_fit']}")
-    if report.get("drafts_vs_nodraft"):
-        print(f"- rollout seconds, cached engine with / without n-gram drafts: {report['drafts_vs_nodraft']}")
-    if report.get("measured_vs_cpu_costs"):
-        print(f"- rollout seconds, cached engine with its measured / the CPU's cost model: "
-              f"{report['measured_vs_cpu_costs']}")
     if report.get("cached_vs_waves"):
         print(f"- rollout seconds, cached engine / waves engine: {report['cached_vs_waves']}")
     if "lora_sync" in report:

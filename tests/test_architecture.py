@@ -434,13 +434,12 @@ def test_the_update_hooks_keep_their_order():
 
 
 def test_the_cached_engine_hands_its_running_batch_to_parts_it_holds():
-    """Composition, not mixins sharing private state: the cached engine's only base is the waves engine; its admission,
-    KV accounting and drafts are objects it holds, each touching only its own private attributes (the running batch is
+    """Composition, not mixins sharing private state: the cached engine's only base is the waves engine; its admission
+    and KV accounting are objects it holds, each touching only its own private attributes (the running batch is
     handed to them, `generation/running_batch.py`)."""
     engine = _class(MODULES["generation.cached_engine"], "CachedTransformersEngine")
     assert [getattr(base, "id", None) for base in engine.bases] == ["TransformersEngine"]
-    for module, name in (("generation.admission", "Admission"), ("generation.kv_budget", "KVAccounting"),
-                         ("generation.speculation", "Speculator")):
+    for module, name in (("generation.admission", "Admission"), ("generation.kv_budget", "KVAccounting")):
         cls = _class(MODULES[module], name)
         assert not cls.bases, f"{name} is a part the engine holds, not a base"
         assigned = {target.attr for node in ast.walk(cls) if isinstance(node, (ast.Assign, ast.AnnAssign))

@@ -93,7 +93,7 @@ def test_line_shares_split_the_branch_slots_evenly(m, n):
     before = fills.shares.remaining(r, 0, line.id)
     branch = r.start(0, list(PROMPT), "branch", line)
     assert branch.growth.line == line.id and fills.shares.remaining(r, 0, line.id) == before - 1
-    assert r.start(0, list(PROMPT), "fill", line).line is None and fills.shares.remaining(r, 0, None) == 0
+    assert r.start(0, list(PROMPT), "fill", line).growth.line is None and fills.shares.remaining(r, 0, None) == 0
 
 
 def test_the_odd_slots_go_to_lines_drawn_by_the_rollouts_seed_and_the_prompt():
@@ -101,7 +101,7 @@ def test_the_odd_slots_go_to_lines_drawn_by_the_rollouts_seed_and_the_prompt():
     'shares', g)).sample` picks, the same for a seed and prompt whatever happened before."""
     import random
 
-    from arpo_trl.rollout.seeds import derive_seed
+    from arpo_trl.rollout.paths import derive_seed
 
     fills = FillUps(max_tool_calls=3, branch_factor=2, branch_threshold=0.5)
     picked = set()

@@ -174,13 +174,13 @@ def test_continuation_and_fork_prefill_only_new_tokens(tool_model64, tokenizer):
 
 
 def test_counters_time_each_phase_and_count_decode_forwards(tool_model64, tokenizer):
-    """One row, no drafts: every generated token but the first (from the prefill's logits) and the last (never fed)
-    costs one decode forward; the step's phases are timed, and the cost model's measurement (`calibration.py`)."""
-    engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=0)
+    """One row: every generated token but the first (from the prefill's logits) and the last (never fed) costs one
+    decode forward; the step's phases are timed."""
+    engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY)
     segment = asyncio.run(engine.agenerate(_prompt(tokenizer, "What is 12+30?"), 6, []))
     asyncio.run(engine.aclose())
     assert engine.counters.decode_steps == engine.counters.decode_tokens == len(segment.token_ids) - 1
-    phases = {"calibrate", "admit", "sample"} | ({"decode"} if engine.counters.decode_steps else set())
+    phases = {"admit", "sample"} | ({"decode"} if engine.counters.decode_steps else set())
     assert set(engine.counters.seconds) == phases
     assert all(seconds > 0 for seconds in engine.counters.seconds.values())
 
@@ -341,8 +341,7 @@ def test_lookup_finds_the_logits_a_sibling_kept():
     assert shared == 2 and entry.logits_after(2) is logits
 
 
-@pytest.mark.parametrize("max_draft_tokens", [0, 8])
-def test_a_row_stopped_at_its_budget_is_held_for_its_continuation(tool_model64, tokenizer, max_draft_tokens):
+def test_a_row_stopped_at_its_budget_is_held_for_its_continuation(tool_model64, tokenizer):
     """An ARPO probe: a request stopped at its budget, whose path goes on with the same text. Continued at once, the
     continuation takes the probe's row over; continued steps later, it finds the row's KV and next-token logits in the
     prefix cache. Either way nothing is prefilled for it, and it writes what one long request writes."""
@@ -365,7 +364,7 @@ def test_a_row_stopped_at_its_budget_is_held_for_its_continuation(tool_model64, 
         return outcome
 
     for delay, adopted in [(0, 1), (4, 0)]:
-        engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY, max_draft_tokens=max_draft_tokens)
+        engine = CachedTransformersEngine(tool_model64, tokenizer, sampling=GREEDY)
         probe, rest, prefilled = asyncio.run(probe_then_continue(engine, delay))
         assert probe.finish_reason == "length" and prefilled == 0
         assert engine.counters.adopted_rows == adopted

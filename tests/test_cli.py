@@ -231,7 +231,7 @@ def test_train_under_accelerate_launch_two_processes(tool_model_dir, tmp_path):
 def test_quickstart_pipeline_end_to_end_within_max_minutes(tool_model_dir, tmp_path, capsys, monkeypatch):
     """`arpo-trl quickstart` on the tiny model: the cold start, then ARPO on its output, each stage timed; a budget
     the cold start has used up leaves ARPO exactly its first step (the measurement), and the run still finishes."""
-    import arpo_trl.commands.builders as builders
+    import arpo_trl.commands.recipes as recipes_module
 
     recipes = tmp_path / "recipes"
     recipes.mkdir()
@@ -241,7 +241,7 @@ def test_quickstart_pipeline_end_to_end_within_max_minutes(tool_model_dir, tmp_p
         "system_prompt": "python_short", "max_steps": 1, "per_device_train_batch_size": 4, "use_cpu": True,
         "bf16": False, "report_to": "none", "save_strategy": "no", "output_dir": str(sft_out)}))
     shutil.copy(_recipe(tmp_path, sft_out, max_steps=3), recipes / "quickstart.yaml")
-    monkeypatch.setattr(builders, "RECIPES_DIR", recipes)
+    monkeypatch.setattr(recipes_module, "RECIPES_DIR", recipes)
     main(["quickstart", "--max_minutes", "0.0001"])
     printed = capsys.readouterr().out
     assert (sft_out / "model.safetensors").is_file()

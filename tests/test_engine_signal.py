@@ -11,9 +11,8 @@ from tiny import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from arpo_trl.generation import CachedTransformersEngine, cached_engine_blocker
-from arpo_trl.generation.cpu.costs import FORWARD_COST_TOKENS
 from arpo_trl.generation.engine import SamplingSettings
-from arpo_trl.generation.prefill import PrefillJob, prefill
+from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, prefill
 from arpo_trl.generation.support import check_full_attention
 from arpo_trl.generation.transformers_engine import TransformersEngine
 from arpo_trl.runtime import BranchingSampler
@@ -244,7 +243,7 @@ def test_a_weights_change_between_requests_is_sampled_not_the_cached_policy(toke
 
 def test_a_request_running_when_the_weights_change_fails_and_later_ones_sample_the_new_weights(tokenizer):
     model = _untied(tokenizer)
-    engine = CachedTransformersEngine(model, tokenizer, sampling=GREEDY, max_draft_tokens=0)
+    engine = CachedTransformersEngine(model, tokenizer, sampling=GREEDY)
 
     async def caller():
         running = asyncio.create_task(engine.agenerate(PREFIXES[0], 40, []))

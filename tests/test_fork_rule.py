@@ -316,7 +316,7 @@ def _with_decisions(path, n: int):
     """`path` as it stood before its (n+1)-th fork decision, for `fork_draw`."""
     from dataclasses import replace
 
-    return replace(path, fork_decisions=n)
+    return replace(path, growth=replace(path.growth, fork_decisions=n))
 
 
 def test_a_forks_copies_are_keyed_by_their_index(tokenizer):

@@ -18,29 +18,24 @@ def row_kv(length: int) -> KV:
     return torch.randn(2, LAYERS, 1, HEADS, length, DIM)
 
 
-def decode(batch: KVBatch, expected: list[KV], count: int = 1, kept: list[int] | None = None) -> None:
-    """One step through the model's interface: every layer writes `count` new columns for all rows (a sampled token
-    and its drafts); row i keeps the first `kept[i]` of them, the rest become holes (rejected drafts)."""
+def decode(batch: KVBatch, expected: list[KV], count: int = 1) -> None:
+    """One step through the model's interface: every layer writes `count` new columns for all rows."""
     mask = batch.open_columns(count)
-    start = batch.width  # after open_columns, which may regrow the buffers
     assert mask.shape == (batch.rows, batch.width - batch.first + count)
-    kept = kept or [count] * batch.rows
     new = torch.randn(2, LAYERS, batch.rows, HEADS, count, DIM)
     for layer in range(LAYERS):
         keys, values = batch.cache.layers[layer].update(new[0, layer], new[1, layer])
         assert keys.shape[2] == values.shape[2] == mask.shape[1]
     for row in range(batch.rows):
-        expected[row] = torch.cat([expected[row], new[:, :, row: row + 1, :, : kept[row]]], -2)
+        expected[row] = torch.cat([expected[row], new[:, :, row: row + 1, :, :]], -2)
     batch.close_columns(count)
-    for row, keep in enumerate(kept):
-        batch.hole(row, start + keep, start + count)
 
 
 def test_rows_read_back_exactly_through_joins_leaves_and_regrowth(poisoned_buffers):
     torch.manual_seed(0)
     rng = random.Random(0)
     batch, expected = KVBatch(), []
-    for step in range(150):  # past the first column capacity: the buffers regrow and compact
+    for step in range(150):  # past the first column capacity: the buffers regrow
         if step % 7 == 0 or not batch.rows:  # rows join, some longer than every running one
             joining = [row_kv(rng.randint(1, 40 + step)) for _ in range(rng.randint(1, 4))]
             batch.add(joining)
@@ -50,16 +45,15 @@ def test_rows_read_back_exactly_through_joins_leaves_and_regrowth(poisoned_buffe
             order = batch.remove(leaving)
             assert sorted(order) == sorted(set(range(len(expected))) - set(leaving))
             expected = [expected[row] for row in order]
-        count = rng.choice([1, 1, 3, 6])  # some steps feed drafts, and rows keep some of them
-        decode(batch, expected, count, [rng.randint(1, count) for _ in range(batch.rows)])
-        for layer in batch.cache.layers:  # what the model reads: padding and holes included, all finite
+        decode(batch, expected)
+        for layer in batch.cache.layers:  # what the model reads: padding included, all finite
             assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
         for row in range(batch.rows):
             mask, length = batch.mask[row, batch.first: batch.width], expected[row].shape[-2]
             assert mask.sum() == length and mask[: batch.starts[row] - batch.first].sum() == 0
             assert torch.equal(batch.row(row), expected[row])
     longest = max(expected[row].shape[-2] for row in range(batch.rows))
-    assert batch.column_capacity < 2 * longest + 200  # holes squeezed out, not grown without bound
+    assert batch.column_capacity < 2 * longest + 200  # padding dropped when the buffers regrow, not grown without bound
 
 
 def test_a_decode_step_through_it_equals_one_through_a_dynamic_cache(tiny_model_dir, poisoned_buffers):

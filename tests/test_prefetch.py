@@ -10,8 +10,7 @@ import math
 import pytest
 
 from arpo_trl.rollout import BranchingRule
-from arpo_trl.rollout.paths import ForkDecision, Rollout, ToolCallRecord
-from arpo_trl.rollout.seeds import derive_seed
+from arpo_trl.rollout.paths import ForkDecision, Rollout, ToolCallRecord, derive_seed
 from arpo_trl.runtime.prefetch import HEDGE, FillUpPrefetch
 
 PROMPT = [5, 6, 7]
@@ -106,7 +105,7 @@ def test_the_hedge_covers_the_quantile_of_lines_that_never_fork():
 
 
 def test_fill_ups_can_wait_for_the_prompts_first_fork_decision():
-    """On an engine that drafts late paths from their siblings' text, or whose rows cost compute, fill-ups run ahead
+    """On an engine whose every running row costs compute (a CPU), fill-ups run ahead
     from the prompt's first fork decision or the end of its first path; before that only the near-certain ones."""
     ahead, r = prefetch(max_tool_calls=3, wait_for_first_decision=True), rollout(m=8, n=2)
     assert ahead.wanted(r, 0) == range(0, 0)

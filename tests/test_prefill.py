@@ -10,9 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from arpo_trl.generation import CachedTransformersEngine
-from arpo_trl.generation.cpu.costs import CPU_COSTS
 from arpo_trl.generation.engine import SamplingSettings
-from arpo_trl.generation.prefill import PrefillJob, group_by_length, prefill
+from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, group_by_length, prefill
 from arpo_trl.generation.prefix_cache import kv_length, stack_layers
 
 
@@ -76,21 +75,20 @@ def test_every_row_gets_what_a_forward_of_it_alone_computes(model64):
         tokens = [rng.randrange(vocab) for _ in range(start + new)]
         jobs.append(PrefillJob(tokens, _alone(model64, tokens[:start])[0] if start else None, start))
         expected.append(_alone(model64, tokens))
-    results, positions = prefill(model64, jobs, CPU_COSTS.forward_cost_tokens)
+    results, positions = prefill(model64, jobs, FORWARD_COST_TOKENS)
     assert sum(positions) >= sum(new for _, new in shapes)
     for (kv, logits), (want_kv, want_logits), (start, new) in zip(results, expected, shapes):
         assert logits.shape == want_logits.shape and logits.dtype == torch.float32
         torch.testing.assert_close(logits, want_logits, atol=1e-6, rtol=0)
         assert kv.shape == want_kv.shape and (kv.shape[2], kv_length(kv)) == (1, start + new)  # one row, all positions
         torch.testing.assert_close(kv, want_kv, atol=1e-10, rtol=0)
-    assert len(positions) == len(group_by_length([new for _, new in shapes], CPU_COSTS.forward_cost_tokens))
+    assert len(positions) == len(group_by_length([new for _, new in shapes], FORWARD_COST_TOKENS))
 
 
 def test_requests_joining_in_one_step_share_forwards_and_never_prefill_a_shared_prefix(model64, tokenizer):
     """Tool results that come back together join in one forward; requests whose prefix another one of the same step
     extends wait for it and prefill only their own tokens; copies of one prefix take one result."""
-    engine = CachedTransformersEngine(model64, tokenizer, sampling=SamplingSettings(temperature=0, entropy_top_k=None),
-                                      cost_model=CPU_COSTS)  # the forwards counted below follow its forward cost
+    engine = CachedTransformersEngine(model64, tokenizer, sampling=SamplingSettings(temperature=0, entropy_top_k=None))
     system = tokenizer.encode("You solve problems with python. " * 12, add_special_tokens=False)
     questions = [system + tokenizer.encode(f"What is {a}+{a}?", add_special_tokens=False) for a in range(4)]
 

@@ -50,10 +50,9 @@ def trees(result) -> list[list[tuple]]:
             for group in result.groups]
 
 
-def grow(model, tokenizer, *, seed=5, scheduler="events", policy="entropy", drafts=8, speculation="auto", rollouts=2,
-         tool=None):
+def grow(model, tokenizer, *, seed=5, scheduler="events", policy="entropy", speculation="auto", rollouts=2, tool=None):
     """`rollouts` rollouts of the three questions (M = 6) from a fresh sampler and engine; their trees and the tool."""
-    engine = CachedTransformersEngine(model, tokenizer, sampling=SAMPLING, max_draft_tokens=drafts)
+    engine = CachedTransformersEngine(model, tokenizer, sampling=SAMPLING)
     tool = tool or JitteryTool()
     sampler = BranchingSampler(engine, tokenizer, [tool], num_generations=6, initial_rollouts=6 if policy == "none"
                                else 2, max_completion_length=64, branch_policy=policy, seed=seed, scheduler=scheduler,
@@ -81,10 +80,9 @@ def test_a_seed_reproduces_the_trees_under_events_with_a_concurrent_tool(tool_mo
 
 @pytest.mark.parametrize("policy", ["entropy", "random", "aepo", "none"])
 def test_the_same_seed_grows_the_same_trees_under_every_schedule(tool_model64, tokenizer, policy):
-    """Waves or events, drafts or none, fill-ups run ahead (`prefetch.py`) or not: one seed, one tree per prompt."""
+    """Waves or events, fill-ups run ahead (`prefetch.py`) or not: one seed, one tree per prompt."""
     expected = trees(grow(tool_model64, tokenizer, policy=policy, rollouts=1)[0][0])
-    for schedule in ({"scheduler": "waves"}, {"drafts": 0}, {"speculation": "off"}, {"drafts": 0, "speculation": "off"},
-                     {"scheduler": "waves", "drafts": 0}):
+    for schedule in ({"scheduler": "waves"}, {"speculation": "off"}):
         result = grow(tool_model64, tokenizer, policy=policy, rollouts=1, **schedule)[0][0]
         assert trees(result) == expected, schedule
 

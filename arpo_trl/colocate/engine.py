@@ -227,7 +227,7 @@ class ColocatedVLLMEngine(GenerationEngine):
         # on a CPU every running row costs a forward pass its share of compute, so a fill-up run ahead that a fork
         # later drops is time lost; on a GPU a decode step costs about the same for 64 rows or 128
         self.compute_bound = llm_engine.vllm_config.device_config.device_type == "cpu"
-        self.traits = replace(self.traits, late_paths_are_cheap=self.compute_bound)
+        self.traits = replace(self.traits, compute_bound=self.compute_bound)
         self._sleeping: set[str] = set()  # what vLLM's sleep mode has freed
         self._ids = itertools.count()
         self._drivers: dict[asyncio.AbstractEventLoop, _LoopDriver] = {}

@@ -167,6 +167,8 @@ REMOVED_FIELDS = {
     "speculative_fill_ups": "rollout_speculation: auto (fill-ups early, the default) or off",
     "fill_up_hedge": "rollout_speculation (the hedge is fixed at 0.9; docs/differences.md)",
     "speculative_branches": "rollout_speculation: auto (an uncertain fork's copies start once its probe keeps them)",
+    "max_draft_tokens": "nothing: the cached engine's n-gram drafts were removed (the quickstart ran faster without "
+                        "them; docs/in_process_engine.md)",
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from arpo_trl.generation.kv_budget import KVAccounting
-from arpo_trl.generation.prefill import PrefillJob, prefill
+from arpo_trl.generation.prefill import FORWARD_COST_TOKENS, PrefillJob, prefill
 from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache, common_prefix_length, crop
 from arpo_trl.generation.running_batch import Request, RunningBatch
 
@@ -38,14 +38,13 @@ class Admission:
                 continue
             del held[tuple(request.prefix)]
             spans.append(request.span)
-            request.alpha = rows[row].alpha
             rows[row] = request
             self._count(len(request.prefix))
             self.counters.adopted_rows += 1
         return rest, sorted(held.values())
 
     def admit(self, model, requests: list[Request],
-              forward_cost_tokens: float) -> list[tuple[Request, KV, torch.Tensor]]:
+              forward_cost_tokens: float = FORWARD_COST_TOKENS) -> list[tuple[Request, KV, torch.Tensor]]:
         """Prefill what the cache does not hold, all joining requests together; returns their rows, in order.
 
         In rounds: a request that would share a longer prefix with another one prefilled in this step than with the

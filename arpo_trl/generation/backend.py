@@ -37,8 +37,7 @@ def in_process_engine(args, model, tokenizer, sampling: SamplingSettings,
                                   f"in_process_engine to 'waves' or 'auto'.")
     if args.in_process_engine == "cached" or (args.in_process_engine == "auto" and blocker is None):
         engine_class, extra = CachedTransformersEngine, {
-            "max_cached_tokens": cache_budget(args.transformers_continuous_batching_config),
-            "max_draft_tokens": args.max_draft_tokens, "kv_budget": budget}
+            "max_cached_tokens": cache_budget(args.transformers_continuous_batching_config), "kv_budget": budget}
     elif args.cache_implementation:
         sampling.generation_kwargs.setdefault("cache_implementation", args.cache_implementation)
     return engine_class(None, tokenizer, sampling=sampling, **extra, model_context=model_context)

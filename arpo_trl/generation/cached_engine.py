@@ -1,7 +1,7 @@
 """`CachedTransformersEngine`: the model being trained, generating request by request with a persistent KV cache.
 
 The events scheduler calls `agenerate` once per path segment. Requests join the running batch as they come and leave
-it when they finish; every step decodes one token (and drafts, where they pay) for all running rows in one forward,
+it when they finish; every step decodes one token for all running rows in one forward,
 writing keys and values in place (`KVBatch`). A request's prefix is looked up in a `PrefixCache`, so a continuation
 after a tool result prefills only the result, and a fork starts from its parent's state. The cache lives for one
 rollout, so every rollout samples the current weights (LoRA included); a request that joins after the weights changed
@@ -14,8 +14,6 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import replace
-from typing import Literal
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -23,8 +21,6 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from arpo_trl.entropy import sampling_warpers
 from arpo_trl.generation.admission import Admission
-from arpo_trl.generation.calibration import device_costs, measured_costs
-from arpo_trl.generation.cost_model import ForwardCosts
 from arpo_trl.generation.engine import (
     EngineTraits,
     SamplingSettings,
@@ -39,8 +35,7 @@ from arpo_trl.generation.kv_budget import KVAccounting, log_budget
 from arpo_trl.generation.model_context import eval_mode, model_for_generation
 from arpo_trl.generation.prefix_cache import KV, CachedPrefix, PrefixCache
 from arpo_trl.generation.running_batch import Request, RunningBatch
-from arpo_trl.generation.sampling import accept_drafts, distributions, keyed_uniforms, penalized, sample_tokens
-from arpo_trl.generation.speculation import MAX_DRAFT_TOKENS, Speculator
+from arpo_trl.generation.sampling import distributions, keyed_uniforms, penalized, sample_tokens
 from arpo_trl.generation.support import SUPPORTED_KEYS, check_full_attention
 from arpo_trl.generation.transformers_engine import TransformersEngine
 
@@ -50,23 +45,20 @@ class CachedTransformersEngine(TransformersEngine):
 
     `max_cached_tokens` bounds the positions the prefix cache keeps between requests of one rollout (None: unbounded).
     `kv_budget` (a `KVBudgetSetting`) bounds the running rows' KV and the prefix cache together (`kv_budget.py`;
-    default: half the memory free when a rollout starts): requests wait for room. `max_draft_tokens`: drafts per row
-    and step of n-gram speculative decoding (`speculation.py`; exact in distribution; 0 turns it off; off with a
-    repetition penalty). `cost_model`: what a forward costs, which sets the prefill's grouping and the drafts' length
-    (None: measured at the first step on an accelerator, the development CPU's constants on a CPU; "measure":
-    measured on any device; `calibration.py`). `counters` accumulate over the engine's life (positions, forwards,
-    and each phase's seconds).
+    default: half the memory free when a rollout starts): requests wait for room. `counters` accumulate over the
+    engine's life (positions, forwards, and each phase's seconds).
 
     The engine owns its running batch (`running`) and hands it to its parts: `admission` (who joins, and how their
-    prefixes are prefilled), `kv` (the KV budget's accounting) and `speculator` (n-gram drafts).
+    prefixes are prefilled) and `kv` (the KV budget's accounting).
     """
 
-    # a token's draw depends on its path's seed and its position alone
+    # A token's draw depends on its path's seed and its position alone. Not `compute_bound`, though a CPU row costs
+    # compute: fill-ups run ahead from the rollout's start made the quickstart's rollouts faster than waiting for a
+    # prompt's first decision (docs/in_process_engine.md, "What was removed").
     traits = EngineTraits(event_driven=True, request_options=frozenset({"seed"}))
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSettings | None = None,
-                 max_cached_tokens: int | None = None, max_draft_tokens: int = MAX_DRAFT_TOKENS,
-                 cost_model: ForwardCosts | Literal["measure"] | None = None, **kwargs):
+                 max_cached_tokens: int | None = None, **kwargs):
         sampling = sampling or SamplingSettings()
         super().__init__(model, tokenizer, sampling=sampling, **kwargs)
         if unsupported := set(sampling.generation_kwargs or {}) - SUPPORTED_KEYS:
@@ -78,13 +70,6 @@ class CachedTransformersEngine(TransformersEngine):
         self.running = RunningBatch()
         self.kv = KVAccounting(self.running, self.prefix_cache, self.counters)
         self.admission = Admission(self.prefix_cache, self.counters, self.kv)
-        self.speculator = Speculator(max_draft_tokens, max_draft_tokens > 0 and self.repetition_penalty in (None, 1.0))
-        # a late path decodes its siblings' text in a few steps
-        self.traits = replace(self.traits, late_paths_are_cheap=self.speculator.enabled)
-        self.costs: ForwardCosts | None = None
-        self._measure = cost_model == "measure"
-        if isinstance(cost_model, ForwardCosts):
-            self._set_costs(cost_model)
         self._warpers = LogitsProcessorList(sampling_warpers(*self.warper_settings))
         self._pending: list[Request] = []  # arrived, not yet running
         self._held = HeldModel()
@@ -160,7 +145,6 @@ class CachedTransformersEngine(TransformersEngine):
 
     def _forget_cache(self) -> None:
         self.prefix_cache.clear()
-        self.speculator.reset()
         self._weights = self.kv.budget = None  # the next rollout measures the free memory anew
 
     # --- the driver: one batched step at a time, yielding to the event loop in between ----------------------
@@ -186,7 +170,7 @@ class CachedTransformersEngine(TransformersEngine):
 
     def _current_model(self):
         """The held model in eval mode. When requests join after its weights changed, what was computed with the
-        old ones goes: the prefix cache, the drafts, the held rows, and the requests running (failed)."""
+        old ones goes: the prefix cache, the held rows, and the requests running (failed)."""
         model = self._model()
         if self._pending and self._weights.changed():
             _fail(self.running.requests, RuntimeError(
@@ -209,19 +193,12 @@ class CachedTransformersEngine(TransformersEngine):
             self._weights = WeightsVersion(model)
         return model
 
-    def _set_costs(self, costs: ForwardCosts) -> None:
-        self.costs, self.speculator.acceptance.cost = costs, costs.decode
-
     @torch.no_grad()
     def _step(self, model) -> None:
         timed = self.counters.timed
-        if self.costs is None:  # before the requests are taken: a model error here fails them, as a prefill's does
-            with timed("calibrate"):  # measured once per process and kind of model (`calibration.measured_costs`)
-                self._set_costs(measured_costs(model) if self._measure else device_costs(model))
         pending, self._pending = self._pending, []
-        if self.kv.budget is None:  # the rollout's, at its first step: a row may open its drafts' columns too
-            drafts = self.speculator.acceptance.max_draft if self.speculator.enabled else 0
-            self.kv.budget = log_budget(self, self.kv_setting.resolve(model, LEFT_SLACK + 1 + drafts, batch_share=0.5))
+        if self.kv.budget is None:  # the rollout's, at its first step
+            self.kv.budget = log_budget(self, self.kv_setting.resolve(model, LEFT_SLACK + 1, batch_share=0.5))
         joining = [request for request in pending if not request.future.done()]  # not cancelled
         if any(request.held for request in self.running.requests):
             with timed("admit"):
@@ -232,7 +209,7 @@ class CachedTransformersEngine(TransformersEngine):
         if joining:
             with timed("admit"):  # prefix-cache lookups, prefill forwards, rows written into the batch
                 try:
-                    self._join(self.admission.admit(model, joining, self.costs.forward_cost_tokens))
+                    self._join(self.admission.admit(model, joining))
                 except BaseException:
                     self._pending += joining  # answered with the error by the driver, not left waiting
                     raise
@@ -241,25 +218,23 @@ class CachedTransformersEngine(TransformersEngine):
         with timed("sample"):  # a token per row; the rows that finished are released
             self._release(self._sample())
         if self.running.requests:
-            with timed("decode"):  # the forward, and the verification of drafts
+            with timed("decode"):
                 self._decode_step(model)
             self.counters.decode_steps += 1
 
     def _join(self, rows: list[tuple[Request, KV, torch.Tensor]]) -> None:
         """Add the admitted rows to the batch (written into its preallocated buffers)."""
         self.running.join(rows, lambda: KVBatch(self.kv.room, self.kv.allocated))
-        self.speculator.joined([request for request, _, _ in rows])
 
     def _sample(self) -> list[int]:
         """One token per running row; returns the rows that finished."""
         rows = self.running.requests
         scores = penalized(self.running.logits, self.repetition_penalty, rows)
         tempered, entropies, sampled = self._distributions(scores)
-        self.speculator.observe(self.running, tempered, sampled)
-        if sampled is not None:  # a draft rejected here is not F⁻¹(u) (`accept_drafts`): the same u draws another
+        if sampled is not None:  # F⁻¹(u), u keyed by the path's seed and the token's position
             uniforms = keyed_uniforms([r.seed for r in rows], [len(r.text) for r in rows])
             tokens = sample_tokens(sampled, uniforms)
-        else:  # greedy: a rejected draft was not the argmax, so the argmax stands
+        else:  # greedy
             sampled, tokens = tempered, scores.argmax(-1)
         chosen = sampled.gather(-1, tokens[:, None]).squeeze(1).tolist()
         finished = []
@@ -268,7 +243,6 @@ class CachedTransformersEngine(TransformersEngine):
             if request.future.done() or self._is_done(request):
                 finished.append(row)
         self.running.tokens = tokens
-        self.running.rejected.fill_(False)
         return finished
 
     def _distributions(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -278,7 +252,6 @@ class CachedTransformersEngine(TransformersEngine):
     def _append(self, request: Request, token: int, logprob: float, entropy: float) -> None:
         request.ids.append(token), request.logprobs.append(logprob), request.entropies.append(entropy)
         request.text.append(token)
-        self.speculator.extended(request)
 
     def _is_done(self, request: Request) -> bool:
         return len(request.ids) >= request.budget or request.ids[-1] in self.eos_token_ids or tail_has_stop(
@@ -323,64 +296,15 @@ class CachedTransformersEngine(TransformersEngine):
         self.kv.keep(CachedPrefix(tuple(tokens), self.running.kv.row(row), logits))
 
     def _decode_step(self, model) -> None:
-        """Run the sampled tokens of all rows, and their drafts if any pay, in one forward; each layer writes its new
-        columns in place. Drafts are then verified (`_verify`)."""
+        """Run the sampled token of every row in one forward; each layer writes its new column in place."""
         batch = self.running
-        drafts = self.speculator.propose(batch)
-        width = 1 + max(map(len, drafts))
-        tokens = batch.tokens[:, None]
-        if width > 1:
-            padded = [draft + [0] * (width - 1 - len(draft)) for draft in drafts]  # padding: its columns are holes
-            tokens = torch.cat([tokens, torch.tensor(padded, device=tokens.device)], dim=1)
-        mask = batch.kv.open_columns(width)
-        start = batch.kv.width  # after open_columns, which may regrow the buffers
-        positions = batch.positions[:, None] + torch.arange(width, device=batch.positions.device)
-        out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=batch.kv.cache,
-                    use_cache=True)
-        batch.kv.close_columns(width)
-        self.counters.decode_tokens += len(batch) * width
-        logits = out.logits.float()
-        if width == 1:
-            batch.positions = batch.positions + 1
-            batch.logits = logits[:, -1]
-        else:
-            self._verify(logits, drafts, start)
-
-    def _verify(self, logits: torch.Tensor, drafts: list[list[int]], start: int) -> None:
-        """Keep each row's drafts while plain decoding would draw them (`accept_drafts`; greedy: d is the argmax),
-        append them as sampled tokens, and leave the next position's logits, from which the next step draws what
-        plain decoding would. The columns of rejected drafts become holes."""
-        batch, (rows, width) = self.running, logits.shape[:2]
-        tempered, entropies, sampled = self._distributions(logits[:, :-1].flatten(0, 1))
-        entropies = entropies.view(rows, width - 1).tolist()
-        uniforms = keyed_uniforms([r.seed for r in batch.requests for _ in range(width - 1)],
-                                  [len(r.text) + j for r in batch.requests for j in range(width - 1)])
-        accepted, chosen = accept_drafts(tempered.view(rows, width - 1, -1),
-                                         None if sampled is None else sampled.view(rows, width - 1, -1), drafts,
-                                         uniforms.view(rows, width - 1))
-        finished, kept = [], []
-        for row, request in enumerate(batch.requests):
-            count, done = 0, False
-            while count < accepted[row] and not done:
-                self._append(request, drafts[row][count], chosen[row][count], entropies[row][count])
-                count += 1
-                done = self._is_done(request)
-            if done:
-                finished.append(row)
-            tried = min(len(drafts[row]), accepted[row] + 1)
-            self.speculator.verified(request, tried, accepted[row], None if sampled is None else chosen[row])
-            self.counters.drafted_tokens += len(drafts[row])
-            self.counters.accepted_tokens += count
-            end = start + count + 1  # the last token's column is kept, a finished row's too (released `fed`)
-            if end < start + width:
-                batch.kv.hole(row, end, start + width)
-            kept.append(count)
-            if not done and count < len(drafts[row]):
-                batch.rejected[row] = True
-        advanced = torch.tensor(kept, device=logits.device)
-        batch.positions = batch.positions + 1 + advanced
-        batch.logits = logits[torch.arange(rows, device=logits.device), advanced]
-        self._release(finished, fed=True)
+        mask = batch.kv.open_columns()
+        out = model(input_ids=batch.tokens[:, None], attention_mask=mask, position_ids=batch.positions[:, None],
+                    cache=batch.kv.cache, use_cache=True)
+        batch.kv.close_columns()
+        self.counters.decode_tokens += len(batch)
+        batch.positions = batch.positions + 1
+        batch.logits = out.logits[:, -1].float()
 
 
 def _fail(requests: list[Request], error: BaseException) -> None:

@@ -22,16 +22,13 @@ FinishReason = Literal["stop", "eos", "length"]
 @dataclass
 class GenerationCounters:
     """Positions an in-process engine's model computed: prefilled (prefix positions, padding included, not found in
-    a cache), reused from a cache, and decoded (one forward position per generated token but the last; with
-    speculative decoding, every draft position fed, rejected and padding ones included)."""
+    a cache), reused from a cache, and decoded (one forward position per generated token but the last)."""
 
     prefill_tokens: int = 0
     reused_tokens: int = 0
     decode_tokens: int = 0
     requests: int = 0
     prefill_forwards: int = 0  # forwards that prefilled (several requests may share one)
-    drafted_tokens: int = 0  # n-gram drafts fed to decode steps (`generation/speculation.py`)
-    accepted_tokens: int = 0  # drafts kept as generated tokens
     decode_steps: int = 0  # decode forwards (the cached engine: one per step, all running rows together)
     adopted_rows: int = 0  # requests that went on in a held row, nothing prefilled (the cached engine: a probe's)
     kv_waits: int = 0  # steps × requests that waited for room in the KV budget (`generation/kv_budget.py`)
@@ -74,9 +71,10 @@ class EngineTraits:
     # * "entropy_tokens": how many leading tokens of the request need their entropies (`agenerate(...,
     #   entropy_tokens=)`; the rule reads a segment's first k): the others may come without (NaN).
     request_options: frozenset[str] = frozenset()
-    # a path started late costs it little (the cached engine drafts it from its siblings' text) or every running row
-    # costs compute (vLLM on a CPU): fill-ups run ahead only once their prompt is heard from (`runtime/prefetch.py`)
-    late_paths_are_cheap: bool = False
+    # every running row costs its share of a forward's compute (a CPU): a fill-up run ahead that a fork then drops is
+    # time lost, so fill-ups run ahead only once their prompt is heard from (`runtime/prefetch.py`); on a GPU a decode
+    # step costs about the same for 64 rows or 128
+    compute_bound: bool = False
 
 
 class GenerationEngine:

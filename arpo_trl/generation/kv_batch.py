@@ -7,11 +7,9 @@ row joins by writing its own positions, a row leaves by moving the last row into
 runs out is the batch copied, into buffers with room again (amortised over many steps).
 
 Rows are left-padded: every row's next position is the same column (`width`), and a row's positions are the
-columns just before it, except for holes: a decode step with drafts writes several columns for every row, and a
-row's rejected drafts are masked out (`hole`) and squeezed out when the buffers regrow. Columns a row does not use
-are masked out, so they get exactly zero attention weight, and hold finite values (of earlier rows, or zeros written
-when they enter the model's view: new buffers are not zero-filled); the model sees a `Cache` whose layers return views
-of the buffers.
+columns just before it. Columns a row does not use are masked out, so they get exactly zero attention weight, and hold
+finite values (of earlier rows, or zeros written when they enter the model's view: new buffers are not zero-filled);
+the model sees a `Cache` whose layers return views of the buffers.
 
 All layers' keys and values live in one buffer, so a row joining, leaving or copied out for the prefix cache is one
 tensor operation instead of two per layer: moving and copying rows out took less time, joining and regrowing, bound by
@@ -102,15 +100,11 @@ class KVBatch:
         return order
 
     def row(self, row: int) -> KV:
-        """A copy of one row's positions, for the prefix cache (without the holes rejected drafts left)."""
-        start = self.starts[row]
-        used = self.mask[row, start: self.width]
-        if bool(used.all()):
-            return self.buffer[:, :, row: row + 1, :, start: self.width].clone()
-        return self.buffer[:, :, row: row + 1, :, used.nonzero().squeeze(1) + start]
+        """A copy of one row's positions, for the prefix cache."""
+        return self.buffer[:, :, row: row + 1, :, self.starts[row]: self.width].clone()
 
     def open_columns(self, count: int = 1) -> torch.Tensor:
-        """Before a decode step of `count` tokens per row (a sampled one and its drafts): make room for them, unmask
+        """Before a decode step of `count` tokens per row: make room for them, unmask
         them for every row and return the step's attention mask (a view: the columns in use and the new ones)."""
         if self.width + count > self.column_capacity:
             self._regrow(self.rows, 0, spare=count)
@@ -122,16 +116,9 @@ class KVBatch:
         """After a decode step: the columns the layers wrote are in use (their `update` already moved their views)."""
         self.width += count
 
-    def hole(self, row: int, begin: int, end: int) -> None:
-        """Mask out columns [begin, end) of a row: rejected drafts' positions, never attended to again."""
-        self.mask[row, begin: end] = 0
-
     def _regrow(self, rows: int, width: int, like: KV | None = None, spare: int = 1) -> None:
-        """New buffers holding the rows' positions right-aligned at `max(width, longest row)`, with spare room;
-        holes (rejected drafts) are squeezed out."""
-        lengths = self.mask[: self.rows, self.first: self.width].sum(1).tolist() if self.mask is not None else []
-        compact = any(length != self.width - start for length, start in zip(lengths, self.starts))
-        used = max(lengths, default=0) if compact else self.width - self.first
+        """New buffers holding the rows' positions right-aligned at `max(width, longest row)`, with spare room."""
+        used = self.width - self.first
         width = max(width, used)
         reference = like if like is not None else self.buffer
         row_capacity, column_capacity = self._capacity(reference, rows, width + spare)
@@ -139,20 +126,12 @@ class KVBatch:
         old_bytes = self.bytes
         buffer = _new_buffer(reference, shape)
         mask = torch.zeros(shape[2], shape[4], dtype=torch.long, device=reference.device)
-        if compact:
-            for row, length in enumerate(lengths):
-                columns = self.mask[row, self.first: self.width].nonzero().squeeze(1) + self.first
-                buffer[:, :, row, :, width - used: width - length] = 0.0
-                buffer[:, :, row, :, width - length: width] = self.buffer[:, :, row, :, columns]
-                mask[row, width - length: width] = 1
-            self.starts = [width - length for length in lengths]
-        else:
-            shift = width - self.width
-            if self.buffer is not None:
-                buffer[:, :, : self.rows, :, width - used: width] = \
-                    self.buffer[:, :, : self.rows, :, self.first: self.width]
-                mask[: self.rows, width - used: width] = self.mask[: self.rows, self.first: self.width]
-            self.starts = [start + shift for start in self.starts]
+        shift = width - self.width
+        if self.buffer is not None:
+            old = self.buffer[:, :, : self.rows, :, self.first: self.width]
+            buffer[:, :, : self.rows, :, width - used: width] = old
+            mask[: self.rows, width - used: width] = self.mask[: self.rows, self.first: self.width]
+        self.starts = [start + shift for start in self.starts]
         self.buffer = buffer
         self.mask = mask
         self.first = width - used

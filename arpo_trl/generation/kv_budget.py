@@ -61,7 +61,7 @@ def _gib(count: int) -> str:
 @dataclass(frozen=True)
 class KVBudget:
     """A resolved budget: `bytes` of KV, `bytes_per_token`, at most `max_rows` running rows (None: any),
-    `overhead_columns` per row beyond its longest span (the engine's layout: padding room, a step's drafts), and the
+    `overhead_columns` per row beyond its longest span (the engine's layout: padding room, a step's new column), and the
     `batch_share` of the bytes one batch may take (the cached engine's half: its old buffer and the new one are both
     held while it regrows)."""
 

@@ -2,7 +2,7 @@
 
 A joining request brings the KV of its cached prefix (`start` positions, maybe none) and the tokens after it. One
 forward per request pays the model's fixed cost every time (worth tens of prefilled positions on a CPU, far more on a
-GPU: the cached engine measures it, `calibration.py`; docs/cpu_measurements.md), and tool results come back together,
+GPU; `FORWARD_COST_TOKENS`, docs/cpu_measurements.md), and tool results come back together,
 so a step often admits several requests. A group's forward lays out
 
     columns   [0 ............. P)[P ................... P + W)
@@ -27,6 +27,10 @@ from transformers import DynamicCache
 from arpo_trl.generation.prefix_cache import KV, layer_pairs, stack_layers
 
 MAX_FORWARD_POSITIONS = 8192  # rows × width of one grouped forward: bounds its activations (a longer request alone)
+# A forward's fixed cost in prefilled positions, fitted on the 2-core development CPU with SmolLM2-135M (~90 measured;
+# docs/cpu_measurements.md). On a GPU it is larger, so there the engine splits its prefills more than it would need to;
+# the one-GPU default is vLLM, and the measured cost model that would fix it was deleted for want of a CPU gain.
+FORWARD_COST_TOKENS = 64
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The cached engine's running batch: the requests decoding now and, row for row, their state.
 
 `CachedTransformersEngine.running` owns it and hands it to the parts that read or change it: admission adds rows,
-speculation drafts from them, the KV accounting weighs them (as vLLM's `KVCacheManager` hands its block pool to what
+the KV accounting weighs them (as vLLM's `KVCacheManager` hands its block pool to what
 allocates from it). Every per-row tensor follows the order of `requests`.
 """
 
@@ -15,7 +15,6 @@ import torch
 
 from arpo_trl.generation.kv_batch import KVBatch
 from arpo_trl.generation.prefix_cache import KV, kv_length
-from arpo_trl.generation.speculation import PRIOR_ACCEPTANCE
 
 
 @dataclass
@@ -28,11 +27,10 @@ class Request:
     future: asyncio.Future
     stop_window: int = 0  # tokens of decoded tail that can hold a stop string
     ids: list[int] = field(default_factory=list)
-    text: list[int] = field(default_factory=list)  # prefix + ids, indexed for drafts
-    cached: int = 0  # leading prefix tokens the prefix cache held at admission (their n-grams are indexed already)
+    text: list[int] = field(default_factory=list)  # prefix + ids: a token's position keys its draw
+    cached: int = 0  # leading prefix tokens the prefix cache held at admission
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
-    alpha: float = PRIOR_ACCEPTANCE  # the row's draft acceptance rate (`speculation.Speculator`), the rollout's at join
     held: bool = False  # answered at its budget alone; its row waits one step for the continuation (`Admission.adopt`)
     seed: int = 0  # its path's: with a token's position, it keys the token's draw (`sampling.keyed_uniforms`)
 
@@ -44,8 +42,7 @@ class Request:
 
 class RunningBatch:
     """The running rows: `requests`, their keys and values (`kv`), and per row its next position (`positions`), its
-    next-token logits (`logits`), the token it just sampled, fed by the next decode (`tokens`), and whether the last
-    step rejected a draft at its next position (`rejected`)."""
+    next-token logits (`logits`) and the token it just sampled, fed by the next decode (`tokens`)."""
 
     def __init__(self):
         self.clear()
@@ -57,7 +54,6 @@ class RunningBatch:
         self.positions: torch.Tensor | None = None  # [rows]
         self.logits: torch.Tensor | None = None  # [rows, vocab]
         self.tokens: torch.Tensor | None = None  # [rows]
-        self.rejected: torch.Tensor | None = None  # [rows] bool
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -78,7 +74,6 @@ class RunningBatch:
         positions = torch.tensor([kv_length(kv) for _, kv, _ in rows], device=rows[0][2].device)
         self.positions = _appended(self.positions, positions)
         self.logits = _appended(self.logits, torch.cat([logits for _, _, logits in rows]))
-        self.rejected = _appended(self.rejected, torch.zeros_like(positions, dtype=torch.bool))
         self.requests += [request for request, _, _ in rows]
 
     def remove(self, rows: list[int]) -> None:
@@ -91,7 +86,6 @@ class RunningBatch:
         self.requests = [self.requests[row] for row in order]
         self.positions = self.positions[index]
         self.logits = self.logits[index]
-        self.rejected = self.rejected[index]
         self.tokens = None if self.tokens is None else self.tokens[index]
 
 

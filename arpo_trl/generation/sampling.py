@@ -1,10 +1,9 @@
 """How the cached engine draws tokens: the distributions at a position (repetition penalty, temperature, top-k/p,
-min-p; their entropies), inverse transform sampling with a uniform keyed by the path and the token's position, and
-the acceptance rule of speculative decoding (the drafts come from `speculation.py`).
+min-p; their entropies) and inverse transform sampling with a uniform keyed by the path and the token's position.
 
 Keyed draws make a path's tokens a function of its seed and its text, not of when its requests ran or beside whom:
 the token at sequence position t of a path with seed s is F⁻¹(u(s, t)), F the cumulative distribution at t. A seed
-therefore reproduces a rollout under any schedule (events, waves, speculative paths or not), as vLLM's per-request
+therefore reproduces a rollout under any schedule (events, waves, fill-ups run ahead or not), as vLLM's per-request
 seeds do for a request; only floating-point rounding that differs with the batch can still move a token, when u falls
 within rounding of a boundary of F (docs/differences.md, "Seeds").
 """
@@ -85,26 +84,3 @@ def sample_tokens(logprobs: torch.Tensor, uniforms: torch.Tensor, block: int = 2
     if impossible.any():  # the most likely token: deterministic, and the edge has probability ~2^-53
         tokens[impossible] = logprobs[impossible].argmax(-1)
     return tokens
-
-
-def accept_drafts(tempered: torch.Tensor, sampled: torch.Tensor | None, drafts: list[list[int]],
-                  uniforms: torch.Tensor) -> tuple[list[int], list[list[float]]]:
-    """Speculative sampling with drafts that are point masses, coupled to plain decoding: per row, how many leading
-    drafts the distributions accept, and every draft's logprob under them. `tempered`, `sampled`: [rows, D, vocab]
-    log-probabilities at the positions that predict the D drafts (`sampled`: after top-k/p, min-p; None: greedy);
-    `uniforms`: [rows, D], the keyed uniforms of those positions. Draft d is accepted iff the token plain decoding
-    draws there, F⁻¹(u), is d, which happens with probability p(d) (greedy: d is the argmax); a rejected position's
-    token is then F⁻¹(u) ≠ d, drawn by the caller from the same logits and u. So every token is the one plain decoding
-    would emit, distributed as p, drafts or not."""
-    rows, width = tempered.shape[:2]
-    draft = torch.tensor([d + [0] * (width - len(d)) for d in drafts], device=tempered.device)
-    if sampled is not None:
-        chosen = sampled.gather(-1, draft[..., None]).squeeze(-1)
-        drawn = sample_tokens(sampled.flatten(0, 1), uniforms.flatten()).view(rows, width)
-        accept = drawn == draft
-    else:
-        chosen = tempered.gather(-1, draft[..., None]).squeeze(-1)
-        accept = tempered.argmax(-1) == draft
-    lengths = torch.tensor([len(d) for d in drafts], device=tempered.device)
-    accept &= torch.arange(width, device=tempered.device) < lengths[:, None]
-    return accept.long().cumprod(1).sum(1).tolist(), chosen.tolist()

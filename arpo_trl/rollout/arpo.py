@@ -32,8 +32,8 @@ Where we differ from the reference code, deliberately (docs/differences.md says 
     order the paths run, whenever tool results arrive.
 
 What is not the rule lives behind the calls this file makes: `self.writer` writes into a path (tokens in, the call
-cut at its tag, results appended: `path_writer.py`). Who runs the requests a program yields (`requests.py`), when,
-and how fast is the runtime's business (`arpo_trl.runtime`): the rule never learns it.
+cut at its tag, results appended: `path_writer.py`). Who runs the requests a program yields (`GenerateRequest`,
+`CallRequest`), when, and how fast is the runtime's business (`arpo_trl.runtime`): the rule never learns it.
 """
 
 from __future__ import annotations
@@ -41,18 +41,44 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 
 from arpo_trl.entropy import check_entropy_args, segment_entropy
 from arpo_trl.rollout.fork_policy import ForkPoint, ForkPolicy, policy_probability, resolve_branch_policy
 from arpo_trl.rollout.path_writer import OPEN, PathWriter
-from arpo_trl.rollout.paths import ForkDecision, Rollout, RolloutResult, Trajectory
-from arpo_trl.rollout.requests import CallRequest, GenerateRequest, PathRequest
-from arpo_trl.rollout.seeds import derive_seed
+from arpo_trl.rollout.paths import ForkDecision, Rollout, RolloutResult, Trajectory, derive_seed
 from arpo_trl.rollout.tool_calls import CallFormat, TagFormat, ToolCall, bind_call
 from arpo_trl.tools.base import Tool
 from arpo_trl.tools.environments import fork_environment
 
 BRANCH_POLICIES = ("entropy", "random", "aepo", "none")
+
+
+# ---- what a path's program asks its runtime for (`BranchingRule.grow` yields these, and receives a `Segment` or a
+# `CallOutcome` back): the rule's side of the contract with whoever runs it -----------------------------------------
+@dataclass
+class GenerateRequest:
+    """Continue `path` (prompt + completion so far) by at most `max_new_tokens` tokens.
+
+    A probe (the k tokens after a tool result) sets `continues_to`, its path's whole room: a runtime whose engine can
+    may answer after the k tokens and decode the segment on in the same engine request, which then answers the
+    path's next request (the rest of the segment) without a new one."""
+
+    path: Trajectory
+    max_new_tokens: int
+    continues_to: int | None = None
+    entropy_tokens: int | None = None  # leading tokens whose entropies the rule reads (None: all)
+
+
+@dataclass
+class CallRequest:
+    """Run a parsed tool call; a malformed call (`call.error`) is answered with None, never run."""
+
+    path: Trajectory
+    call: ToolCall
+
+
+PathRequest = GenerateRequest | CallRequest
 
 
 def default_initial_rollouts(num_generations: int, branch_policy: str | ForkPolicy) -> int:

@@ -1,14 +1,15 @@
-"""The records of a rollout: its paths (`Trajectory`), statistics, result, and the state shared by the path
-programs and the scheduler while it runs (`Rollout`)."""
+"""The records of a rollout: its paths (`Trajectory`, apart from what the rule tracks while growing one: `Growth`),
+statistics, result, the state its path programs share while it runs (`Rollout`), and the seeds every draw is keyed by
+(`derive_seed`)."""
 
 from __future__ import annotations
 
+import hashlib
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from arpo_trl.rollout.seeds import derive_seed
 from arpo_trl.tools.failures import ToolTally
 
 
@@ -226,3 +227,12 @@ def tree_order(key: tuple) -> tuple[int, ...]:
         return (1, key[2])
     parent, decision, copy = key
     return (*tree_order(parent), decision, copy)
+
+
+# ---- seeds: every random draw of a rollout (a path's seed, its fork draws, a line's share of the odd branch slots)
+# derives from the rollout's seed and a key naming what it is for (docs/differences.md, "Seeds") -------------------
+def derive_seed(*parts) -> int:
+    """A 63-bit seed from `parts` (ints, strings and tuples of them): the same in every process, run and machine
+    (Python's `hash` of a string is not)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

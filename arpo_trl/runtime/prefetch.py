@@ -13,10 +13,10 @@ construction; a shadow the rule never starts is cancelled, and its tokens count 
 
 How many run ahead (`FillUpPrefetch.wanted`): besides those certain, as many as forking is expected not to fill, from
 the rates seen so far (c, the share of segments that end with a tool call; p, the mean fork probability), or, when
-more, as many as the prompt needs with probability `HEDGE`. On an engine whose late paths are cheap to catch up (the
-cached engine drafts them from their siblings' text) or whose every running row costs compute (vLLM on a CPU), they
-wait for the prompt's first fork decision or the end of its first path; before that, only those the rates make
-near-certain (`SURELY`) start. Measurements: docs/architecture.md ("Fill-ups run ahead of the rule").
+more, as many as the prompt needs with probability `HEDGE`. On an engine whose every running row costs compute
+(`EngineTraits.compute_bound`: vLLM on a CPU), they wait for the prompt's first fork decision or the
+end of its first path; before that, only those the rates make near-certain (`SURELY`) start. Measurements:
+docs/architecture.md ("Fill-ups run ahead of the rule").
 """
 
 from __future__ import annotations

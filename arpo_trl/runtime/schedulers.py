@@ -25,9 +25,8 @@ from typing import Any
 
 from arpo_trl.generation.engine import EngineTraits, GenerationEngine
 from arpo_trl.generation.event_loop import run_coroutine, run_loop_in_thread
-from arpo_trl.rollout.arpo import BranchingRule
+from arpo_trl.rollout.arpo import BranchingRule, CallRequest, GenerateRequest, PathRequest
 from arpo_trl.rollout.paths import Rollout, Trajectory
-from arpo_trl.rollout.requests import CallRequest, GenerateRequest, PathRequest
 from arpo_trl.rollout.tool_calls import ToolCall
 from arpo_trl.runtime.prefetch import MODES as SPECULATION_MODES
 from arpo_trl.runtime.prefetch import FillUpPrefetch, Shadow
@@ -77,7 +76,7 @@ def make_scheduler(name: str, traits: EngineTraits, speculation: str = "auto",
         if not traits.event_driven:
             raise ValueError("scheduler='events' needs an event-driven engine (one with `agenerate`, e.g. "
                              "VLLMServerEngine); this one only generates in batches: use scheduler='waves' or 'auto'.")
-        return EventScheduler(speculation, wait_for_first_decision=traits.late_paths_are_cheap,
+        return EventScheduler(speculation, wait_for_first_decision=traits.compute_bound,
                               max_tool_workers=max_tool_workers)
     raise ValueError(f"scheduler must be one of ('auto', 'events', 'waves'), got {name!r}.")
 

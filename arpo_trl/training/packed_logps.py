@@ -15,7 +15,6 @@ import time
 import torch
 
 from arpo_trl.training.compatibility import base_model, packing_blocker
-from arpo_trl.training.forward_cost import ForwardCost
 from arpo_trl.training.grouping import (
     ROW_INDEX,
     optimizer_step_window,
@@ -23,7 +22,7 @@ from arpo_trl.training.grouping import (
     regroup_blocker,
     without_row_index,
 )
-from arpo_trl.training.packing import PackedBatch, pack_rows
+from arpo_trl.training.packing import ForwardCost, PackedBatch, pack_rows
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +115,7 @@ class TreePackedTraining:
     def _packed_logps(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[list[int]],
                       prompt_lengths: list[int], width: int, batch_size: int, compute_entropy: bool):
         """TRL's chunks of `batch_size` rows (so the memory peak stays where TRL puts it), each packed, or forwarded
-        as TRL's rows where its packs would cost more (`forward_cost.py`)."""
+        as TRL's rows where its packs would cost more (`packing.ForwardCost`)."""
         logps, entropies, forwarded = [], [], 0
         config = self._packing_config(model)
         multiple = pack_length_multiple(config._attn_implementation, self.accelerator.device)
