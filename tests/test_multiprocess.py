@@ -39,7 +39,8 @@ def _run(model_dir, out: Path, *extra: str, backend: tuple[str, ...] = ("--multi
 
 def _launch(model_dir, out: Path, *extra: str, backend: tuple[str, ...] = ("--multi_gpu",)) -> list[dict]:
     result = _run(model_dir, out, *extra, backend=backend)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    errors = [line for line in result.stderr.splitlines() if "Error" in line and "[rank" in line]  # a rank's own
+    assert result.returncode == 0, "\n".join(errors[:20]) + result.stdout[-3000:] + result.stderr[-5000:]
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["world"] for r in reports] == [2, 2]
     assert reports[0]["params"] == reports[1]["params"], "DDP should keep both ranks' weights identical"

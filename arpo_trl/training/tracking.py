@@ -88,7 +88,8 @@ class RolloutLog:
             metrics["arpo/global_samples_per_group"] = statistics.fmean(stats.global_samples.values())
         if stats.fork_deltas:
             metrics["arpo/fork_delta_entropy_mean"] = statistics.fmean(stats.fork_deltas)
-        if isinstance(counters := engine.counters, GenerationCounters):  # in-process engines
+        # in-process engines (a rank whose rollouts the main process grows has none)
+        if engine is not None and isinstance(counters := engine.counters, GenerationCounters):
             metrics["arpo/prefill_tokens_per_group"] = (counters.prefill_tokens - self._prefilled) / groups
             self._prefilled = counters.prefill_tokens
             for phase, seconds in counters.seconds.items():  # the cached engine: admit, sample, decode
